@@ -1,0 +1,43 @@
+"""Typed configs shared by stages. Every config forbids unknown keys (CONVENTIONS 5)."""
+
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class StrictModel(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+def check_group_size(v: int) -> int:
+    if v != -1 and v <= 0:
+        raise ValueError("group_size must be a positive integer or -1 (per-channel)")
+    return v
+
+
+class LayerOverride(StrictModel):
+    """Per-layer override: `pattern` is a regex matched (re.search) against the module name."""
+
+    pattern: str
+    bits: Optional[int] = Field(None, ge=2, le=8)
+    group_size: Optional[int] = None
+    sym: Optional[bool] = None
+    skip: bool = False
+
+    _gs = field_validator("group_size")(lambda cls, v: v if v is None else check_group_size(v))
+
+
+class QuantizeConfig(StrictModel):
+    """Fields every weight-only quantizer shares."""
+
+    stage: Literal["quantize"] = "quantize"
+    method: str
+    bits: int = Field(4, ge=2, le=8, description="weight bits, 2..8")
+    group_size: int = Field(128, description="group length along the input dimension; -1 = per-channel")
+    sym: bool = Field(True, description="symmetric (full-range, auto-round style) or asymmetric with zero points")
+    lm_head: bool = Field(False, description="also quantize lm_head (RTN); embeddings are never quantized")
+    overrides: list[LayerOverride] = Field(default_factory=list, description="per-layer regex overrides")
+
+    _gs = field_validator("group_size")(lambda cls, v: check_group_size(v))

@@ -1,0 +1,1 @@
+"""Metrics, benchmarks and reports (imported as `compress.eval`)."""

@@ -1,0 +1,1 @@
+"""Packed-integer formats and kernels (imported as `compress.kernels`)."""
