@@ -1,2 +1,232 @@
+"""The `compress` command line: thin commands that parse, call `compress`, and print.
+
+Exit codes: 0 success, 1 bad input (recipe, path, option), 2 failure while running.
+A bad input never prints a traceback unless `--debug` is given.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import traceback
+from pathlib import Path
+from typing import List, Optional
+
+import click
 import typer
-app = typer.Typer()
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Offline compression toolkit for language models: `compress run recipe.yaml`.")
+bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks whose numbers go in the README.")
+app.add_typer(bench_app, name="bench")
+
+STATE = {"debug": False}
+REPO = Path(__file__).resolve().parent
+RECIPES = REPO / "recipes"
+
+
+@app.callback()
+def _main(debug: bool = typer.Option(False, "--debug", help="print tracebacks for every error")):
+    STATE["debug"] = debug
+
+
+def _setup_logging(quiet: bool) -> None:
+    """Logs go to stderr (warnings only with --quiet/--json); run.log still gets INFO."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setLevel(logging.WARNING if quiet else logging.INFO)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.INFO)
+    for noisy in ("transformers", "auto_round", "urllib3", "httpx", "filelock"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def _emit_json(obj) -> None:
+    sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
+
+
+@app.command()
+def run(
+    recipe: Path = typer.Argument(..., help="recipe YAML file"),
+    model: Optional[str] = typer.Option(None, "--model", help="model id or local path; replaces the recipe's"),
+    calibration: Optional[List[str]] = typer.Option(None, "--calibration", help="calibration text file (repeatable)"),
+    eval_data: Optional[List[str]] = typer.Option(None, "--eval-data", help="evaluation text file (repeatable)"),
+    output: Path = typer.Option(Path("out"), "--output", "-o", help="output directory"),
+    set_: Optional[List[str]] = typer.Option(None, "--set", help="override a recipe key: dotted.key=value"),
+    resume: bool = typer.Option(False, "--resume", help="continue an interrupted run in OUTPUT"),
+    force: bool = typer.Option(False, "--force", help="clear a non-empty OUTPUT and start over"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="validate and print the plan; compute nothing"),
+    seed: Optional[int] = typer.Option(None, "--seed", help="calibration seed; replaces the recipe's"),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bars, warnings only"),
+    as_json: bool = typer.Option(False, "--json", help="print the final report JSON on stdout (logs on stderr)"),
+):
+    """Run a recipe: calibrate, compress, evaluate, export.
+
+    Example: compress run recipes/quickstart.yaml --model ../shared/data/models/ref-llama-7m --output out/
+    """
+    from compress import pipeline
+    from compress.eval.report import summary_lines
+    from compress.recipe import load_recipe, validate_paths
+
+    _setup_logging(quiet or as_json)
+    loaded = load_recipe(recipe, overrides=set_ or [], model=model, calibration=calibration or None,
+                         eval_data=eval_data or None, seed=seed)
+    validate_paths(loaded.recipe)
+    if dry_run:
+        p = pipeline.plan(loaded)
+        _emit_json(p) if as_json else _print_plan(p)
+        return
+    report = pipeline.run(loaded, output, resume=resume, force=force, quiet=quiet or as_json)
+    if as_json:
+        _emit_json(report)
+    elif not quiet:
+        typer.echo("\n".join(summary_lines(report) + [f"output: {output}"]), err=False)
+
+
+def _print_plan(p: dict) -> None:
+    typer.echo(f"model: {p['model']} ({p['model_type']}, {p['blocks']} blocks, {p['parameters']:,} parameters)")
+    for s in p["stages"]:
+        typer.echo(f"  {s['key']}: {s['layers']} layers")
+    typer.echo(f"export: {', '.join(p['export']) or '-'}")
+    typer.echo(f"estimated peak memory: {p['estimated_peak_memory_mb']} MB")
+
+
+@app.command()
+def validate(recipes: List[Path] = typer.Argument(..., help="recipe YAML files")):
+    """Validate recipes without loading any model.
+
+    Example: compress validate recipes/*.yaml
+    """
+    from compress.errors import BadInput
+    from compress.recipe import load_recipe
+
+    bad = 0
+    for r in recipes:
+        try:
+            load_recipe(r)
+            typer.echo(f"ok  {r}")
+        except BadInput as e:
+            bad += 1
+            typer.echo(f"bad {r}: {e}", err=True)
+    if bad:
+        raise typer.Exit(1)
+
+
+@app.command("eval")
+def eval_(
+    model: str = typer.Argument(..., help="checkpoint directory (compressed or not) or model id"),
+    reference: Optional[str] = typer.Option(None, "--reference", help="full-precision model to compare against"),
+    data: Optional[List[str]] = typer.Option(None, "--data", help="evaluation text file (repeatable)"),
+    window: int = typer.Option(256, "--window", help="tokens per perplexity window"),
+    max_tokens: Optional[int] = typer.Option(None, "--max-tokens", help="cap on evaluated tokens per file"),
+    as_json: bool = typer.Option(False, "--json", help="print JSON on stdout"),
+):
+    """Perplexity and logit fidelity (KL, top-1 vs --reference) of any checkpoint.
+
+    Example: compress eval out/hf --reference ../shared/data/models/ref-llama-7m --data ../shared/data/text/wikitext-2-raw/wiki.test.raw
+    """
+    from compress.eval.cli import evaluate_checkpoint
+
+    _setup_logging(as_json)
+    res = evaluate_checkpoint(model, reference=reference, data=data or [], window=window, max_tokens=max_tokens)
+    if as_json:
+        _emit_json(res)
+    else:
+        for name, r in res.items():
+            typer.echo(f"{name}: " + ", ".join(f"{k} {v:.5g}" if isinstance(v, float) else f"{k} {v}"
+                                               for k, v in r.items()))
+
+
+@app.command()
+def inspect(directory: Path = typer.Argument(..., help="an `hf` export directory"),
+            as_json: bool = typer.Option(False, "--json", help="print JSON on stdout")):
+    """What a compressed checkpoint holds: per-layer bits and group size, effective bits, size.
+
+    Example: compress inspect out/hf
+    """
+    from compress.export.inspect import inspect_checkpoint
+
+    info = inspect_checkpoint(directory)
+    if as_json:
+        _emit_json(info)
+        return
+    for row in info["layers"]:
+        typer.echo(f"{row['name']:<48} {row['shape']:>12} bits {row['bits']:>2} group {row['group_size']:>4} "
+                   f"{'sym ' if row['sym'] else 'asym'} eff {row['effective_bits']:.3f}")
+    typer.echo(f"quantized layers: {info['quantized_layers']}, effective bits {info['effective_bits']}, "
+               f"size {info['bytes'] / 2**20:.3f} MiB")
+
+
+@app.command()
+def recipes():
+    """List the bundled recipes with a one-line description each.
+
+    Example: compress recipes
+    """
+    from compress.recipe import describe
+
+    for path in sorted(RECIPES.glob("*.yaml")):
+        typer.echo(f"{path.relative_to(REPO)}: {describe(path)}")
+
+
+@bench_app.command("quality")
+def bench_quality(
+    json_out: Optional[Path] = typer.Option(None, "--json", help="also write the rows as JSON here"),
+    md_out: Optional[Path] = typer.Option(None, "--markdown", help="also write the markdown table here"),
+    quick: bool = typer.Option(False, "--quick", help="tiny settings, for a smoke test"),
+    only: Optional[List[str]] = typer.Option(None, "--only", help="run only these models (repeatable)"),
+):
+    """FP, RTN, GPTQ and AutoRound at W4/W3/W2 on the real small models and MiniLM.
+
+    Example: compress bench quality --json bench-quality.json --markdown bench-quality.md
+    """
+    from compress.eval.bench_quality import run_quality
+
+    _setup_logging(False)
+    rows, md = run_quality(quick=quick, only=only or None)
+    typer.echo(md)
+    if json_out:
+        json_out.write_text(json.dumps(rows, indent=2) + "\n")
+    if md_out:
+        md_out.write_text(md)
+
+
+def main(argv=None) -> int:
+    """Console entry point with the documented exit codes."""
+    from compress.errors import CompressError
+
+    try:
+        app(args=argv, standalone_mode=False)
+        return 0
+    except click.exceptions.Exit as e:
+        return e.exit_code
+    except click.exceptions.Abort:
+        typer.echo("interrupted; rerun with --resume to continue", err=True)
+        return 130
+    except click.UsageError as e:
+        e.show()
+        return 1
+    except CompressError as e:
+        if STATE["debug"]:
+            traceback.print_exc()
+        typer.echo(f"error: {e}", err=True)
+        return e.exit_code
+    except KeyboardInterrupt:
+        typer.echo("interrupted; rerun with --resume to continue", err=True)
+        return 130
+    except Exception as e:  # a failure while running: exit 2, traceback with --debug
+        if STATE["debug"]:
+            traceback.print_exc()
+        else:
+            typer.echo(f"error: {type(e).__name__}: {e} (rerun with --debug for the traceback)", err=True)
+        return 2
+
+
+def entry() -> None:
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    entry()

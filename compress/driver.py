@@ -1,0 +1,175 @@
+"""The one block-by-block calibration driver (CONVENTIONS 7).
+
+    capture block-0 inputs -> for each block i:
+        collect the statistics the method declares (Hessians, FP targets),
+        call the method's pure per-block function -> {name: QuantizedWeight},
+        write the dequantized weights into the block, checkpoint block i,
+        propagate the compressed block's outputs as the inputs of block i+1
+
+Methods declare what they need (`BlockQuantizer.needs_hessian`, `.needs_fp_targets`); the driver
+never branches on a method's class. A block whose checkpoint exists (resume) is loaded instead of
+recomputed, and its outputs are recomputed by a forward pass, so a resumed run is bit-identical
+to an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+import torch
+from torch import nn
+
+from compress.qweight import QuantizedWeight
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    bits: int
+    group_size: int
+    sym: bool
+
+
+@dataclass
+class BlockData:
+    """Everything a per-block method may read. `inputs`/`kwargs`/`fp_targets` are per calibration batch."""
+
+    index: int
+    block: nn.Module
+    linears: dict[str, nn.Linear]
+    specs: dict[str, LayerSpec]
+    inputs: list[torch.Tensor]
+    kwargs: list[dict]
+    fp_targets: list[torch.Tensor] | None = None
+    fp_inputs: list[torch.Tensor] | None = None
+    hessians: dict[str, torch.Tensor] = field(default_factory=dict)
+    seed: int = 0
+
+
+class BlockQuantizer(Protocol):
+    needs_hessian: bool
+    needs_fp_targets: bool
+    needs_data: bool
+    batch_size: int
+
+    def quantize_block(self, data: BlockData) -> dict[str, QuantizedWeight]: ...
+
+
+class _Stop(Exception):
+    pass
+
+
+def capture_block0_inputs(model: nn.Module, block0: nn.Module, tokens: torch.Tensor, batch_size: int):
+    """Hidden states and keyword arguments that block 0 receives, one entry per batch of `tokens`."""
+    inputs, kwargs = [], []
+
+    def hook(_mod, args, kw):
+        hs = args[0] if args else kw.pop("hidden_states")
+        inputs.append(hs.detach())
+        kwargs.append({k: v for k, v in kw.items() if k not in ("past_key_values", "cache", "past_key_value")})
+        raise _Stop
+
+    h = block0.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            for b in tokens.split(batch_size):
+                try:
+                    model(input_ids=b, use_cache=False) if _accepts_use_cache(model) else model(input_ids=b)
+                except _Stop:
+                    pass
+    finally:
+        h.remove()
+    return inputs, kwargs
+
+
+def _accepts_use_cache(model) -> bool:
+    return getattr(model.config, "is_decoder", True) and getattr(model.config, "model_type", "") != "bert"
+
+
+def block_forward(block: nn.Module, x: torch.Tensor, kw: dict) -> torch.Tensor:
+    out = block(x, **kw)
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+@torch.no_grad()
+def propagate(block: nn.Module, inputs: list[torch.Tensor], kwargs: list[dict]) -> list[torch.Tensor]:
+    return [block_forward(block, x, kw) for x, kw in zip(inputs, kwargs)]
+
+
+@torch.no_grad()
+def collect_hessians(block, linears: dict[str, nn.Linear], inputs, kwargs) -> dict[str, torch.Tensor]:
+    """H = 2/n * sum x x^T over every calibration row reaching each linear (ALGORITHMS 0.5)."""
+    H = {n: torch.zeros(m.in_features, m.in_features, dtype=torch.float64) for n, m in linears.items()}
+    count = {n: 0 for n in linears}
+
+    def make_hook(name):
+        def hook(_m, args, _out):
+            x = args[0].reshape(-1, args[0].shape[-1]).double()
+            H[name] += 2 * x.T @ x
+            count[name] += x.shape[0]
+
+        return hook
+
+    handles = [m.register_forward_hook(make_hook(n)) for n, m in linears.items()]
+    try:
+        propagate(block, inputs, kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    return {n: (H[n] / max(count[n], 1)).float() for n in linears}
+
+
+def set_weight(linear: nn.Linear, qw: QuantizedWeight) -> None:
+    with torch.no_grad():
+        linear.weight.copy_(qw.dequantize(linear.weight.dtype))
+
+
+def run_blockwise(
+    *,
+    model: nn.Module,
+    blocks: nn.ModuleList,
+    block_linears: Callable[[int], dict[str, nn.Linear]],
+    specs: Callable[[str, nn.Linear], LayerSpec | None],
+    quantizer: BlockQuantizer,
+    tokens: torch.Tensor | None,
+    load_block: Callable[[int], dict[str, QuantizedWeight] | None],
+    save_block: Callable[[int, dict[str, QuantizedWeight]], None],
+    seed: int = 0,
+    progress: Callable | None = None,
+) -> dict[str, QuantizedWeight]:
+    """Quantize every block in order; returns all QuantizedWeights by module name."""
+    result: dict[str, QuantizedWeight] = {}
+    q_in = kw = fp_in = None
+    if quantizer.needs_data:
+        q_in, kw = capture_block0_inputs(model, blocks[0], tokens, quantizer.batch_size)
+        fp_in = list(q_in) if quantizer.needs_fp_targets else None
+    n = len(blocks)
+    for i in range(n):
+        block = blocks[i]
+        linears = {name: m for name, m in block_linears(i).items() if specs(name, m) is not None}
+        fp_out = propagate(block, fp_in, kw) if fp_in is not None else None
+        done = load_block(i)
+        if done is None:
+            data = BlockData(i, block, linears, {nm: specs(nm, m) for nm, m in linears.items()},
+                             q_in or [], kw or [], fp_out, fp_in, seed=seed * 1000 + i)
+            if quantizer.needs_hessian:
+                data.hessians = collect_hessians(block, linears, q_in, kw)
+            done = quantizer.quantize_block(data)
+            for name, qw in done.items():
+                set_weight(linears[name], qw)
+            save_block(i, done)
+        else:
+            for name, qw in done.items():
+                set_weight(linears[name], qw)
+        result.update(done)
+        if q_in is not None and i + 1 < n:
+            q_in = propagate(block, q_in, kw)
+        fp_in = fp_out
+        gc.collect()
+        if progress:
+            progress(i + 1, n)
+    return result

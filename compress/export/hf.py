@@ -1,0 +1,294 @@
+"""Hugging Face checkpoints: auto-round's native packed format, or a plain dequantized ("fake") one.
+
+`export_hf(model, qweights, tokenizer, out_dir, fmt="auto_round")` writes a directory that
+`transformers.AutoModelForCausalLM.from_pretrained(out_dir)` loads with only transformers and
+auto-round installed; `read_quantized(out_dir)` reads the QuantizedWeights back, bit-exact.
+
+What the loader expects (read from transformers 5.24 and auto-round 0.16.1)
+---------------------------------------------------------------------------
+* transformers sees `config.json["quantization_config"]["quant_method"] == "auto-round"` and hands
+  the model to auto-round (`transformers/quantizers/quantizer_auto_round.py` ->
+  `auto_round.inference.convert_model.convert_hf_model`). No backend name or device_map is needed
+  on CPU: backend "auto" picks `auto_round:torch_zp` (`auto_round_extension/torch/qlinear_torch_zp`)
+  for packing_format `auto_round:auto_gptq` and `auto_round:torch` (`qlinear_torch`) for
+  `auto_round`. Both dequantize in plain torch, `W = scales * (q - zeros)`, then matmul.
+* Which layers are quantized: every `nn.Linear` / `Conv1D` whose name starts with (plain
+  `str.startswith`) one of the comma-separated `block_name_to_quantize` prefixes gets the default
+  scheme (`bits`, `group_size`, `sym`, `data_type`), overridden per layer by `extra_config[name]`;
+  layers outside the blocks (e.g. `lm_head`) are quantized only if `extra_config` names them.
+  `{"bits": 16, "data_type": "fp"}` keeps a layer a plain `nn.Linear` (this is what auto-round's own
+  exporter writes for layers it cannot pack), so every non-packed linear inside a block is declared
+  that way here.
+* packing formats: `auto_round:auto_gptq` is GPTQ v1 (zero point stored minus one) and only has a
+  sym backend (`torch_zp`: `sym=[True]`); `auto_round` stores real zero points (v2) and serves sym
+  and asym (`torch`). So a checkpoint whose packed layers are all sym (zero points >= 1) uses `auto_round:auto_gptq`,
+  any asym layer switches the whole checkpoint to `auto_round` (the packing format is global).
+  (auto-round itself exports 4-bit asym as `auto_round:auto_awq`; the `auto_round` packing here is
+  equally native and keeps one layout for every bit-width.)
+* The torch backends accept a layer only if in_features % 32 == 0, out_features % 32 == 0 and
+  in_features % group_size == 0 (`exllamav2_feature_checker`; the QuantLinear buffers are sized
+  `in // 32 * bits` and its forward repeats scales `group_size` times), and bits in 2..8. Layers
+  failing that (`loadable`) are written dense in the model's dtype and declared bits 16; this is
+  stricter than `kernels.packing.packable`, which only needs whole int32 words.
+* The loader builds QuantLinear without `g_idx`, so `g_idx` is not written (it is always k // g);
+  per-layer tensors are `qweight`, `qzeros`, `scales` (fp16) and `bias` (model dtype).
+* After loading, auto-round casts the whole model to float16 on CPU because its torch backends
+  declare compute dtypes float16/bfloat16 only (`post_init`: "Forced model to torch.float16"),
+  even though the checkpoint keeps fp32 tensors. `PreTrainedModel.float()` refuses quantized
+  models; `torch.nn.Module.float(model)` restores fp32 compute (non-quantized tensors stay rounded
+  to fp16; the packed layers then decode exactly), which is how the tests compare logits.
+* If no layer ends up packed, no backend is used and the model stays in its own dtype.
+* Negative scales (auto-round full-range sym) need nothing special: the kernels multiply by them.
+
+Artifact self-description: config.json carries `"compress": {"format", "version", "meta"}`;
+`read_quantized` refuses versions it does not know; it also reads auto-round's own
+`auto_round:auto_gptq` / `auto_round` checkpoints, but not `auto_round:auto_awq` (auto-round's
+choice for 4-bit asym). Files are written into a temporary sibling directory and renamed into place.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import uuid
+from collections import Counter
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from compress.kernels.packing import gptq_pack, gptq_unpack, packable
+from compress.qweight import QuantizedWeight
+
+logger = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+FMTS = ("auto_round", "fake")
+SYM_PACKING, ASYM_PACKING = "auto_round:auto_gptq", "auto_round"
+V1_PACKINGS = (SYM_PACKING, "auto_round:gptq")
+DENSE = {"bits": 16, "data_type": "fp"}
+MAX_SHARD = "5GB"
+
+
+def _layer_types() -> tuple[type, ...]:
+    from transformers.pytorch_utils import Conv1D
+
+    return (nn.Linear, Conv1D)
+
+
+# -- public API ------------------------------------------------------------------------------
+
+def loadable(qw: QuantizedWeight) -> bool:
+    """Whether auto-round's CPU/torch backends can serve this layer packed (module docstring)."""
+    K, N = qw.in_features, qw.out_features
+    return packable(qw) and K % 32 == 0 and N % 32 == 0 and (qw.group_size == -1 or K % qw.group_size == 0)
+
+
+def export_hf(model, qweights: dict[str, QuantizedWeight], tokenizer, out_dir, *, fmt: str = "auto_round",
+              meta: dict | None = None) -> dict:
+    """Write `model` (whose quantized linears hold `qw.dequantize()`) to `out_dir`.
+
+    fmt "auto_round": packed auto-round checkpoint; "fake": `save_pretrained` of the dequantized model.
+    Returns {"files": [absolute paths], "bytes": total size}.
+    """
+    if fmt not in FMTS:
+        raise ValueError(f"unknown export format {fmt!r}; choose one of {FMTS}")
+    compress_info = {"format": fmt, "version": FORMAT_VERSION, "meta": meta or {}}
+    try:
+        json.dumps(compress_info)
+    except TypeError as e:
+        raise ValueError(f"export meta must be JSON-serializable: {e}") from e
+    _check_qweights(model, qweights)
+    out_dir = Path(out_dir)
+    with _staging_dir(out_dir) as tmp:
+        if fmt == "fake":
+            model.save_pretrained(tmp, max_shard_size=MAX_SHARD)
+            _patch_config(tmp, {"compress": compress_info})
+        else:
+            _write_auto_round(model, qweights, tmp, compress_info)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+    files = sorted(p for p in out_dir.rglob("*") if p.is_file())
+    return {"files": [str(p) for p in files], "bytes": sum(p.stat().st_size for p in files)}
+
+
+def read_quantized(out_dir) -> tuple[dict, dict[str, QuantizedWeight]]:
+    """(config.json as a dict, {layer name: QuantizedWeight}) of an auto-round checkpoint."""
+    out_dir = Path(out_dir)
+    config = json.loads((out_dir / "config.json").read_text())
+    info = config.get("compress")
+    if info is not None and info.get("version") != FORMAT_VERSION:
+        raise ValueError(f"{out_dir}: compress checkpoint version {info.get('version')} is not supported "
+                         f"(this reader knows version {FORMAT_VERSION})")
+    qc = config.get("quantization_config")
+    if qc is None:
+        return config, {}  # a "fake" (dequantized) checkpoint holds no QuantizedWeight
+    packing = qc.get("packing_format")
+    if qc.get("quant_method") != "auto-round" or packing not in (*V1_PACKINGS, ASYM_PACKING):
+        raise ValueError(f"{out_dir}: cannot read quant_method {qc.get('quant_method')!r} with packing_format "
+                         f"{packing!r}; supported: auto-round with {SYM_PACKING!r} or {ASYM_PACKING!r}")
+    tensors = _load_tensors(out_dir)
+    names = sorted(k[: -len(".qweight")] for k in tensors if k.endswith(".qweight"))
+    extra = qc.get("extra_config") or {}
+    qweights = {}
+    for name in names:
+        scheme = {**qc, **extra.get(name, {})}
+        if scheme.get("data_type", "int") != "int":
+            raise ValueError(f"{out_dir}: layer {name} has data_type {scheme['data_type']!r}; only int is supported")
+        t = {k: tensors[f"{name}.{k}"] for k in ("qweight", "qzeros", "scales", "g_idx") if f"{name}.{k}" in tensors}
+        qweights[name] = gptq_unpack(t, int(scheme["bits"]), int(scheme["group_size"]), bool(scheme["sym"]),
+                                     v1=packing in V1_PACKINGS)
+    return config, qweights
+
+
+# -- auto-round writer -----------------------------------------------------------------------
+
+def _write_auto_round(model, qweights: dict[str, QuantizedWeight], tmp: Path, compress_info: dict) -> None:
+    if not qweights:
+        raise ValueError("fmt='auto_round' needs at least one QuantizedWeight; use fmt='fake' for a plain model")
+    packed = {n: qw for n, qw in qweights.items() if loadable(qw)}
+    for name, qw in qweights.items():
+        if name not in packed:
+            logger.warning("%s: %dx%d at %d bits, group %d cannot be packed for auto-round's kernels "
+                           "(needs in/out multiples of 32 and group dividing in); written dense in %s",
+                           name, qw.out_features, qw.in_features, qw.bits, qw.group_size, _dtype_of(model, name))
+    qconfig = _quantization_config(model, packed, qweights)
+    v1 = qconfig["packing_format"] in V1_PACKINGS
+    state_dict = model.state_dict()
+    for name, qw in packed.items():
+        del state_dict[f"{name}.weight"]
+        t = gptq_pack(qw, v1)
+        for key in ("qweight", "qzeros", "scales"):
+            state_dict[f"{name}.{key}"] = t[key].cpu()
+    model.save_pretrained(tmp, state_dict=state_dict, max_shard_size=MAX_SHARD)
+    updates = {"quantization_config": qconfig, "compress": compress_info}
+    if _output_embedding_name(model) in packed and _ties_embeddings(model):
+        updates["tie_word_embeddings"] = False  # the packed lm_head no longer shares the embedding tensor
+    _patch_config(tmp, updates)
+
+
+def _quantization_config(model, packed: dict[str, QuantizedWeight], qweights: dict[str, QuantizedWeight]) -> dict:
+    """auto-round's `quantization_config`: a default scheme, block prefixes, per-layer `extra_config`."""
+    blocks = _blocks(model, packed) or _blocks(model, _supported_layers(model))  # never let the loader guess
+    pool = [qw for n, qw in packed.items() if _in_blocks(n, blocks)] or list(packed.values()) or list(qweights.values())
+    bits, group_size, sym = Counter(_scheme(qw) for qw in pool).most_common(1)[0][0]
+    extra = {}
+    for name, qw in packed.items():
+        if not _in_blocks(name, blocks) or _scheme(qw) != (bits, group_size, sym):
+            extra[name] = {"bits": qw.bits, "group_size": qw.group_size, "sym": qw.sym, "data_type": "int"}
+    for name in _supported_layers(model):
+        if _in_blocks(name, blocks) and name not in packed:
+            extra[name] = dict(DENSE)
+    v1_ok = all(qw.sym and bool((qw.zeros > 0).all()) for qw in packed.values())  # v1 cannot hold zero 0
+    qconfig = {
+        "quant_method": "auto-round",
+        "packing_format": SYM_PACKING if v1_ok else ASYM_PACKING,
+        "bits": bits, "group_size": group_size, "sym": sym, "data_type": "int",
+        "block_name_to_quantize": ",".join(blocks) if blocks else None,
+    }
+    if extra:
+        qconfig["extra_config"] = extra
+    return qconfig
+
+
+def _scheme(qw: QuantizedWeight) -> tuple[int, int, bool]:
+    return qw.bits, qw.group_size, qw.sym
+
+
+def _in_blocks(name: str, blocks: list[str]) -> bool:
+    return any(name.startswith(b) for b in blocks)  # the loader's own rule (check_start_with_block_name)
+
+
+def _supported_layers(model) -> list[str]:
+    """Names of the layers auto-round's loader may quantize (exact type match, as it does)."""
+    return [n for n, m in model.named_modules() if type(m) in _layer_types()]
+
+
+def _blocks(model, names) -> list[str]:
+    return sorted({b for b in (_block_of(model, n) for n in names) if b is not None})
+
+
+def _block_of(model, name: str) -> str | None:
+    """The outermost nn.ModuleList above `name` (e.g. "model.layers"), or None (e.g. lm_head)."""
+    parts = name.split(".")
+    for i in range(1, len(parts)):
+        prefix = ".".join(parts[:i])
+        if isinstance(model.get_submodule(prefix), nn.ModuleList):
+            return prefix
+    return None
+
+
+def _output_embedding_name(model) -> str | None:
+    out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return next((n for n, m in model.named_modules() if m is out), None) if out is not None else None
+
+
+def _ties_embeddings(model) -> bool:
+    out, inp = model.get_output_embeddings(), model.get_input_embeddings()
+    return out is not None and inp is not None and out.weight is inp.weight
+
+
+def _dtype_of(model, name: str) -> str:
+    return str(model.get_submodule(name).weight.dtype).removeprefix("torch.")
+
+
+def _check_qweights(model, qweights: dict[str, QuantizedWeight]) -> None:
+    for name, qw in qweights.items():
+        try:
+            module = model.get_submodule(name)
+        except AttributeError as e:
+            raise ValueError(f"quantized layer {name!r} is not a module of the model") from e
+        if type(module) is not nn.Linear:
+            raise ValueError(f"quantized layer {name!r} is a {type(module).__name__}; only nn.Linear is supported")
+        if tuple(module.weight.shape) != tuple(qw.codes.shape):
+            raise ValueError(f"{name}: weight {tuple(module.weight.shape)} does not match the QuantizedWeight "
+                             f"{tuple(qw.codes.shape)}")
+        w = module.weight.detach()
+        if not torch.allclose(w.float(), qw.dequantize(w.dtype).to(w.device).float(), rtol=1e-3, atol=1e-6):
+            logger.warning("%s: the model's weight is not qw.dequantize(); the exported layer will differ from "
+                           "the in-memory model", name)
+
+
+# -- files -----------------------------------------------------------------------------------
+
+def _patch_config(directory: Path, updates: dict) -> None:
+    path = directory / "config.json"
+    config = json.loads(path.read_text())
+    config.update(updates)
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def _load_tensors(directory: Path) -> dict[str, torch.Tensor]:
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{directory}: no .safetensors files")
+    tensors = {}
+    for f in files:
+        with safe_open(str(f), "pt") as h:
+            tensors.update({k: h.get_tensor(k) for k in h.keys()})
+    return tensors
+
+
+@contextmanager
+def _staging_dir(out_dir: Path):
+    """Yield an empty sibling directory; on success it replaces `out_dir` (a previous export or empty)."""
+    if out_dir.is_file() or (out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / "config.json").exists()):
+        raise FileExistsError(f"{out_dir} exists and is not a previous checkpoint; choose an empty directory")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tag = uuid.uuid4().hex[:8]
+    tmp = out_dir.with_name(f".{out_dir.name}.{tag}.tmp")
+    tmp.mkdir()
+    try:
+        yield tmp
+        old = out_dir.with_name(f".{out_dir.name}.{tag}.old")
+        if out_dir.exists():
+            os.replace(out_dir, old)
+        os.replace(tmp, out_dir)
+        shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

@@ -1,0 +1,27 @@
+"""`compress inspect`: what an exported checkpoint holds, read back from its own metadata."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from compress.errors import BadInput
+
+
+def inspect_checkpoint(directory: Path) -> dict:
+    from compress.export.hf import read_quantized
+
+    directory = Path(directory)
+    if not (directory / "config.json").exists():
+        raise BadInput(f"`{directory}` is not a checkpoint directory (no config.json)")
+    config, qweights = read_quantized(directory)
+    rows = [
+        {"name": n, "shape": f"{q.out_features}x{q.in_features}", "bits": q.bits, "group_size": q.group_size,
+         "sym": q.sym, "effective_bits": q.effective_bits()}
+        for n, q in sorted(qweights.items())
+    ]
+    numel = sum(q.codes.numel() for q in qweights.values())
+    bits = sum(q.storage_bits() for q in qweights.values())
+    size = sum(f.stat().st_size for f in directory.iterdir() if f.is_file())
+    return {"directory": str(directory), "quantization_config": config.get("quantization_config"),
+            "layers": rows, "quantized_layers": len(rows),
+            "effective_bits": round(bits / numel, 4) if numel else None, "bytes": size}

@@ -1,0 +1,37 @@
+"""Export formats, registered as ("export", name). Each reads only the model and its QuantizedWeights."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from compress.config import StrictModel
+from compress.registry import register
+
+
+class HFExportConfig(StrictModel):
+    format: Literal["hf"] = "hf"
+    directory: str = "hf"
+
+
+class FakeExportConfig(StrictModel):
+    format: Literal["fake"] = "fake"
+    directory: str = "hf-fake"
+
+
+def _export(ctx, cfg, fmt: str) -> dict:
+    from compress.export.hf import export_hf
+
+    out = ctx.workspace.path(cfg.directory)
+    meta = {"recipe_sha256": ctx.loaded.sha256, "model": ctx.loaded.recipe.model.path}
+    res = export_hf(ctx.model, ctx.qweights, ctx.tokenizer, out, fmt=fmt, meta=meta)
+    return {"path": str(out), **res}
+
+
+@register("export", "hf", HFExportConfig, "packed auto-round checkpoint loadable by transformers")
+def export_hf_stage(ctx, cfg: HFExportConfig) -> dict:
+    return _export(ctx, cfg, "auto_round")
+
+
+@register("export", "fake", FakeExportConfig, "dequantized floating-point checkpoint for FP-only tools")
+def export_fake_stage(ctx, cfg: FakeExportConfig) -> dict:
+    return _export(ctx, cfg, "fake")

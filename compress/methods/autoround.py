@@ -1,0 +1,143 @@
+"""AutoRound / SignRound (arXiv 2309.05516) with Intel auto-round's quantizers and optimizer.
+
+Per block (ALGORITHMS.md 0.4): every linear gets a rounding perturbation V (init 0) and, with
+minmax tuning, per-group range coefficients alpha, beta (init 1, clamped to [0, 1]). The block's
+output on the quantized-model inputs is fitted to the full-precision block's output on the
+full-precision inputs by MSE, with auto-round's `SignSGD` (p <- p - lr * sign(grad)), lr decayed
+linearly to 0 over `iters`, keeping the parameters of the best loss seen. Fake quantization is
+auto-round's own `int_sym` (full range, scales may be negative) / `int_asym`, so the rounding is
+auto-round's; the loop runs in our driver on our calibration data (auto-round's own default would
+download a dataset).
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+import torch
+import torch.nn.functional as F
+from auto_round.algorithms.quantization.sign_round.sign_sgd import SignSGD
+from auto_round.data_type.int import quant_tensor_asym, quant_tensor_sym
+from pydantic import Field
+
+from compress.config import QuantizeConfig
+from compress.driver import BlockData, LayerSpec, block_forward
+from compress.primitives import group_view, resolve_group
+from compress.qweight import QuantizedWeight
+from compress.registry import register
+
+
+class AutoRoundConfig(QuantizeConfig):
+    method: Literal["autoround"] = "autoround"
+    iters: int = Field(200, ge=0, description="sign-gradient steps per block (0 = RTN)")
+    lr: Optional[float] = Field(None, gt=0, description="learning rate; default 1/iters")
+    batch_size: int = Field(8, gt=0, description="calibration samples per step")
+    minmax_tuning: bool = Field(True, description="also tune the per-group range (alpha, beta)")
+    quanted_input: bool = Field(True, description="feed each block the quantized model's inputs")
+
+
+class _Tuned:
+    """Tunable parameters of one linear: V (d_out*n_groups, g), alpha and beta (d_out*n_groups,)."""
+
+    def __init__(self, W: torch.Tensor, spec: LayerSpec, minmax: bool):
+        self.W, self.spec = W.float(), spec
+        g = resolve_group(W.shape[1], spec.group_size)
+        rows = W.shape[0] * group_view(W, g).shape[1]
+        self.V = torch.zeros(rows, g, requires_grad=True)
+        self.alpha = torch.ones(rows, requires_grad=minmax)
+        self.beta = torch.ones(rows, requires_grad=minmax)
+        grouped = group_view(self.W, g).reshape(rows, g)
+        self.wmin, self.wmax = grouped.amin(1).clamp(max=0), grouped.amax(1).clamp(min=0)
+
+    def params(self):
+        return [self.V] + ([self.alpha, self.beta] if self.alpha.requires_grad else [])
+
+    def qdq(self, V=None, alpha=None, beta=None):
+        fn = quant_tensor_sym if self.spec.sym else quant_tensor_asym
+        with torch.no_grad():
+            self.alpha.clamp_(0, 1), self.beta.clamp_(0, 1)
+        return fn(self.W, bits=self.spec.bits, group_size=self.spec.group_size,
+                  v=self.V if V is None else V, min_scale=self.alpha if alpha is None else alpha,
+                  max_scale=self.beta if beta is None else beta, tensor_min=self.wmin, tensor_max=self.wmax)
+
+    def snapshot(self):
+        return tuple(t.detach().clone() for t in (self.V, self.alpha, self.beta))
+
+    def to_qweight(self, V, alpha, beta) -> QuantizedWeight:
+        """Codes exactly as auto-round rounds them: clamp(round(w/s + V) + z)."""
+        _, s, zp = self.qdq(V, alpha, beta)
+        b, d_out = self.spec.bits, self.W.shape[0]
+        g = V.shape[1]
+        Wg = group_view(self.W, g).reshape(-1, g)
+        s = s.reshape(-1, 1).float()
+        if self.spec.sym:
+            m = 2 ** (b - 1)
+            q = torch.clamp(torch.round(Wg / s + V), -m, m - 1) + m
+            z = torch.full_like(s, m)
+        else:
+            z = zp.reshape(-1, 1).float()
+            q = torch.clamp(torch.round(Wg / s + V) + z, 0, 2**b - 1)
+        codes = q.reshape(d_out, -1)[:, : self.W.shape[1]].to(torch.uint8)
+        return QuantizedWeight(codes=codes, scales=s.reshape(d_out, -1), zeros=z.reshape(d_out, -1).to(torch.uint8),
+                               bits=b, group_size=self.spec.group_size, sym=self.spec.sym)
+
+
+def signround_block(data: BlockData, cfg: AutoRoundConfig) -> dict[str, QuantizedWeight]:
+    """Tune one block; returns the best QuantizedWeight of each linear in `data.linears`."""
+    tuned = {n: _Tuned(lin.weight.data, data.specs[n], cfg.minmax_tuning) for n, lin in data.linears.items()}
+    inputs = data.inputs if cfg.quanted_input else data.fp_inputs
+    originals = {n: lin.forward for n, lin in data.linears.items()}
+    for n, lin in data.linears.items():
+        lin.forward = (lambda t, l: lambda x: F.linear(x, t.qdq()[0].to(x.dtype), l.bias))(tuned[n], lin)
+    best = {n: t.snapshot() for n, t in tuned.items()}
+    try:
+        if cfg.iters > 0:
+            best = _tune(data, tuned, inputs, cfg)
+    finally:
+        for n, lin in data.linears.items():
+            lin.forward = originals[n]
+    return {n: tuned[n].to_qweight(*best[n]) for n in tuned}
+
+
+def _tune(data: BlockData, tuned: dict, inputs, cfg: AutoRoundConfig):
+    lr = cfg.lr or 1.0 / cfg.iters
+    params = [p for t in tuned.values() for p in t.params()]
+    opt = SignSGD(params, lr=lr, weight_decay=0)
+    sched = torch.optim.lr_scheduler.LinearLR(opt, start_factor=1.0, end_factor=0.0, total_iters=cfg.iters)
+    g = torch.Generator().manual_seed(data.seed)
+    order = torch.randperm(len(inputs), generator=g).tolist()
+    best_loss, best = float("inf"), {n: t.snapshot() for n, t in tuned.items()}
+    for block_param in data.block.parameters():
+        block_param.requires_grad_(False)
+    for it in range(cfg.iters):
+        j = order[it % len(order)]
+        out = block_forward(data.block, inputs[j], data.kwargs[j])
+        loss = F.mse_loss(out.float(), data.fp_targets[j].float())
+        if loss.item() < best_loss:
+            best_loss, best = loss.item(), {n: t.snapshot() for n, t in tuned.items()}
+        opt.zero_grad()
+        (loss * 1000).backward()
+        opt.step()
+        sched.step()
+    return best
+
+
+class AutoRound:
+    needs_hessian = False
+    needs_fp_targets = True
+    needs_data = True
+
+    def __init__(self, cfg: AutoRoundConfig):
+        self.cfg = cfg
+        self.batch_size = cfg.batch_size
+
+    def quantize_block(self, data: BlockData) -> dict[str, QuantizedWeight]:
+        with torch.enable_grad():
+            return signround_block(data, self.cfg)
+
+
+@register("quantize", "autoround", AutoRoundConfig, "AutoRound sign-gradient rounding (Intel auto-round)")
+def apply(ctx, cfg: AutoRoundConfig):
+    from compress.quantize_stage import quantize_stage
+
+    return quantize_stage(ctx, cfg, AutoRound(cfg))

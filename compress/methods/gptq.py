@@ -1,0 +1,185 @@
+"""GPTQ (Frantar et al., arXiv 2210.17323): Hessian-aware rounding with error propagation.
+
+The heart is the pure function `gptq(W, H, ...)`, written in the paper's notation and following
+IST-DASLab `gptq.py` (ALGORITHMS.md 0.5). Codes use the same convention as RTN
+(`compress.primitives`, ALGORITHMS.md 0.2), so GPTQ with `H = I` is exactly RTN.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from pydantic import Field
+
+from compress.config import QuantizeConfig
+from compress.errors import RunFailure
+from compress.primitives import choose_qparams, quantize_codes, resolve_group
+from compress.qweight import QuantizedWeight
+from compress.registry import register
+
+CHOLESKY_TRIES = 4  # damp, then 10x, 100x, 1000x damp
+
+
+def gptq(
+    W: torch.Tensor,
+    H: torch.Tensor,
+    *,
+    bits: int,
+    group_size: int,
+    sym: bool,
+    damp: float = 0.01,
+    block_size: int = 128,
+    act_order: bool = False,
+) -> tuple[QuantizedWeight, float]:
+    """Quantize `W` (d_out, d_in) column by column, pushing each rounding error onto later columns.
+
+    `H` (d_in, d_in) is the input Hessian `2 X^T X / n` of the layer `y = x W^T`, accumulated by
+    the caller. Inputs are not modified. Dead inputs (`H[i,i] == 0`) get `H[i,i] = 1`, `W[:,i] = 0`;
+    then `damp * mean(diag H)` is added to the diagonal (10x more per retry if Cholesky fails).
+
+    Groups: qparams come from `choose_qparams` on the error-updated weights at each group's first
+    column (block boundaries are rounded to whole groups so those weights are current). With
+    `act_order` columns go by decreasing `diag(H)` and groups are static: all qparams computed up
+    front from `W` in original column order, so `g_idx = i // g` holds and no permutation is stored.
+
+    Returns `(QuantizedWeight, error)`, `error = sum_j ||W[:,j] - Q[:,j]||^2 / (2 Hinv[j,j]^2)` (the
+    paper's Losses; `Hinv` is the upper Cholesky factor of `H^-1`). Since `W - Q = E Hinv` with `E`
+    the scaled errors and `Hinv H Hinv^T = I`, this is exactly `tr((W - Q) H (W - Q)^T) / 2` for the
+    damped `H` (at the damping that succeeded) and `W` after dead-column zeroing, i.e. the output
+    error `||X W^T - X Q^T||_F^2 / n` plus the dampening term. Not normalised by d_out.
+    """
+    d_out, d_in = W.shape
+    if H.shape != (d_in, d_in):
+        raise RunFailure(f"GPTQ: Hessian shape {tuple(H.shape)} does not match weight {tuple(W.shape)}")
+    if not torch.isfinite(H).all():
+        raise RunFailure("GPTQ: the Hessian has NaN/inf entries; check the calibration activations")
+    W, H = _drop_dead_columns(W.detach().float().clone(), H.detach().float().clone())
+    groups = _Groups.create(W, bits, group_size, sym, static=act_order)
+    perm = torch.arange(d_in, device=W.device)
+    if act_order:
+        perm = torch.argsort(torch.diag(H), descending=True, stable=True)
+    W, Hinv = W[:, perm], _inverse_cholesky(H[perm][:, perm], damp)
+    codes = torch.zeros(d_out, d_in, dtype=torch.uint8, device=W.device)
+    B = groups.aligned_block(block_size)
+    error = torch.zeros((), device=W.device)
+    for i1 in range(0, d_in, B):
+        i2 = min(i1 + B, d_in)
+        Err1 = _quantize_block(W[:, i1:i2].clone(), Hinv[i1:i2, i1:i2], perm[i1:i2], groups, codes)
+        W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]  # lazy batch update of all later columns
+        error += Err1.square().sum() / 2
+    return groups.quantized_weight(codes), float(error)
+
+
+def _quantize_block(W1, Hinv1, cols, groups: _Groups, codes) -> torch.Tensor:
+    """Quantize block `W1` (d_out, B) in place, writing `codes[:, cols]`; `cols` are original columns.
+
+    Returns the scaled errors `Err1 = (W1 - Q1) / diag(Hinv1)` (d_out, B) for the lazy update.
+    """
+    Err1 = torch.zeros_like(W1)
+    for i, j in enumerate(cols.tolist()):
+        groups.refresh(j, W1[:, i:])
+        c, q = groups.quantize(W1[:, i], j)
+        codes[:, j] = c
+        Err1[:, i] = (W1[:, i] - q) / Hinv1[i, i]
+        W1[:, i:] -= Err1[:, i : i + 1] @ Hinv1[i : i + 1, i:]
+    return Err1
+
+
+@dataclass
+class _Groups:
+    """Per-group scales `S` and zero points `Z`, each (d_out, n_groups), in the RTN convention."""
+
+    S: torch.Tensor
+    Z: torch.Tensor
+    bits: int
+    group_size: int
+    sym: bool
+    g: int
+    static: bool
+
+    @classmethod
+    def create(cls, W, bits, group_size, sym, static) -> _Groups:
+        g = resolve_group(W.shape[1], group_size)
+        static = static or group_size == -1  # per-channel: the only group starts at column 0
+        S, Z = choose_qparams(W, bits, group_size, sym)  # final when static, else overwritten per group
+        return cls(S, Z, bits, group_size, sym, g, static)
+
+    def aligned_block(self, block_size: int) -> int:
+        """Dynamic groups must not straddle blocks: round the block to a whole number of groups."""
+        return block_size if self.static else max(1, block_size // self.g) * self.g
+
+    def refresh(self, j: int, W_rest: torch.Tensor) -> None:
+        """At a group's first column `j`, recompute its qparams from the current weights `W_rest[:, :g]`."""
+        if not self.static and j % self.g == 0:
+            k = j // self.g
+            self.S[:, k : k + 1], self.Z[:, k : k + 1] = choose_qparams(W_rest[:, : self.g], self.bits, -1, self.sym)
+
+    def quantize(self, w: torch.Tensor, j: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Codes (uint8) and dequantized values of column `w` (d_out,), original column `j`."""
+        s, z = self.S[:, j // self.g, None], self.Z[:, j // self.g, None]
+        c = quantize_codes(w[:, None], s, z, self.bits, -1)
+        return c[:, 0], (s * (c.float() - z))[:, 0]
+
+    def quantized_weight(self, codes: torch.Tensor) -> QuantizedWeight:
+        Z, g = self.Z.to(torch.uint8), self.group_size
+        return QuantizedWeight(codes=codes, scales=self.S, zeros=Z, bits=self.bits, group_size=g, sym=self.sym)
+
+
+def _drop_dead_columns(W: torch.Tensor, H: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs never seen in calibration (`H[i,i] == 0`): zero their weights, set `H[i,i] = 1`."""
+    dead = torch.diag(H) == 0
+    H[dead, dead] = 1
+    W[:, dead] = 0
+    return W, H
+
+
+def _inverse_cholesky(H: torch.Tensor, damp: float) -> torch.Tensor:
+    """`Hinv`: upper Cholesky factor of `(H + lam I)^-1`, `lam = damp * mean(diag H)`, 10x per retry."""
+    mean_diag = torch.diag(H).mean()
+    eye = torch.eye(H.shape[0], dtype=H.dtype, device=H.device)
+    for t in range(CHOLESKY_TRIES):
+        L, info = torch.linalg.cholesky_ex(H + damp * 10**t * mean_diag * eye)
+        if info == 0:
+            Hinv, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(L), upper=True)
+            if info == 0 and torch.isfinite(Hinv).all():
+                return Hinv
+    raise RunFailure(
+        f"GPTQ: Cholesky of the damped Hessian failed even at damp={damp * 10 ** (CHOLESKY_TRIES - 1):g} "
+        "(non-finite or degenerate calibration statistics?); check the calibration data or raise `damp`"
+    )
+
+
+class GPTQConfig(QuantizeConfig):
+    method: Literal["gptq"] = "gptq"
+    damp: float = Field(0.01, gt=0, description="dampening, fraction of mean(diag H)")
+    block_size: int = Field(128, gt=0, description="columns per lazy-update block")
+    act_order: bool = Field(False, description="quantize columns by decreasing diag(H) (static groups)")
+
+
+class GPTQ:
+    """Driver glue: Hessians of each block's linears from the quantized-model inputs, then `gptq`."""
+
+    needs_hessian = True
+    needs_fp_targets = False
+    needs_data = True
+    batch_size = 8
+
+    def __init__(self, cfg: GPTQConfig):
+        self.cfg = cfg
+
+    def quantize_block(self, data) -> dict[str, QuantizedWeight]:
+        c = self.cfg
+        return {
+            name: gptq(lin.weight.data, data.hessians[name], bits=s.bits, group_size=s.group_size, sym=s.sym,
+                       damp=c.damp, block_size=c.block_size, act_order=c.act_order)[0]
+            for name, lin in data.linears.items()
+            for s in [data.specs[name]]
+        }
+
+
+@register("quantize", "gptq", GPTQConfig, "GPTQ: Hessian-aware error propagation (our implementation)")
+def apply(ctx, cfg: GPTQConfig):
+    from compress.quantize_stage import quantize_stage
+
+    return quantize_stage(ctx, cfg, GPTQ(cfg))

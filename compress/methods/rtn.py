@@ -1,0 +1,36 @@
+"""Round-to-nearest weight quantization (no calibration data)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from compress.config import QuantizeConfig
+from compress.driver import BlockData
+from compress.primitives import rtn
+from compress.qweight import QuantizedWeight
+from compress.registry import register
+
+
+class RTNConfig(QuantizeConfig):
+    method: Literal["rtn"] = "rtn"
+
+
+class RTN:
+    needs_hessian = False
+    needs_fp_targets = False
+    needs_data = False
+    batch_size = 1
+
+    def quantize_block(self, data: BlockData) -> dict[str, QuantizedWeight]:
+        return {
+            name: rtn(lin.weight.data, s.bits, s.group_size, s.sym)
+            for name, lin in data.linears.items()
+            for s in [data.specs[name]]
+        }
+
+
+@register("quantize", "rtn", RTNConfig, "round-to-nearest, group-wise, no calibration")
+def apply(ctx, cfg: RTNConfig):
+    from compress.quantize_stage import quantize_stage
+
+    return quantize_stage(ctx, cfg, RTN())

@@ -1,0 +1,187 @@
+"""Model adapters: architecture plumbing as data (CONVENTIONS 6).
+
+An `ArchMap` names, per Hugging Face `model_type`, where the roles live: the block list, the
+embeddings, the final norm, the LM head, and inside a block the attention projections, the MLP,
+the norms, the router and experts. Methods ask the adapter for roles; they never match module
+names themselves. A new architecture is one entry in `ARCHS` plus a tiny-model test.
+
+Fused MoE experts (transformers 5 stores them as 3-D parameters) are rewritten once, at load, into
+`LinearExperts`: one `nn.Linear` triple per expert, numerically identical, so every linear-layer
+method (hooks, Hessians, AutoRound) sees ordinary linear layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from compress.errors import BadInput
+
+LLAMA_ROLES = {
+    "q": "self_attn.q_proj",
+    "k": "self_attn.k_proj",
+    "v": "self_attn.v_proj",
+    "o": "self_attn.o_proj",
+    "mlp_gate": "mlp.gate_proj",
+    "mlp_up": "mlp.up_proj",
+    "mlp_down": "mlp.down_proj",
+    "input_norm": "input_layernorm",
+    "post_attn_norm": "post_attention_layernorm",
+}
+
+
+@dataclass(frozen=True)
+class ArchMap:
+    kind: str  # "causal" | "encoder"
+    blocks: tuple[str, ...]  # candidate dotted paths of the block ModuleList
+    embeddings: tuple[str, ...]
+    final_norm: tuple[str, ...] = ()
+    lm_head: tuple[str, ...] = ()
+    roles: dict = field(default_factory=dict)  # role -> path relative to a block
+    experts: str | None = None  # path (relative to a block) of the experts container
+    router: str | None = None
+    not_quantized: tuple[str, ...] = ()  # roles never quantized (routers, scalar gates)
+
+
+_CAUSAL = dict(kind="causal", blocks=("model.layers",), embeddings=("model.embed_tokens",),
+               final_norm=("model.norm",), lm_head=("lm_head",))
+
+ARCHS: dict[str, ArchMap] = {
+    "llama": ArchMap(**_CAUSAL, roles=LLAMA_ROLES),
+    "mistral": ArchMap(**_CAUSAL, roles=LLAMA_ROLES),
+    "qwen2": ArchMap(**_CAUSAL, roles=LLAMA_ROLES),
+    "qwen3": ArchMap(**_CAUSAL, roles={**LLAMA_ROLES, "q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm"}),
+    "qwen2_moe": ArchMap(
+        **_CAUSAL,
+        roles={**{k: v for k, v in LLAMA_ROLES.items() if not k.startswith("mlp_")},
+               "shared_gate": "mlp.shared_expert.gate_proj", "shared_up": "mlp.shared_expert.up_proj",
+               "shared_down": "mlp.shared_expert.down_proj", "shared_expert_gate": "mlp.shared_expert_gate"},
+        experts="mlp.experts", router="mlp.gate", not_quantized=("shared_expert_gate",),
+    ),
+    "mixtral": ArchMap(**_CAUSAL, roles={k: v for k, v in LLAMA_ROLES.items() if not k.startswith("mlp_")},
+                       experts="mlp.experts", router="mlp.gate"),
+    "bert": ArchMap(
+        kind="encoder", blocks=("encoder.layer", "bert.encoder.layer"),
+        embeddings=("embeddings", "bert.embeddings"),
+        roles={"q": "attention.self.query", "k": "attention.self.key", "v": "attention.self.value",
+               "o": "attention.output.dense", "mlp_up": "intermediate.dense", "mlp_down": "output.dense",
+               "input_norm": "attention.output.LayerNorm", "post_attn_norm": "output.LayerNorm"},
+    ),
+}
+
+
+class LinearExperts(nn.ModuleList):
+    """Per-expert `nn.Linear` replacement for transformers' fused `*Experts` modules (same forward).
+
+    A ModuleList, so experts are named `...experts.{e}.gate_proj` like per-expert checkpoints.
+    """
+
+    def __init__(self, fused: nn.Module):
+        n_inter = fused.down_proj.shape[-1]
+        experts = []
+        for e in range(fused.num_experts):
+            mlp = nn.Module()
+            mlp.gate_proj = _linear(fused.gate_up_proj[e, :n_inter])
+            mlp.up_proj = _linear(fused.gate_up_proj[e, n_inter:])
+            mlp.down_proj = _linear(fused.down_proj[e])
+            experts.append(mlp)
+        super().__init__(experts)
+        object.__setattr__(self, "act_fn", fused.act_fn)  # not a child: keep the list pure experts
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden_states)
+        for e, mlp in enumerate(self):
+            token_idx, k_pos = torch.where(top_k_index == e)
+            if token_idx.numel() == 0:
+                continue
+            x = hidden_states[token_idx]
+            h = mlp.down_proj(self.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x))
+            out.index_add_(0, token_idx, (h * top_k_weights[token_idx, k_pos, None]).to(out.dtype))
+        return out
+
+
+def _linear(weight: torch.Tensor) -> nn.Linear:
+    lin = nn.Linear(weight.shape[1], weight.shape[0], bias=False, dtype=weight.dtype, device=weight.device)
+    lin.weight.data.copy_(weight.data)
+    return lin
+
+
+def get_module(root: nn.Module, path: str) -> nn.Module | None:
+    try:
+        return root.get_submodule(path)
+    except AttributeError:
+        return None
+
+
+def _first(model: nn.Module, paths: tuple[str, ...]) -> tuple[str, nn.Module] | tuple[None, None]:
+    for p in paths:
+        m = get_module(model, p)
+        if m is not None:
+            return p, m
+    return None, None
+
+
+class ModelAdapter:
+    """Roles of one loaded model. Block linears are addressed by full module names."""
+
+    def __init__(self, model: nn.Module):
+        model_type = getattr(model.config, "model_type", None)
+        if model_type not in ARCHS:
+            raise BadInput(
+                f"unsupported architecture `{model_type}`; supported: {', '.join(sorted(ARCHS))}"
+            )
+        self.model = model
+        self.model_type = model_type
+        self.arch = ARCHS[model_type]
+        self.blocks_path, self._blocks = _first(model, self.arch.blocks)
+        if self._blocks is None:
+            raise BadInput(f"`{model_type}` model has none of the block lists {self.arch.blocks}")
+        if self.arch.experts:
+            self._linearize_experts()
+
+    @property
+    def kind(self) -> str:
+        return self.arch.kind
+
+    @property
+    def blocks(self) -> nn.ModuleList:
+        return self._blocks
+
+    def block_name(self, i: int) -> str:
+        return f"{self.blocks_path}.{i}"
+
+    def embeddings(self) -> nn.Module:
+        return _first(self.model, self.arch.embeddings)[1]
+
+    def final_norm(self) -> nn.Module | None:
+        return _first(self.model, self.arch.final_norm)[1]
+
+    def lm_head(self) -> tuple[str | None, nn.Module | None]:
+        return _first(self.model, self.arch.lm_head)
+
+    def role(self, i: int, role: str) -> nn.Module | None:
+        path = self.arch.roles.get(role)
+        return get_module(self.blocks[i], path) if path else None
+
+    def experts(self, i: int) -> LinearExperts | None:
+        return get_module(self.blocks[i], self.arch.experts) if self.arch.experts else None
+
+    def block_linears(self, i: int) -> dict[str, nn.Linear]:
+        """Every quantizable nn.Linear of block i (routers and scalar gates excluded), full names."""
+        skip = {id(self.role(i, r)) for r in self.arch.not_quantized}
+        prefix = self.block_name(i)
+        return {
+            f"{prefix}.{n}": m
+            for n, m in self.blocks[i].named_modules()
+            if isinstance(m, nn.Linear) and id(m) not in skip
+        }
+
+    def _linearize_experts(self) -> None:
+        for blk in self.blocks:
+            parent_path, _, leaf = self.arch.experts.rpartition(".")
+            parent = get_module(blk, parent_path) if parent_path else blk
+            fused = getattr(parent, leaf, None) if parent is not None else None
+            if fused is not None and hasattr(fused, "gate_up_proj"):
+                setattr(parent, leaf, LinearExperts(fused))

@@ -1,0 +1,269 @@
+"""`compress run`: recipe -> workspace -> load -> stages -> evaluate -> export -> reports.
+
+Stages are keyed `NN-stage-method`; a stage's inputs hash covers the model, the calibration spec
+and every stage config up to and including it, so `--resume` skips finished stages with the same
+inputs (their per-block checkpoints are re-applied) and continues an unfinished block-wise stage
+from its last finished block.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from compress import registry
+from compress.calibration import calibration_tokens
+from compress.errors import BadInput
+from compress.models.adapters import ModelAdapter
+from compress.models.loading import load_config, load_model, max_positions
+from compress.qweight import QuantizedWeight
+from compress.workspace import Workspace, peak_rss_mb
+
+log = logging.getLogger("compress")
+
+
+def _bar(quiet: bool):
+    from tqdm.auto import tqdm
+
+    def make(**kw):
+        return tqdm(disable=quiet, file=sys.stderr, dynamic_ncols=True, **kw)
+
+    return make
+
+
+@dataclass
+class StageContext:
+    """What a stage's `apply(ctx, cfg)` may use."""
+
+    loaded: object  # LoadedRecipe
+    model: torch.nn.Module
+    tokenizer: object
+    adapter: ModelAdapter
+    workspace: Workspace
+    seed: int
+    progress: Callable
+    quiet: bool = False
+    key: str = ""
+    qweights: dict[str, QuantizedWeight] = field(default_factory=dict)
+    _tokens: torch.Tensor | None = None
+
+    def calibration_tokens(self) -> torch.Tensor:
+        if self._tokens is None:
+            c = self.loaded.recipe.calibration
+            self._tokens = calibration_tokens(
+                self.tokenizer, list(c.sources), nsamples=c.nsamples, seqlen=c.seqlen, seed=c.seed,
+                field=c.text_field, bos_id=bos_id(self.tokenizer, self.adapter),
+            )
+        return self._tokens
+
+
+def bos_id(tokenizer, adapter) -> int | None:
+    if adapter.kind == "encoder":
+        return getattr(tokenizer, "cls_token_id", None)
+    return getattr(tokenizer, "bos_token_id", None)
+
+
+def _hash(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def stage_key(i: int, cfg) -> str:
+    return f"{i:02d}-{cfg.stage}-{cfg.method}"
+
+
+def versions() -> dict:
+    import auto_round
+    import transformers
+
+    import compress
+
+    return {"compress": compress.__version__, "torch": torch.__version__, "transformers": transformers.__version__,
+            "auto_round": getattr(auto_round, "__version__", "?"), "python": sys.version.split()[0]}
+
+
+# -- planning (no model weights are read) ---------------------------------------------------------
+def plan(loaded) -> dict:
+    """Stages, layers touched and an estimate of peak memory, from the config alone."""
+    r = loaded.recipe
+    config = load_config(r.model.path, r.model.gguf_file)
+    limit = max_positions(config)
+    if limit and r.calibration.seqlen > limit:
+        raise BadInput(
+            f"calibration.seqlen {r.calibration.seqlen} exceeds the model's maximum of {limit} positions"
+        )
+    from accelerate import init_empty_weights
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    from compress.models.adapters import ARCHS
+    from compress.quantize_stage import planned_layers
+
+    cls = AutoModelForCausalLM if ARCHS[config.model_type].kind == "causal" else AutoModel
+    with init_empty_weights():
+        skeleton = cls.from_config(config)
+    adapter = ModelAdapter(skeleton)
+    n_params = sum(p.numel() for p in skeleton.parameters())
+    bytes_per = torch.finfo(getattr(torch, r.model.dtype)).bits // 8
+    act = r.calibration.nsamples * r.calibration.seqlen * config.hidden_size * 4
+    stages = []
+    for i, cfg in enumerate(r.stage_configs):
+        layers = planned_layers(adapter, cfg) if cfg.stage == "quantize" else {}
+        stages.append({"key": stage_key(i, cfg), "stage": cfg.stage, "method": cfg.method,
+                       "layers": len(layers), "config": cfg.model_dump()})
+    est = 2 * n_params * bytes_per + 3 * act  # model + FP reference for eval, three activation streams
+    return {"model": r.model.path, "model_type": config.model_type, "blocks": len(adapter.blocks),
+            "parameters": n_params, "stages": stages, "export": export_names(r),
+            "estimated_peak_memory_mb": round(est / 2**20, 1)}
+
+
+def export_names(recipe) -> list[str]:
+    return [f if isinstance(f, str) else f.format for f in recipe.export.formats]
+
+
+# -- running ----------------------------------------------------------------------------------------
+def run(loaded, output: Path, *, resume=False, force=False, quiet=False) -> dict:
+    r = loaded.recipe
+    plan(loaded)  # validates shapes and limits before anything heavy
+    ws = Workspace(output, resume=resume, force=force)
+    _attach_log(ws)
+    ws.manifest.update(recipe=loaded.resolved, recipe_sha256=loaded.sha256, versions=versions())
+    ws.save_manifest()
+    progress = _bar(quiet)
+    timings: list[dict] = []
+    t0 = time.time()
+    with _timed(timings, "load", "-"):
+        model, tok = load_model(r.model.path, r.model.dtype, r.model.gguf_file)
+        adapter = ModelAdapter(model)
+    ctx = StageContext(loaded, model, tok, adapter, ws, r.calibration.seed, progress, quiet)
+    prefix: list = [loaded.resolved.get("model"), loaded.resolved.get("calibration")]
+    for i, cfg in enumerate(r.stage_configs):
+        ctx.key = stage_key(i, cfg)
+        prefix.append(cfg.model_dump())
+        inputs_hash = _hash(prefix)
+        entry = registry.get(cfg.stage, cfg.method)
+        resumed = ws.stage_done(ctx.key, inputs_hash)
+        if not resumed:
+            ws.stage_begin(ctx.key, cfg.stage, cfg.method, inputs_hash)
+        start = time.time()
+        log.info("stage %s%s", ctx.key, " (finished earlier: re-applying checkpoints)" if resumed else "")
+        metrics = entry.apply(ctx, cfg)
+        secs = time.time() - start
+        if not resumed:
+            ws.stage_end(ctx.key, secs, metrics)
+        st = ws.manifest["stages"][ctx.key]
+        timings.append({"name": cfg.stage, "method": cfg.method, "seconds": st["seconds"],
+                        "peak_rss_mb": st["peak_rss_mb"], "resumed": resumed})
+    report = {"model": r.model.path, "recipe_sha256": loaded.sha256, "stages": timings}
+    if r.eval.enabled and r.eval.data:
+        with _timed(timings, "eval", adapter.kind):
+            report["eval"] = evaluate(ctx, r)
+    exports = {}
+    for fmt in export_names(r):
+        with _timed(timings, "export", fmt):
+            exports[fmt] = registry.get("export", fmt).apply(ctx, fmt_config(r, fmt))
+    report["size"] = size_report(ctx, exports)
+    report["exports"] = {k: v.get("path") for k, v in exports.items()}
+    report["seconds"] = round(time.time() - t0, 2)
+    report["peak_rss_mb"] = round(peak_rss_mb(), 1)
+    ws.manifest["report"] = "report.json"
+    ws.save_manifest()
+    ws.write_json("report.json", report)
+    from compress.eval.report import render_markdown
+
+    ws.write_text("report.md", render_markdown(report))
+    return report
+
+
+def fmt_config(recipe, name):
+    for f in recipe.export.formats:
+        if (f if isinstance(f, str) else f.format) == name:
+            return registry.get("export", name).config() if isinstance(f, str) else f
+    raise KeyError(name)
+
+
+class _timed:
+    def __init__(self, timings: list, name: str, method: str):
+        self.timings, self.name, self.method = timings, name, method
+
+    def __enter__(self):
+        self.t = time.time()
+
+    def __exit__(self, *exc):
+        if exc[0] is None:
+            self.timings.append({"name": self.name, "method": self.method, "seconds": round(time.time() - self.t, 3),
+                                 "peak_rss_mb": round(peak_rss_mb(), 1)})
+
+
+def _attach_log(ws: Workspace) -> None:
+    handler = logging.FileHandler(ws.path("run.log"))
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.setLevel(logging.INFO)
+    root = logging.getLogger()
+    root.handlers = [h for h in root.handlers if not isinstance(h, logging.FileHandler)] + [handler]
+    root.setLevel(logging.INFO)
+
+
+def evaluate(ctx: StageContext, r) -> dict:
+    """FP reference (reloaded from the checkpoint) vs the compressed in-memory model, same tokens."""
+    fp_model, _ = load_model(r.model.path, r.model.dtype, r.model.gguf_file)
+    ModelAdapter(fp_model)  # same module structure as the compressed model
+    out = evaluate_encoder(ctx, r, fp_model) if ctx.adapter.kind == "encoder" else evaluate_causal(ctx, r, fp_model)
+    del fp_model
+    return out
+
+
+def evaluate_encoder(ctx: StageContext, r, fp_model) -> dict:
+    """Embedding cosine fidelity on each labeled TSV, and probe accuracy when `eval.probe_train` is set."""
+    from compress.eval.data import read_labeled_tsv
+    from compress.eval.encoder import compare_encoder, cosine_fidelity, embed
+
+    train = read_labeled_tsv(r.eval.probe_train) if r.eval.probe_train else None
+    out = {}
+    for path in r.eval.data:
+        test = read_labeled_tsv(path)
+        if train:
+            res = compare_encoder(fp_model, ctx.model, ctx.tokenizer, probe_train=train, probe_test=test)
+        else:
+            res = {"cosine": cosine_fidelity(embed(fp_model, ctx.tokenizer, test[0]),
+                                             embed(ctx.model, ctx.tokenizer, test[0]))}
+        out[Path(path).name] = {k: round(v, 6) for k, v in res.items()}
+    return out
+
+
+def evaluate_causal(ctx: StageContext, r, fp_model) -> dict:
+    from compress.eval.data import read_text, text_slice, token_stream
+    from compress.eval.metrics import compare_lm
+
+    out = {}
+    for path in r.eval.data:
+        text = read_text(path)
+        if r.eval.text_slice:
+            text = text_slice(text, *r.eval.text_slice)
+        ids = token_stream(ctx.tokenizer, text)
+        res = compare_lm(fp_model, ctx.model, ids, window=r.eval.window, bos_id=bos_id(ctx.tokenizer, ctx.adapter),
+                         max_tokens=r.eval.max_tokens, progress=not ctx.quiet)
+        out[Path(path).name] = {k: (round(v, 6) if isinstance(v, float) else v) for k, v in res.items()}
+    return out
+
+
+def size_report(ctx: StageContext, exports: dict) -> dict:
+    model = ctx.model
+    fp_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    qnumel = sum(q.codes.numel() for q in ctx.qweights.values())
+    qbits = sum(q.storage_bits() for q in ctx.qweights.values())
+    names = set(ctx.qweights)
+    other = sum(m.weight.numel() * m.weight.element_size() for n, m in model.named_modules()
+                if n in names)  # the FP bytes those layers replace
+    packed = fp_bytes - other + math.ceil(qbits / 8)
+    on_disk = next((v["bytes"] for v in exports.values() if v.get("bytes")), None)
+    return {"fp_bytes": fp_bytes, "bytes": on_disk if on_disk is not None else packed, "packed_bytes": packed,
+            "effective_bits": round(qbits / qnumel, 4) if qnumel else None,
+            "quantized_params": qnumel, "quantized_layers": len(ctx.qweights)}

@@ -1,0 +1,48 @@
+"""`compress eval`: perplexity and logit fidelity of any checkpoint against an optional reference."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from compress.errors import BadInput
+
+
+def _load(path: str):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from compress.models.loading import resolve_source
+
+    src, gguf = resolve_source(path)
+    kw = {"gguf_file": gguf} if gguf else {}
+    try:
+        model = AutoModelForCausalLM.from_pretrained(src, dtype="auto", **kw).float().eval()
+    except (OSError, ValueError) as e:
+        raise BadInput(f"cannot load `{path}`: {e}") from e
+    try:
+        tok = AutoTokenizer.from_pretrained(src, **kw)
+    except (OSError, ValueError):
+        tok = None
+    return model, tok
+
+
+def evaluate_checkpoint(model_path: str, *, reference: str | None, data: list[str], window: int = 256,
+                        max_tokens: int | None = None) -> dict:
+    from compress.eval.data import read_text, token_stream
+    from compress.eval.metrics import compare_lm, perplexity
+
+    if not data:
+        raise BadInput("give at least one --data FILE to evaluate on")
+    model, tok = _load(model_path)
+    ref = _load(reference) if reference else None
+    tok = tok or (ref[1] if ref else None)
+    if tok is None:
+        raise BadInput(f"no tokenizer found in `{model_path}`" + (f" or `{reference}`" if reference else ""))
+    out = {}
+    for path in data:
+        ids = token_stream(tok, read_text(path))
+        bos = getattr(tok, "bos_token_id", None)
+        if ref:
+            out[Path(path).name] = compare_lm(ref[0], model, ids, window=window, bos_id=bos, max_tokens=max_tokens)
+        else:
+            out[Path(path).name] = {"ppl": perplexity(model, ids, window=window, bos_id=bos, max_tokens=max_tokens)}
+    return out

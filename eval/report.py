@@ -1,0 +1,52 @@
+"""report.json -> report.md (the same content as tables)."""
+
+from __future__ import annotations
+
+
+def _table(rows: list[dict], cols: list[str]) -> str:
+    if not rows:
+        return "_none_\n"
+    head = "| " + " | ".join(cols) + " |\n|" + "---|" * len(cols) + "\n"
+    return head + "".join("| " + " | ".join(_fmt(r.get(c)) for c in cols) + " |\n" for r in rows)
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return "" if v is None else str(v)
+
+
+def render_markdown(report: dict) -> str:
+    out = [f"# compress report\n\nmodel: `{report.get('model')}`  \nrecipe sha256: `{report.get('recipe_sha256')}`\n"]
+    out.append("\n## Stages\n\n" + _table(report.get("stages", []), ["name", "method", "seconds", "peak_rss_mb"]))
+    ev = report.get("eval") or {}
+    if ev:
+        rows = [{"dataset": k, **v} for k, v in ev.items()]
+        cols = [c for c in ("dataset", "fp_ppl", "ppl", "ppl_ratio", "kl", "top1", "tokens",
+                            "cosine", "fp_probe_acc", "probe_acc") if any(c in r for r in rows)]
+        out.append("\n## Evaluation (full precision vs compressed, same tokens)\n\n" + _table(rows, cols))
+    size = report.get("size") or {}
+    if size:
+        out.append("\n## Size\n\n" + _table([size], list(size)))
+    if report.get("exports"):
+        out.append("\n## Exports\n\n" + _table([{"format": k, "path": v} for k, v in report["exports"].items()],
+                                               ["format", "path"]))
+    return "".join(out)
+
+
+def summary_lines(report: dict) -> list[str]:
+    """A few lines for the terminal after a run."""
+    lines = []
+    for name, e in (report.get("eval") or {}).items():
+        if "ppl" in e:
+            lines.append(f"{name}: perplexity {e['fp_ppl']:.3f} (FP) -> {e['ppl']:.3f} (x{e['ppl_ratio']:.4f}), "
+                         f"KL {e['kl']:.4g}, top-1 {e['top1']:.4f}")
+        elif "cosine" in e:
+            lines.append(f"{name}: cosine {e['cosine']:.4f}, probe {e.get('fp_probe_acc')} -> {e.get('probe_acc')}")
+    s = report.get("size") or {}
+    if s:
+        eb = s.get("effective_bits")
+        lines.append(f"size: {s['fp_bytes'] / 2**20:.2f} MiB (FP) -> {s['bytes'] / 2**20:.2f} MiB; effective bits "
+                     f"{eb if eb is not None else '-'} over {s.get('quantized_layers', 0)} layers")
+    lines.append(f"time: {report.get('seconds')} s, peak RSS {report.get('peak_rss_mb')} MB")
+    return lines

@@ -1,0 +1,148 @@
+"""Reference bit packing: the LSB-first int32 bitstream and the GPTQ / auto-round tensor layout.
+
+Pure torch, CPU-friendly and bit-exact; every faster backend is tested against these functions.
+
+Bitstream (`pack` / `unpack`)
+-----------------------------
+Values are laid one after another into a stream of bits, least significant bit first, along the
+last axis; the stream is cut into int32 words (stored two's complement, bit 31 is the sign bit).
+Value `j` occupies stream bits `[j*b, (j+1)*b)`, i.e. word `(j*b) // 32` from bit `(j*b) % 32`::
+
+    b = 4 (also 2 and 8: 32/b values per word, none straddles a word)
+        word 0: bit 31 ........................................ bit 0
+                | v7 | v6 | v5 | v4 | v3 | v2 | v1 | v0 |
+        word 1: | v15| v14| v13| v12| v11| v10| v9 | v8 |
+
+    b = 3 (32 values fill exactly 3 words; v10 and v21 straddle a word boundary)
+        word 0: | v10[1:0] | v9 | v8 | ... | v1 | v0 |           v0 at bits 0-2, v10 low 2 bits at 30-31
+        word 1: | v21[0] | v20 | ... | v12 | v11 | v10[2] |       v10 high bit at bit 0, v11 at bits 1-3
+        word 2: | v31 | v30 | ... | v23 | v22 | v21[2:1] |       v21 high 2 bits at bits 0-1, v22 at 2-4
+
+This is AutoGPTQ's / auto-round's layout for 2, 3, 4 and 8 bits (auto-round's hand-written 3-bit
+routine `qlinear_torch.pack_3bits` and its generic `auto_round.utils.bit_packing.pack_bitstream`
+produce the same words; `tests/test_packing.py` checks both). `n * b` must be a multiple of 32.
+
+GPTQ layout (`gptq_pack` / `gptq_unpack`), for `nn.Linear(in=K, out=N)`
+------------------------------------------------------------------------
+    qweight int32 (K*b/32, N)          codes packed along K: column n is the bitstream of codes[n, :]
+    qzeros  int32 (n_groups, N*b/32)   zero points packed along N: row g is the bitstream of zeros[:, g]
+                                        v1 (AutoGPTQ, auto-round `auto_round:auto_gptq`): stores
+                                        (zero - 1) & (2^b - 1); v2 (`auto_round`, GPTQModel): real zero
+    scales  fp16  (n_groups, N)         may be negative (auto-round full-range sym)
+    g_idx   int32 (K,)                  k // group (no act-order permutation)
+
+    W[n, k] = scales[g_idx[k], n] * (code(k, n) - zero(g_idx[k], n))
+
+v1 cannot represent a zero point of 0: it is stored as 2^b - 1 and GPTQ kernels read back 2^b
+(`gptq_unpack` here wraps it back to 0, so the round trip is exact, but a kernel would be off by one
+level). Symmetric weights always have zero 2^(b-1), so v1 is only used for them by the exporter.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from compress.qweight import QuantizedWeight
+
+SUPPORTED_BITS = (2, 3, 4, 5, 6, 7, 8)
+_U32 = 0xFFFFFFFF
+
+
+def _check_bits(bits: int) -> None:
+    if bits not in SUPPORTED_BITS:
+        raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {bits}")
+
+
+def _block(bits: int) -> tuple[int, int]:
+    """(values, words) of the smallest whole-word block: 32/gcd(b,32) values fill b/gcd(b,32) words."""
+    g = math.gcd(bits, 32)
+    return 32 // g, bits // g
+
+
+def _positions(bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Word index and bit offset of each value inside one block."""
+    pos = torch.arange(_block(bits)[0], dtype=torch.int64) * bits
+    return pos // 32, pos % 32
+
+
+def pack(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack unsigned integers `(..., n)` in `[0, 2^bits)` into int32 words `(..., n*bits/32)`, LSB first."""
+    _check_bits(bits)
+    n = values.shape[-1]
+    if (n * bits) % 32:
+        raise ValueError(f"cannot pack {n} values of {bits} bits into whole int32 words: n*bits must be a multiple "
+                         f"of 32 (n a multiple of {_block(bits)[0]}); pad the axis or keep it unpacked")
+    if values.is_floating_point() or values.is_complex():
+        raise ValueError(f"pack expects an integer tensor, got {values.dtype}")
+    per, words = _block(bits)
+    v = values.to(torch.int64).reshape(*values.shape[:-1], n // per, per)
+    if v.numel() and (v.min() < 0 or v.max() >= 2**bits):
+        raise ValueError(f"values must lie in [0, {2**bits - 1}] for {bits} bits")
+    word, off = (t.to(v.device) for t in _positions(bits))
+    out = torch.zeros(*v.shape[:-1], words, dtype=torch.int64, device=v.device)
+    out.index_add_(-1, word, (v << off) & _U32)  # bit ranges are disjoint, so add == or
+    spill = off + bits > 32
+    if spill.any():
+        out.index_add_(-1, word[spill] + 1, v[..., spill] >> (32 - off[spill]))
+    out = torch.where(out >= 2**31, out - 2**32, out).to(torch.int32)
+    return out.reshape(*values.shape[:-1], n * bits // 32)
+
+
+def unpack(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    """Inverse of `pack`: int32 words `(..., n*bits/32)` -> uint8 values `(..., n)`."""
+    _check_bits(bits)
+    if packed.dtype != torch.int32:
+        raise ValueError(f"unpack expects int32 words, got {packed.dtype}")
+    if n * bits != packed.shape[-1] * 32:
+        raise ValueError(f"{packed.shape[-1]} int32 words do not hold exactly {n} values of {bits} bits")
+    per, words = _block(bits)
+    w = packed.to(torch.int64).reshape(*packed.shape[:-1], n // per, words) & _U32
+    word, off = (t.to(w.device) for t in _positions(bits))
+    v = w[..., word] >> off
+    spill = off + bits > 32
+    if spill.any():
+        v[..., spill] |= w[..., word[spill] + 1] << (32 - off[spill])
+    return (v & (2**bits - 1)).to(torch.uint8).reshape(*packed.shape[:-1], n)
+
+
+def packable(qw: QuantizedWeight) -> bool:
+    """Whether the GPTQ layout can hold `qw`: K*b (qweight) and N*b (qzeros) are multiples of 32."""
+    return (qw.in_features * qw.bits) % 32 == 0 and (qw.out_features * qw.bits) % 32 == 0
+
+
+def gptq_pack(qw: QuantizedWeight, v1: bool) -> dict[str, torch.Tensor]:
+    """QuantizedWeight -> {"qweight", "qzeros", "scales", "g_idx"} in the GPTQ layout (module docstring)."""
+    if not packable(qw):
+        raise ValueError(f"a {qw.out_features}x{qw.in_features} weight at {qw.bits} bits does not fit the GPTQ "
+                         "layout: in_features*bits and out_features*bits must be multiples of 32")
+    scales = qw.scales.to(torch.float32)
+    if not torch.equal(scales.half().float(), scales):
+        raise ValueError("scales are not fp16-representable; round them with .half() when quantizing")
+    mask = 2**qw.bits - 1
+    zeros = qw.zeros.to(torch.int64).T
+    if v1:
+        zeros = (zeros - 1) & mask
+    return {
+        "qweight": pack(qw.codes, qw.bits).T.contiguous(),
+        "qzeros": pack(zeros, qw.bits).contiguous(),
+        "scales": scales.T.half().contiguous(),
+        "g_idx": qw.group_index().to(device=qw.codes.device, dtype=torch.int32),
+    }
+
+
+def gptq_unpack(tensors: dict[str, torch.Tensor], bits: int, group_size: int, sym: bool, v1: bool) -> QuantizedWeight:
+    """Exact inverse of `gptq_pack`. `g_idx` is optional; an act-order (permuted) one is refused."""
+    qweight, qzeros, scales = tensors["qweight"], tensors["qzeros"], tensors["scales"]
+    K, N = qweight.shape[0] * 32 // bits, qweight.shape[1]
+    codes = unpack(qweight.T.contiguous(), bits, K)
+    zeros = unpack(qzeros, bits, N).T
+    if v1:
+        zeros = ((zeros.to(torch.int64) + 1) & (2**bits - 1)).to(torch.uint8)
+    qw = QuantizedWeight(codes=codes, scales=scales.to(torch.float32).T.contiguous(), zeros=zeros.contiguous(),
+                         bits=bits, group_size=group_size, sym=sym)
+    g_idx = tensors.get("g_idx")
+    if g_idx is not None and not torch.equal(g_idx.cpu().to(torch.int64), qw.group_index()):
+        raise ValueError("g_idx is not k // group_size (act-order checkpoint); QuantizedWeight cannot hold it")
+    return qw

@@ -1,0 +1,36 @@
+"""Tiny models built from configs (plumbing tests only; quality is measured on real models)."""
+
+import torch
+import transformers as T
+
+COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, vocab_size=128, max_position_embeddings=256)
+
+
+def configs():
+    return {
+        "llama": T.LlamaConfig(**COMMON),
+        "mistral": T.MistralConfig(**COMMON),
+        "qwen2": T.Qwen2Config(**COMMON),
+        "qwen3": T.Qwen3Config(**COMMON, head_dim=16),
+        "qwen2_moe": T.Qwen2MoeConfig(**COMMON, moe_intermediate_size=32, shared_expert_intermediate_size=64,
+                                      num_experts=4, num_experts_per_tok=2),
+        "mixtral": T.MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2),
+    }
+
+
+def tiny_causal(model_type: str, seed: int = 0, dtype=torch.float32):
+    torch.manual_seed(seed)
+    model = T.AutoModelForCausalLM.from_config(configs()[model_type]).to(dtype).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.05)
+    return model
+
+
+def tiny_bert(seed: int = 0):
+    torch.manual_seed(seed)
+    cfg = T.BertConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                       vocab_size=128, max_position_embeddings=128)
+    return T.BertModel(cfg).eval()
