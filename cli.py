@@ -16,9 +16,21 @@ from typing import List, Optional
 import click
 import typer
 
+try:  # typer >= 0.2x runs on its own vendored copy of click, whose exceptions are distinct classes
+    from typer._click.exceptions import UsageError as _TyperUsageError
+except ImportError:  # older typer uses click itself
+    _TyperUsageError = click.UsageError
+
+USAGE_ERRORS = (click.UsageError, _TyperUsageError)
+EXITS = (click.exceptions.Exit, typer.Exit)
+ABORTS = (click.exceptions.Abort, typer.Abort)
+
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-                  help="Offline compression toolkit for language models: `compress run recipe.yaml`.")
-bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks whose numbers go in the README.")
+                  help="Offline compression toolkit for language models: `compress run recipe.yaml`.\n\n"
+                       "Example: compress run recipes/quickstart.yaml --model ../shared/data/models/ref-llama-7m "
+                       "--output out/")
+bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks whose numbers go in the README.\n\n"
+                        "Example: compress bench quality --quick")
 app.add_typer(bench_app, name="bench")
 
 STATE = {"debug": False}
@@ -67,6 +79,7 @@ def run(
     Example: compress run recipes/quickstart.yaml --model ../shared/data/models/ref-llama-7m --output out/
     """
     from compress import pipeline
+    from compress.errors import BadInput
     from compress.eval.report import summary_lines
     from compress.recipe import load_recipe, validate_paths
 
@@ -78,11 +91,32 @@ def run(
         p = pipeline.plan(loaded)
         _emit_json(p) if as_json else _print_plan(p)
         return
-    report = pipeline.run(loaded, output, resume=resume, force=force, quiet=quiet or as_json)
+    fresh = not output.exists() or (output.is_dir() and not any(output.iterdir()))
+    try:
+        report = pipeline.run(loaded, output, resume=resume, force=force, quiet=quiet or as_json)
+    except BadInput:
+        if fresh:  # a bad input found while loading (corrupt weights, empty calibration): leave nothing behind
+            _discard(output)
+        raise
     if as_json:
         _emit_json(report)
     elif not quiet:
         typer.echo("\n".join(summary_lines(report) + [f"output: {output}"]), err=False)
+
+
+def _discard(output: Path) -> None:
+    """Remove what a failed run wrote into a directory that was empty or absent, and close run.log."""
+    import shutil
+
+    root = logging.getLogger()
+    for h in [h for h in root.handlers if isinstance(h, logging.FileHandler)]:
+        root.removeHandler(h)
+        h.close()
+    if output.is_dir():
+        for child in output.iterdir():
+            shutil.rmtree(child, ignore_errors=True) if child.is_dir() else child.unlink(missing_ok=True)
+        if not any(output.iterdir()):
+            output.rmdir()
 
 
 def _print_plan(p: dict) -> None:
@@ -198,15 +232,22 @@ def main(argv=None) -> int:
     from compress.errors import CompressError
 
     try:
-        app(args=argv, standalone_mode=False)
-        return 0
-    except click.exceptions.Exit as e:
+        rc = app(args=argv, standalone_mode=False)  # an explicit typer.Exit(code) comes back as its code
+        if rc == 130:  # typer turns Ctrl-C inside a command into Exit(130)
+            typer.echo("interrupted; rerun with --resume to continue", err=True)
+        return rc if isinstance(rc, int) else 0
+    except EXITS as e:
         return e.exit_code
-    except click.exceptions.Abort:
+    except ABORTS:
         typer.echo("interrupted; rerun with --resume to continue", err=True)
         return 130
-    except click.UsageError as e:
-        e.show()
+    except USAGE_ERRORS as e:
+        if type(e).__name__ == "NoArgsIsHelpError":  # typer has printed the help already, or it is the message
+            if e.format_message().strip():
+                e.show()
+        else:
+            where = f" (see `{e.ctx.command_path} --help`)" if e.ctx is not None else ""
+            typer.echo(f"error: {e.format_message()}{where}", err=True)
         return 1
     except CompressError as e:
         if STATE["debug"]:

@@ -128,6 +128,13 @@ def set_weight(linear: nn.Linear, qw: QuantizedWeight) -> None:
         linear.weight.copy_(qw.dequantize(linear.weight.dtype))
 
 
+def light(qw: QuantizedWeight) -> QuantizedWeight:
+    """The same QuantizedWeight without its codes (a zero-size view of the right shape)."""
+    codes = torch.zeros((), dtype=torch.uint8).expand(qw.out_features, qw.in_features)
+    return QuantizedWeight(codes=codes, scales=qw.scales, zeros=qw.zeros, bits=qw.bits,
+                           group_size=qw.group_size, sym=qw.sym)
+
+
 def run_blockwise(
     *,
     model: nn.Module,
@@ -140,8 +147,15 @@ def run_blockwise(
     save_block: Callable[[int, dict[str, QuantizedWeight]], None],
     seed: int = 0,
     progress: Callable | None = None,
+    materialize: Callable[[int], None] | None = None,
+    release: Callable[[int], None] | None = None,
 ) -> dict[str, QuantizedWeight]:
-    """Quantize every block in order; returns all QuantizedWeights by module name."""
+    """Quantize every block in order; returns all QuantizedWeights by module name.
+
+    With `materialize`/`release` (streaming), block i is read just before it is used and dropped
+    after its outputs are propagated; the returned QuantizedWeights then keep only their scales and
+    zero points (`light`), the codes stay in the block checkpoints.
+    """
     result: dict[str, QuantizedWeight] = {}
     q_in = kw = fp_in = None
     if quantizer.needs_data:
@@ -150,6 +164,8 @@ def run_blockwise(
     n = len(blocks)
     for i in range(n):
         block = blocks[i]
+        if materialize:
+            materialize(i)
         linears = {name: m for name, m in block_linears(i).items() if specs(name, m) is not None}
         fp_out = propagate(block, fp_in, kw) if fp_in is not None else None
         done = load_block(i)
@@ -165,10 +181,13 @@ def run_blockwise(
         else:
             for name, qw in done.items():
                 set_weight(linears[name], qw)
-        result.update(done)
         if q_in is not None and i + 1 < n:
             q_in = propagate(block, q_in, kw)
         fp_in = fp_out
+        if release:
+            release(i)
+            done = {name: light(qw) for name, qw in done.items()}
+        result.update(done)
         gc.collect()
         if progress:
             progress(i + 1, n)

@@ -52,6 +52,8 @@ class StageContext:
     seed: int
     progress: Callable
     quiet: bool = False
+    streamer: object | None = None  # BlockStreamer when model.stream is set
+    block_stage: str | None = None  # key of the stage whose block checkpoints hold the codes
     key: str = ""
     qweights: dict[str, QuantizedWeight] = field(default_factory=dict)
     _tokens: torch.Tensor | None = None
@@ -118,10 +120,24 @@ def plan(loaded) -> dict:
         layers = planned_layers(adapter, cfg) if cfg.stage == "quantize" else {}
         stages.append({"key": stage_key(i, cfg), "stage": cfg.stage, "method": cfg.method,
                        "layers": len(layers), "config": cfg.model_dump()})
-    est = 2 * n_params * bytes_per + 3 * act  # model + FP reference for eval, three activation streams
+    if r.model.stream:
+        _check_streamable(r)
+        per_block = sum(p.numel() for p in adapter.blocks[0].parameters())
+        rest = n_params - per_block * len(adapter.blocks)
+        est = (rest + per_block) * bytes_per + 3 * act  # non-block weights + one block + activations
+    else:
+        est = 2 * n_params * bytes_per + 3 * act  # model + FP reference for eval, three activation streams
     return {"model": r.model.path, "model_type": config.model_type, "blocks": len(adapter.blocks),
             "parameters": n_params, "stages": stages, "export": export_names(r),
             "estimated_peak_memory_mb": round(est / 2**20, 1)}
+
+
+def _check_streamable(r) -> None:
+    blockwise = [c for c in r.stage_configs if c.stage == "quantize"]
+    if len(blockwise) != 1 or len(r.stage_configs) != 1:
+        raise BadInput("model.stream supports exactly one `quantize` stage")
+    if [f for f in export_names(r) if f != "hf"]:
+        raise BadInput("model.stream exports only the `hf` format")
 
 
 def export_names(recipe) -> list[str]:
@@ -139,10 +155,17 @@ def run(loaded, output: Path, *, resume=False, force=False, quiet=False) -> dict
     progress = _bar(quiet)
     timings: list[dict] = []
     t0 = time.time()
-    with _timed(timings, "load", "-"):
-        model, tok = load_model(r.model.path, r.model.dtype, r.model.gguf_file)
+    with _timed(timings, "load", "stream" if r.model.stream else "-"):
+        if r.model.stream:
+            from compress.models.streaming import BlockStreamer, load_streaming
+
+            model, tok, source = load_streaming(r.model.path, r.model.dtype)
+        else:
+            model, tok = load_model(r.model.path, r.model.dtype, r.model.gguf_file)
         adapter = ModelAdapter(model)
     ctx = StageContext(loaded, model, tok, adapter, ws, r.calibration.seed, progress, quiet)
+    if r.model.stream:
+        ctx.streamer = BlockStreamer(model, adapter, source, r.model.dtype)
     prefix: list = [loaded.resolved.get("model"), loaded.resolved.get("calibration")]
     for i, cfg in enumerate(r.stage_configs):
         ctx.key = stage_key(i, cfg)
@@ -162,7 +185,10 @@ def run(loaded, output: Path, *, resume=False, force=False, quiet=False) -> dict
         timings.append({"name": cfg.stage, "method": cfg.method, "seconds": st["seconds"],
                         "peak_rss_mb": st["peak_rss_mb"], "resumed": resumed})
     report = {"model": r.model.path, "recipe_sha256": loaded.sha256, "stages": timings}
-    if r.eval.enabled and r.eval.data:
+    if r.eval.enabled and r.eval.data and r.model.stream:
+        log.warning("model.stream: the in-run evaluation needs the whole model in memory and is skipped; "
+                    "run `compress eval OUTPUT/hf --reference MODEL --data FILE` where memory allows")
+    elif r.eval.enabled and r.eval.data:
         with _timed(timings, "eval", adapter.kind):
             report["eval"] = evaluate(ctx, r)
     exports = {}

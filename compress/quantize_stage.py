@@ -85,7 +85,10 @@ def quantize_stage(ctx, cfg: QuantizeConfig, quantizer: BlockQuantizer) -> dict:
         load_block=lambda i: ctx.workspace.load_block(ctx.key, i),
         save_block=lambda i, q: ctx.workspace.save_block(ctx.key, i, q),
         seed=ctx.seed, progress=lambda done, total: bar.update(1),
+        materialize=ctx.streamer.materialize if ctx.streamer else None,
+        release=ctx.streamer.release if ctx.streamer else None,
     )
+    ctx.block_stage = ctx.key
     bar.close()
     head = lm_head_target(adapter, cfg)
     if head:

@@ -62,6 +62,8 @@ class ModelSpec(StrictModel):
     path: str = Field(..., min_length=1, description="Hub id `org/name`, local directory or .gguf file")
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     gguf_file: Optional[str] = Field(None, description="GGUF file name inside `path`")
+    stream: bool = Field(False, description="read one block at a time from the safetensors shards "
+                                            "(models larger than memory; no in-run evaluation)")
 
 
 class CalibrationSpec(StrictModel):

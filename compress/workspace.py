@@ -40,6 +40,7 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp creates 0600
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -58,7 +59,11 @@ class Workspace:
             )
         if existing and force and not resume:
             self._clear()
-        self.root.mkdir(parents=True, exist_ok=True)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:  # e.g. under /proc or /sys, where even root cannot create directories
+            raise BadInput(f"cannot create output directory `{self.root}`: {e.strerror or e}; "
+                           "choose a writable path with --output") from e
         self.manifest = self._read_manifest() if resume else {}
         self.manifest.setdefault("format", FORMAT)
         self.manifest.setdefault("stages", {})

@@ -8,6 +8,7 @@ from compress.errors import BadInput
 
 
 def _load(path: str):
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from compress.models.loading import resolve_source
@@ -15,7 +16,10 @@ def _load(path: str):
     src, gguf = resolve_source(path)
     kw = {"gguf_file": gguf} if gguf else {}
     try:
-        model = AutoModelForCausalLM.from_pretrained(src, dtype="auto", **kw).float().eval()
+        model = AutoModelForCausalLM.from_pretrained(src, dtype="auto", **kw)
+        # auto-round casts a packed model to fp16 on CPU and its `.float()` refuses quantized models;
+        # nn.Module.float restores fp32 compute (see compress/export/hf.py).
+        model = torch.nn.Module.float(model).eval()
     except (OSError, ValueError) as e:
         raise BadInput(f"cannot load `{path}`: {e}") from e
     try:

@@ -292,3 +292,67 @@ def _staging_dir(out_dir: Path):
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+# -- streaming writer (models larger than memory) ----------------------------------------------
+
+def export_hf_streaming(model, source, block_qweights, qweights: dict[str, QuantizedWeight], tokenizer, out_dir,
+                        *, meta: dict | None = None) -> dict:
+    """auto-round checkpoint written one block at a time, without the model's weights in memory.
+
+    `model` is the skeleton (blocks on `meta`) used only for names and config; `source` a
+    `WeightSource` over the original shards; `block_qweights(i)` returns block i's QuantizedWeights
+    (codes included) from the block checkpoints; `qweights` holds every quantized layer (codes may
+    be `light` views) for the quantization config. One shard per block, plus one for the rest.
+    """
+    from safetensors.torch import save_file
+
+    from compress.models.adapters import ModelAdapter
+
+    compress_info = {"format": "auto_round", "version": FORMAT_VERSION, "meta": meta or {}}
+    packed = {n: qw for n, qw in qweights.items() if loadable(qw)}
+    qconfig = _quantization_config(model, packed, qweights)
+    v1 = qconfig["packing_format"] in V1_PACKINGS
+    adapter = ModelAdapter(model)
+    n_blocks = len(adapter.blocks)
+    out_dir = Path(out_dir)
+    weight_map = {}
+    with _staging_dir(out_dir) as tmp:
+        prefixes = [adapter.block_name(i) + "." for i in range(n_blocks)]
+        rest = [n for n in source.names if not any(n.startswith(p) for p in prefixes)]
+        groups = [(rest, {n: q for n, q in qweights.items() if not any(n.startswith(p) for p in prefixes)})]
+        groups += [(source.with_prefix(p), None) for p in prefixes]
+        for k, (names, qws) in enumerate(groups):
+            qws = qws if qws is not None else block_qweights(k - 1)
+            tensors = _shard_tensors(source, names, qws, packed, v1, model)
+            fname = f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors"
+            save_file(tensors, str(tmp / fname), metadata={"format": "pt"})
+            weight_map.update({t: fname for t in tensors})
+            del tensors
+        (tmp / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map},
+                                                                      indent=2) + "\n")
+        model.config.save_pretrained(tmp)
+        _patch_config(tmp, {"quantization_config": qconfig, "compress": compress_info})
+        gen = source.dir / "generation_config.json"
+        if gen.exists():
+            shutil.copy(gen, tmp / gen.name)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+    files = sorted(p for p in out_dir.rglob("*") if p.is_file())
+    return {"files": [str(p) for p in files], "bytes": sum(p.stat().st_size for p in files)}
+
+
+def _shard_tensors(source, names, qws: dict[str, QuantizedWeight], packed, v1: bool, model) -> dict:
+    tensors = {}
+    for name in names:
+        layer = name.removesuffix(".weight")
+        if layer in qws and name.endswith(".weight"):
+            qw = qws[layer]
+            if layer in packed:
+                t = gptq_pack(qw, v1)
+                tensors.update({f"{layer}.{k}": t[k].contiguous() for k in ("qweight", "qzeros", "scales")})
+            else:
+                tensors[name] = qw.dequantize(source.get(name).dtype).contiguous()
+        else:
+            tensors[name] = source.get(name).contiguous()
+    return tensors

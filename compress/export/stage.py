@@ -19,11 +19,15 @@ class FakeExportConfig(StrictModel):
 
 
 def _export(ctx, cfg, fmt: str) -> dict:
-    from compress.export.hf import export_hf
+    from compress.export.hf import export_hf, export_hf_streaming
 
     out = ctx.workspace.path(cfg.directory)
     meta = {"recipe_sha256": ctx.loaded.sha256, "model": ctx.loaded.recipe.model.path}
-    res = export_hf(ctx.model, ctx.qweights, ctx.tokenizer, out, fmt=fmt, meta=meta)
+    if ctx.streamer is not None:
+        res = export_hf_streaming(ctx.model, ctx.streamer.source, lambda i: ctx.workspace.load_block(ctx.block_stage, i),
+                                  ctx.qweights, ctx.tokenizer, out, meta=meta)
+    else:
+        res = export_hf(ctx.model, ctx.qweights, ctx.tokenizer, out, fmt=fmt, meta=meta)
     return {"path": str(out), **res}
 
 

@@ -1,0 +1,89 @@
+"""Stream blocks from a checkpoint's safetensors shards (models larger than memory).
+
+The model is built on the `meta` device (accelerate's `init_empty_weights`); embeddings, final
+norm and LM head are read at once; each block's tensors are read only when the driver reaches
+that block and dropped back to `meta` after it, so only one block is resident at a time.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from accelerate import init_empty_weights
+from accelerate.utils import set_module_tensor_to_device
+from safetensors import safe_open
+
+from compress.errors import BadInput
+from compress.models.adapters import ARCHS, ModelAdapter
+from compress.models.loading import DTYPES, load_config, quiet_transformers, resolve_source
+
+
+class WeightSource:
+    """Tensor name -> shard file of a local safetensors checkpoint; reads one tensor at a time."""
+
+    def __init__(self, directory: str | Path):
+        self.dir = Path(directory)
+        index = self.dir / "model.safetensors.index.json"
+        if index.exists():
+            self.where = {k: self.dir / v for k, v in json.loads(index.read_text())["weight_map"].items()}
+        elif (self.dir / "model.safetensors").exists():
+            with safe_open(str(self.dir / "model.safetensors"), "pt") as f:
+                self.where = {k: self.dir / "model.safetensors" for k in f.keys()}
+        else:
+            raise BadInput(f"streaming needs a safetensors checkpoint; `{self.dir}` has none")
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.where)
+
+    def get(self, name: str) -> torch.Tensor:
+        with safe_open(str(self.where[name]), "pt") as f:
+            return f.get_tensor(name)
+
+    def with_prefix(self, prefix: str) -> list[str]:
+        return [n for n in self.where if n.startswith(prefix)]
+
+
+def load_streaming(path: str, dtype: str = "float32"):
+    """(model with meta blocks, tokenizer, WeightSource). Only non-block tensors are read now."""
+    from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
+
+    quiet_transformers()
+    config = load_config(path)
+    src, gguf = resolve_source(path)
+    if gguf or not Path(src).is_dir():
+        raise BadInput("model.stream needs a local directory with safetensors shards (not a GGUF file or Hub id)")
+    if ARCHS[config.model_type].experts:
+        raise BadInput(f"model.stream does not support MoE models (`{config.model_type}`) yet; set model.stream: false")
+    cls = AutoModelForCausalLM if ARCHS[config.model_type].kind == "causal" else AutoModel
+    with init_empty_weights(include_buffers=False):
+        model = cls.from_config(config, dtype=DTYPES[dtype])
+    source = WeightSource(src)
+    missing = [k for k in model.state_dict() if k not in source.where and "lm_head" not in k]
+    if missing:
+        raise BadInput(f"`{path}`: checkpoint tensor names do not match the model (missing {missing[:3]})")
+    blocks_path = ModelAdapter(model).blocks_path + "."
+    for name in source.names:
+        if not name.startswith(blocks_path):
+            set_module_tensor_to_device(model, name, "cpu", value=source.get(name).to(DTYPES[dtype]))
+    if getattr(config, "tie_word_embeddings", False):
+        model.tie_weights()
+    model.eval()
+    return model, AutoTokenizer.from_pretrained(src), source
+
+
+class BlockStreamer:
+    """`materialize(i)` reads block i from the shards; `release(i)` returns it to `meta`."""
+
+    def __init__(self, model: torch.nn.Module, adapter: ModelAdapter, source: WeightSource, dtype: str):
+        self.model, self.adapter, self.source, self.dtype = model, adapter, source, DTYPES[dtype]
+
+    def materialize(self, i: int) -> None:
+        prefix = self.adapter.block_name(i) + "."
+        for name in self.source.with_prefix(prefix):
+            set_module_tensor_to_device(self.model, name, "cpu", value=self.source.get(name).to(self.dtype))
+
+    def release(self, i: int) -> None:
+        self.adapter.blocks[i].to("meta")

@@ -1,0 +1,93 @@
+"""Every bundled recipe runs as written on ref-llama-7m (hidden 256, 6 blocks, vocab 4096), with only
+the model, the output directory and smaller calibration/iteration/eval sizes changed, and exports a
+checkpoint that transformers loads."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import logging
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+import cli
+from conftest import MODELS, REPO
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning",
+                                        "ignore::DeprecationWarning")
+
+MODEL = MODELS / "ref-llama-7m"
+RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
+
+
+def shrink(recipe: dict) -> list[str]:
+    """--set options that make a recipe quick; nothing else about it changes."""
+    sets = ["calibration.nsamples=8", "calibration.seqlen=64", "eval.max_tokens=512"]
+    for i, stage in enumerate(recipe["stages"]):
+        if "iters" in stage:
+            sets.append(f"stages.{i}.iters=2")
+    return [a for s in sets for a in ("--set", s)]
+
+
+def invoke(*args) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    root = logging.getLogger()
+    handlers, level, cwd = list(root.handlers), root.level, os.getcwd()
+    os.chdir(REPO)  # recipes name their data relative to the repository root
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            rc = cli.main([str(a) for a in args])
+    finally:
+        os.chdir(cwd)
+        for h in root.handlers:
+            if h not in handlers:
+                h.close()
+        root.handlers[:] = handlers
+        root.setLevel(level)
+    return rc, out.getvalue(), err.getvalue()
+
+
+def test_four_bundled_recipes():
+    assert [p.name for p in RECIPES] == ["quickstart.yaml", "w2-autoround.yaml", "w3-autoround.yaml",
+                                         "w4-gptq.yaml"]
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
+def test_bundled_recipe_runs_and_exports(recipe: Path, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    spec = yaml.safe_load(recipe.read_text())
+    stage = spec["stages"][0]
+    out = tmp_path / "out"
+    rc, stdout, err = invoke("run", recipe, "--model", MODEL, "--output", out, "--json", *shrink(spec))
+    assert rc == 0, err
+    report = json.loads(stdout)
+    assert [s["method"] for s in report["stages"] if s["name"] == "quantize"] == [stage["method"]]
+    ev = next(iter(report["eval"].values()))
+    assert ev["tokens"] == 512 and ev["ppl_ratio"] > 0.9 and ev["top1"] > 0.3
+    assert report["size"]["quantized_layers"] == 6 * 7
+    assert report["size"]["bytes"] < report["size"]["fp_bytes"]
+
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert all(st["status"] == "done" for st in manifest["stages"].values())
+    config = json.loads((out / "hf" / "config.json").read_text())
+    qc = config["quantization_config"]
+    assert (qc["bits"], qc["group_size"], qc["sym"]) == (stage["bits"], stage["group_size"], stage["sym"])
+
+    loaded = AutoModelForCausalLM.from_pretrained(out / "hf")
+    loaded = torch.nn.Module.float(loaded).eval()  # auto-round forces fp16 on CPU
+    ids = torch.tensor([[1, 400, 23, 1999, 7, 3071, 56, 812]])
+    with torch.no_grad():
+        logits = loaded(ids).logits
+    assert logits.shape == (1, 8, 4096) and torch.isfinite(logits).all()
+
+    rc, stdout, err = invoke("inspect", out / "hf", "--json")
+    assert rc == 0, err
+    info = json.loads(stdout)
+    assert info["quantized_layers"] > 0
+    assert {r["bits"] for r in info["layers"]} == {stage["bits"]}

@@ -1,0 +1,85 @@
+"""Streaming blocks from safetensors shards: same export as in memory, peak RSS near one block."""
+
+import hashlib
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import cli
+from tests.conftest import MODELS, TEXT
+
+BUILD = """
+import sys, torch, transformers as T
+layers, hidden, inter, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+torch.manual_seed(0)
+cfg = T.LlamaConfig(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=8,
+                    num_key_value_heads=4, vocab_size=512, max_position_embeddings=512)
+m = T.LlamaForCausalLM(cfg)
+m.save_pretrained(out, max_shard_size="20MB")
+T.AutoTokenizer.from_pretrained(sys.argv[5]).save_pretrained(out)
+"""
+
+
+def build(tmp_path, layers, hidden, inter):
+    out = tmp_path / f"llama-{layers}x{hidden}"
+    subprocess.run([sys.executable, "-c", BUILD, str(layers), str(hidden), str(inter), str(out),
+                    str(MODELS / "stories260K")], check=True)
+    return out
+
+
+def recipe(tmp_path, model, stream: bool, method="gptq"):
+    path = tmp_path / f"r-{stream}-{method}.yaml"
+    path.write_text(textwrap.dedent(f"""
+        version: 1
+        model: {{path: {model}, stream: {str(stream).lower()}}}
+        calibration: {{sources: [{TEXT / 'tinystories' / 'tinystories_val.txt'}], nsamples: 8, seqlen: 128}}
+        stages:
+          - {{stage: quantize, method: {method}, bits: 4, group_size: 32, sym: false}}
+        eval: {{enabled: false}}
+        export: {{formats: [hf]}}
+    """))
+    return path
+
+
+def tensor_hashes(directory):
+    out = {}
+    for f in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as h:
+            for k in h.keys():
+                out[k] = hashlib.sha256(h.get_tensor(k).contiguous().view(-1).view(torch.uint8).numpy()).hexdigest()
+    return out
+
+
+def test_streamed_export_equals_in_memory_export(tmp_path):
+    model = build(tmp_path, 3, 128, 256)
+    for stream in (False, True):
+        assert cli.main(["run", str(recipe(tmp_path, model, stream)), "-o", str(tmp_path / f"o-{stream}"),
+                         "--quiet"]) == 0
+    a, b = tensor_hashes(tmp_path / "o-False" / "hf"), tensor_hashes(tmp_path / "o-True" / "hf")
+    assert a == b and any(k.endswith("qweight") for k in a)
+    from transformers import AutoModelForCausalLM
+
+    ids = torch.randint(0, 512, (1, 32), generator=torch.Generator().manual_seed(0))
+    la = AutoModelForCausalLM.from_pretrained(tmp_path / "o-False" / "hf")(ids).logits
+    lb = AutoModelForCausalLM.from_pretrained(tmp_path / "o-True" / "hf")(ids).logits
+    assert torch.equal(la, lb)
+
+
+def peak_rss(tmp_path, layers, stream=True):
+    model = build(tmp_path, layers, 512, 2048)
+    out = tmp_path / f"rss-{layers}-{stream}"
+    code = f"import cli, sys; sys.exit(cli.main(['run', '{recipe(tmp_path, model, stream)}', '-o', '{out}', '--quiet']))"
+    subprocess.run([sys.executable, "-c", code], check=True)
+    return json.loads((out / "report.json").read_text())["peak_rss_mb"]
+
+
+@pytest.mark.slow
+def test_peak_rss_24_layers_within_1_3x_of_6_layers(tmp_path):
+    r6, r24 = peak_rss(tmp_path, 6), peak_rss(tmp_path, 24)
+    print(f"peak RSS streaming: 6 layers {r6} MB, 24 layers {r24} MB, ratio {r24 / r6:.3f}")
+    assert r24 <= 1.3 * r6
