@@ -1,0 +1,38 @@
+"""`compress bench quality` in quick mode on stories260K: every method/width through the real pipeline."""
+
+import math
+
+import pytest
+
+from compress.errors import BadInput
+from compress.eval.bench_quality import METHODS, QUICK, run_quality, selected
+
+from conftest import MODELS
+
+
+@pytest.mark.skipif(not (MODELS / "stories260K").is_dir(), reason="shared/data is not available")
+def test_quick_stories260k_rows_and_table():
+    rows, md = run_quality(quick=True, only=["stories260K"])
+    assert {r["model"] for r in rows} == {"stories260K"}
+    cells = {(r["method"], r["bits"]) for r in rows if r["method"] != "fp"}
+    assert cells == {(m, b) for m in METHODS for b in QUICK.widths}
+    assert [r["method"] for r in rows].count("fp") == 1
+    for r in rows:
+        assert r["metric"] == "ppl" and r["group_size"] in (None, 32)
+        for k in ("value", "fp_value", "ratio", "kl", "top1", "effective_bits"):
+            assert isinstance(r[k], float) and math.isfinite(r[k]), (r["method"], r["bits"], k, r[k])
+        if r["method"] != "fp":
+            assert math.isfinite(r["seconds"]) and r["seconds"] >= 0
+            assert r["bits"] < r["effective_bits"] < r["bits"] + 1  # scales and zero points on top
+    fp = next(r for r in rows if r["method"] == "fp")
+    assert all(r["fp_value"] == fp["value"] for r in rows)  # same eval tokens for every cell
+    assert md.startswith("# Quality benchmark")
+    header = "| model | method | bits | group | eff. bits | metric | value | FP |"
+    assert header in md and md.count("\n| stories260K |") == len(rows)
+    assert "total wall time" in md and "nproc" not in md
+
+
+def test_only_rejects_unknown_model():
+    with pytest.raises(BadInput, match="unknown model `nope`"):
+        selected(False, ["nope"])
+    assert [b.name for b in selected(True, None)] == ["stories260K", "stories-llama-1m"]
