@@ -105,13 +105,9 @@ def run(
 
 
 def _discard(output: Path) -> None:
-    """Remove what a failed run wrote into a directory that was empty or absent, and close run.log."""
+    """Remove what a failed run wrote into a directory that was empty or absent."""
     import shutil
 
-    root = logging.getLogger()
-    for h in [h for h in root.handlers if isinstance(h, logging.FileHandler)]:
-        root.removeHandler(h)
-        h.close()
     if output.is_dir():
         for child in output.iterdir():
             shutil.rmtree(child, ignore_errors=True) if child.is_dir() else child.unlink(missing_ok=True)

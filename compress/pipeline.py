@@ -146,10 +146,18 @@ def export_names(recipe) -> list[str]:
 
 # -- running ----------------------------------------------------------------------------------------
 def run(loaded, output: Path, *, resume=False, force=False, quiet=False) -> dict:
-    r = loaded.recipe
     plan(loaded)  # validates shapes and limits before anything heavy
     ws = Workspace(output, resume=resume, force=force)
-    _attach_log(ws)
+    handler = _attach_log(ws)
+    try:
+        return _run(loaded, ws, quiet)
+    finally:
+        logging.getLogger().removeHandler(handler)
+        handler.close()
+
+
+def _run(loaded, ws: Workspace, quiet: bool) -> dict:
+    r = loaded.recipe
     ws.manifest.update(recipe=loaded.resolved, recipe_sha256=loaded.sha256, versions=versions())
     ws.save_manifest()
     progress = _bar(quiet)
@@ -228,13 +236,16 @@ class _timed:
                                  "peak_rss_mb": round(peak_rss_mb(), 1)})
 
 
-def _attach_log(ws: Workspace) -> None:
+def _attach_log(ws: Workspace) -> logging.Handler:
+    """run.log receives INFO and above for the duration of one run; the caller removes it."""
     handler = logging.FileHandler(ws.path("run.log"))
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     handler.setLevel(logging.INFO)
     root = logging.getLogger()
-    root.handlers = [h for h in root.handlers if not isinstance(h, logging.FileHandler)] + [handler]
-    root.setLevel(logging.INFO)
+    root.addHandler(handler)
+    if root.level > logging.INFO:
+        root.setLevel(logging.INFO)
+    return handler
 
 
 def evaluate(ctx: StageContext, r) -> dict:

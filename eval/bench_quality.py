@@ -245,8 +245,8 @@ def markdown(rows: list[dict], meta: dict) -> str:
         f"- date: {meta['date']}; machine: {m['nproc']} CPUs ({m['cpu']}), torch threads {m['torch_threads']}, "
         f"load average at start {m['load_average']}",
         f"- total wall time: {meta['wall_seconds']:.0f} s{' (quick mode)' if meta['quick'] else ''}",
-        f"- weights: asymmetric (`sym: false`) everywhere, group size per model in the table; embeddings and "
-        f"LM heads stay FP",
+        "- weights: asymmetric (`sym: false`) everywhere, group size per model in the table; embeddings and "
+        "LM heads stay FP",
         f"- calibration (same for every method of a model): {s['nsamples']} x {s['seqlen']} tokens "
         f"(MiniLM: {s['nsamples']} x {s['encoder_seqlen']}), seed {s['seed']}; "
         f"AutoRound {s['iters']} iterations per block (batch {s['ar_batch_size']}), GPTQ damp 0.01, block 128",

@@ -1,3 +1,6 @@
+import contextlib
+import io
+import logging
 import os
 from pathlib import Path
 
@@ -19,3 +22,23 @@ def data_dir():
     if not DATA.exists():
         pytest.fail(f"shared data not found at {DATA}; the repository must sit beside shared/")
     return DATA
+
+
+def invoke(*args) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of `compress ARGS` run in this process from the repository root
+    (recipes name their data relative to it); the root logger, which `cli` reconfigures per command,
+    is restored afterwards."""
+    import cli
+
+    out, err = io.StringIO(), io.StringIO()
+    root = logging.getLogger()
+    handlers, level, cwd = list(root.handlers), root.level, os.getcwd()
+    os.chdir(REPO)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            rc = cli.main([str(a) for a in args])
+    finally:
+        os.chdir(cwd)
+        root.handlers[:] = handlers
+        root.setLevel(level)
+    return rc, out.getvalue(), err.getvalue()

@@ -7,8 +7,6 @@ leave no output directory behind.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import logging
 import shutil
@@ -20,8 +18,7 @@ import pytest
 import torch
 import yaml
 
-import cli
-from conftest import MODELS, REPO, TEXT
+from conftest import MODELS, REPO, TEXT, invoke
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning",
                                         "ignore::DeprecationWarning")
@@ -35,26 +32,8 @@ SMALL = ["--set", "calibration.nsamples=8", "--set", "calibration.seqlen=64", "-
 COMMANDS = [[], ["run"], ["validate"], ["eval"], ["inspect"], ["recipes"], ["bench"], ["bench", "quality"]]
 
 
-@pytest.fixture(autouse=True)
-def _repo_cwd_and_clean_logging(monkeypatch):
-    """Recipes name data relative to the repository; `cli` reconfigures the root logger per command."""
-    monkeypatch.chdir(REPO)
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    yield
-    for h in root.handlers:
-        if h not in handlers:
-            h.close()
-    root.handlers[:] = handlers
-    root.setLevel(level)
 
 
-def invoke(*args) -> tuple[int, str, str]:
-    """(exit code, stdout, stderr) of `compress ARGS` run in this process."""
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        rc = cli.main([str(a) for a in args])
-    return rc, out.getvalue(), err.getvalue()
 
 
 # -- help, recipes, validate, dry run ------------------------------------------------------------------

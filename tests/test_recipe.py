@@ -111,16 +111,14 @@ def test_describe(tmp_path):
 
 
 # -- errors name file:line:key and suggest -----------------------------------------------------------
-def test_unknown_key_suggests(tmp_path):
-    p = write(tmp_path, edit(15, "    group_sise: 128"))
-    assert error_of(p) == f"unknown key `group_sise` at {p}:15, did you mean `group_size`?"
-
-
-def test_unknown_top_level_and_nested_keys(tmp_path):
-    p = write(tmp_path, edit(6, "calibraton:"))
-    assert f"unknown key `calibraton` at {p}:6, did you mean `calibration`?" in error_of(p)
-    p = write(tmp_path, edit(20, "  windw: 256"))
-    assert error_of(p) == f"unknown key `windw` at {p}:20, did you mean `window`?"
+@pytest.mark.parametrize("line, text, key, suggestion", [
+    (15, "    group_sise: 128", "group_sise", "group_size"),  # stage config
+    (6, "calibraton:", "calibraton", "calibration"),  # top level
+    (20, "  windw: 256", "windw", "window"),  # nested section
+])
+def test_unknown_key_names_line_and_suggests(tmp_path, line, text, key, suggestion):
+    p = write(tmp_path, edit(line, text))
+    assert f"unknown key `{key}` at {p}:{line}, did you mean `{suggestion}`?" in error_of(p)
 
 
 def test_wrong_value(tmp_path):
@@ -304,8 +302,8 @@ def test_validate_paths(tmp_path, monkeypatch):
     assert lines[2] == "eval file `gone.raw` does not exist (`eval.data.1` in --eval-data)"
 
     (tmp_path / "calib.txt").unlink()
-    with pytest.raises(BadInput, match=rf"calibration source `calib.txt` does not exist \(`calibration.sources.0` "
-                                        rf"at .*recipe.yaml:7\)"):
+    with pytest.raises(BadInput, match=r"calibration source `calib.txt` does not exist \(`calibration.sources.0` "
+                                        r"at .*recipe.yaml:7\)"):
         validate_paths(load_recipe(tmp_path / "recipe.yaml"))
 
 

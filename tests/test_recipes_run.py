@@ -4,19 +4,14 @@ checkpoint that transformers loads."""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
-import logging
-import os
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
 
-import cli
-from conftest import MODELS, REPO
+from conftest import MODELS, REPO, invoke
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning",
                                         "ignore::DeprecationWarning")
@@ -34,22 +29,6 @@ def shrink(recipe: dict) -> list[str]:
     return [a for s in sets for a in ("--set", s)]
 
 
-def invoke(*args) -> tuple[int, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    root = logging.getLogger()
-    handlers, level, cwd = list(root.handlers), root.level, os.getcwd()
-    os.chdir(REPO)  # recipes name their data relative to the repository root
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            rc = cli.main([str(a) for a in args])
-    finally:
-        os.chdir(cwd)
-        for h in root.handlers:
-            if h not in handlers:
-                h.close()
-        root.handlers[:] = handlers
-        root.setLevel(level)
-    return rc, out.getvalue(), err.getvalue()
 
 
 def test_four_bundled_recipes():

@@ -7,11 +7,8 @@ with the same number of torch threads, so every run computes with the same kerne
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import io
 import json
-import logging
 import os
 import shutil
 import signal
@@ -23,8 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import cli
-from conftest import MODELS, REPO
+from conftest import MODELS, REPO, invoke
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning",
                                         "ignore::DeprecationWarning")
@@ -36,23 +32,6 @@ SMALL = ["--set", "calibration.nsamples=8", "--set", "calibration.seqlen=64", "-
 SLOW_BLOCKS = [*SMALL, "--set", "stages.0.iters=100"]  # ~1.5 s per block on an idle 2-core machine
 
 
-def invoke(*args) -> tuple[int, str, str]:
-    """(exit code, stdout, stderr) of `compress ARGS` in this process, from the repository root."""
-    out, err = io.StringIO(), io.StringIO()
-    root = logging.getLogger()
-    handlers, level, cwd = list(root.handlers), root.level, os.getcwd()
-    os.chdir(REPO)
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            rc = cli.main([str(a) for a in args])
-    finally:
-        os.chdir(cwd)
-        for h in root.handlers:
-            if h not in handlers:
-                h.close()
-        root.handlers[:] = handlers
-        root.setLevel(level)
-    return rc, out.getvalue(), err.getvalue()
 
 
 def run_ok(out: Path, *extra) -> dict:
