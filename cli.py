@@ -151,16 +151,22 @@ def eval_(
     data: Optional[List[str]] = typer.Option(None, "--data", help="evaluation text file (repeatable)"),
     window: int = typer.Option(256, "--window", help="tokens per perplexity window"),
     max_tokens: Optional[int] = typer.Option(None, "--max-tokens", help="cap on evaluated tokens per file"),
+    gen_prompts: int = typer.Option(16, "--gen-prompts", help="with --reference: greedy continuations compared "
+                                    "(common prefix, agreement, KL and top-1 along them); 0 = off"),
+    prompt_tokens: int = typer.Option(32, "--prompt-tokens", help="tokens per generation prompt"),
+    new_tokens: int = typer.Option(64, "--new-tokens", help="greedy tokens generated per prompt"),
     as_json: bool = typer.Option(False, "--json", help="print JSON on stdout"),
 ):
-    """Perplexity and logit fidelity (KL, top-1 vs --reference) of any checkpoint.
+    """Perplexity and logit fidelity (KL, top-1 vs --reference) of any checkpoint, and how long its
+    greedy continuations stay with the reference's.
 
     Example: compress eval out/hf --reference ../shared/data/models/ref-llama-7m --data ../shared/data/text/wikitext-2-raw/wiki.test.raw
     """
     from compress.eval.cli import evaluate_checkpoint
 
     _setup_logging(as_json)
-    res = evaluate_checkpoint(model, reference=reference, data=data or [], window=window, max_tokens=max_tokens)
+    res = evaluate_checkpoint(model, reference=reference, data=data or [], window=window, max_tokens=max_tokens,
+                              gen_prompts=gen_prompts, prompt_tokens=prompt_tokens, new_tokens=new_tokens)
     if as_json:
         _emit_json(res)
     else:

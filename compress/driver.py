@@ -6,7 +6,8 @@
         write the dequantized weights into the block, checkpoint block i,
         propagate the compressed block's outputs as the inputs of block i+1
 
-Methods declare what they need (`BlockQuantizer.needs_hessian`, `.needs_fp_targets`); the driver
+Methods declare what they need (`BlockQuantizer.needs_hessian`, `.needs_fp_targets`, and
+`.needs_head` for an objective through the frozen LM head on the last block); the driver
 never branches on a method's class. A block whose checkpoint exists (resume) is loaded instead of
 recomputed, and its outputs are recomputed by a forward pass, so a resumed run is bit-identical
 to an uninterrupted one.
@@ -48,12 +49,15 @@ class BlockData:
     fp_inputs: list[torch.Tensor] | None = None
     hessians: dict[str, torch.Tensor] = field(default_factory=dict)
     seed: int = 0
+    head: Callable[[torch.Tensor], torch.Tensor] | None = None  # last block only, for methods that need it
+    tokens: list[torch.Tensor] | None = None  # the calibration token batches behind `inputs`
 
 
 class BlockQuantizer(Protocol):
     needs_hessian: bool
     needs_fp_targets: bool
     needs_data: bool
+    needs_head: bool
     batch_size: int
 
     def quantize_block(self, data: BlockData) -> dict[str, QuantizedWeight]: ...
@@ -149,12 +153,14 @@ def run_blockwise(
     progress: Callable | None = None,
     materialize: Callable[[int], None] | None = None,
     release: Callable[[int], None] | None = None,
+    head: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> dict[str, QuantizedWeight]:
     """Quantize every block in order; returns all QuantizedWeights by module name.
 
     With `materialize`/`release` (streaming), block i is read just before it is used and dropped
     after its outputs are propagated; the returned QuantizedWeights then keep only their scales and
-    zero points (`light`), the codes stay in the block checkpoints.
+    zero points (`light`), the codes stay in the block checkpoints. `head` (final norm + LM head) is
+    handed to the last block only.
     """
     result: dict[str, QuantizedWeight] = {}
     q_in = kw = fp_in = None
@@ -162,6 +168,7 @@ def run_blockwise(
         q_in, kw = capture_block0_inputs(model, blocks[0], tokens, quantizer.batch_size)
         fp_in = list(q_in) if quantizer.needs_fp_targets else None
     n = len(blocks)
+    batches = list(tokens.split(quantizer.batch_size)) if tokens is not None else None
     for i in range(n):
         block = blocks[i]
         if materialize:
@@ -171,7 +178,8 @@ def run_blockwise(
         done = load_block(i)
         if done is None:
             data = BlockData(i, block, linears, {nm: specs(nm, m) for nm, m in linears.items()},
-                             q_in or [], kw or [], fp_out, fp_in, seed=seed * 1000 + i)
+                             q_in or [], kw or [], fp_out, fp_in, seed=seed * 1000 + i,
+                             head=head if i == n - 1 else None, tokens=batches)
             if quantizer.needs_hessian:
                 data.hessians = collect_hessians(block, linears, q_in, kw)
             done = quantizer.quantize_block(data)

@@ -102,6 +102,10 @@ def plan(loaded) -> dict:
         raise BadInput(
             f"calibration.seqlen {r.calibration.seqlen} exceeds the model's maximum of {limit} positions"
         )
+    g = r.eval.generation
+    if limit and g.prompts and g.prompt_tokens + g.new_tokens > limit:
+        raise BadInput(f"eval.generation: prompt_tokens + new_tokens = {g.prompt_tokens + g.new_tokens} exceeds the "
+                       f"model's maximum of {limit} positions")
     from accelerate import init_empty_weights
     from transformers import AutoModel, AutoModelForCausalLM
 
@@ -277,16 +281,21 @@ def evaluate_encoder(ctx: StageContext, r, fp_model) -> dict:
 
 def evaluate_causal(ctx: StageContext, r, fp_model) -> dict:
     from compress.eval.data import read_text, text_slice, token_stream
+    from compress.eval.generation import compare_generation
     from compress.eval.metrics import compare_lm
 
+    g, bos = r.eval.generation, bos_id(ctx.tokenizer, ctx.adapter)
     out = {}
     for path in r.eval.data:
         text = read_text(path)
         if r.eval.text_slice:
             text = text_slice(text, *r.eval.text_slice)
         ids = token_stream(ctx.tokenizer, text)
-        res = compare_lm(fp_model, ctx.model, ids, window=r.eval.window, bos_id=bos_id(ctx.tokenizer, ctx.adapter),
+        res = compare_lm(fp_model, ctx.model, ids, window=r.eval.window, bos_id=bos,
                          max_tokens=r.eval.max_tokens, progress=not ctx.quiet)
+        if g.prompts:
+            res.update(compare_generation(fp_model, ctx.model, ids, prompts=g.prompts, prompt_tokens=g.prompt_tokens,
+                                          new_tokens=g.new_tokens, bos_id=bos))
         out[Path(path).name] = {k: (round(v, 6) if isinstance(v, float) else v) for k, v in res.items()}
     return out
 

@@ -77,6 +77,11 @@ def lm_head_target(adapter, cfg: QuantizeConfig):
 def quantize_stage(ctx, cfg: QuantizeConfig, quantizer: BlockQuantizer) -> dict:
     adapter = ctx.adapter
     planned_layers(adapter, cfg)
+    head = None
+    if quantizer.needs_head:
+        from compress.methods.lfq import LogitHead
+
+        head = LogitHead.of(adapter)
     tokens = ctx.calibration_tokens() if quantizer.needs_data else None
     bar = ctx.progress(total=len(adapter.blocks), desc=f"{ctx.key} blocks", unit="block")
     qweights = run_blockwise(
@@ -86,13 +91,13 @@ def quantize_stage(ctx, cfg: QuantizeConfig, quantizer: BlockQuantizer) -> dict:
         save_block=lambda i, q: ctx.workspace.save_block(ctx.key, i, q),
         seed=ctx.seed, progress=lambda done, total: bar.update(1),
         materialize=ctx.streamer.materialize if ctx.streamer else None,
-        release=ctx.streamer.release if ctx.streamer else None,
+        release=ctx.streamer.release if ctx.streamer else None, head=head,
     )
     ctx.block_stage = ctx.key
     bar.close()
-    head = lm_head_target(adapter, cfg)
-    if head:
-        name, lin = head
+    target = lm_head_target(adapter, cfg)
+    if target:  # after the blocks: a final-block objective through the head assumes it is FP
+        name, lin = target
         qw = rtn(lin.weight.data, cfg.bits, cfg.group_size, cfg.sym)
         set_weight(lin, qw)
         qweights[name] = qw

@@ -74,6 +74,12 @@ class CalibrationSpec(StrictModel):
     seed: int = Field(0, ge=0)
 
 
+class GenerationSpec(StrictModel):
+    prompts: int = Field(16, ge=0, description="held-out prompts for greedy continuation (0 = off)")
+    prompt_tokens: int = Field(32, gt=0, description="tokens per prompt")
+    new_tokens: int = Field(64, gt=0, description="greedy tokens generated per prompt")
+
+
 class EvalSpec(StrictModel):
     data: list[str] = Field(default_factory=list, description="text files to compare FP vs compressed on")
     window: int = Field(256, gt=0, description="tokens per evaluation window")
@@ -81,6 +87,8 @@ class EvalSpec(StrictModel):
     text_slice: Optional[tuple[float, float]] = Field(None, description="fraction [start, end) of each file")
     probe_train: Optional[str] = Field(
         None, description="encoders: labeled TSV to train the linear probe on (each `data` file is a labeled test TSV)")
+    generation: GenerationSpec = Field(default_factory=GenerationSpec,
+                                       description="causal models: greedy continuation agreement FP vs compressed")
     enabled: bool = True
 
     @field_validator("text_slice")

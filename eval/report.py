@@ -22,8 +22,9 @@ def render_markdown(report: dict) -> str:
     ev = report.get("eval") or {}
     if ev:
         rows = [{"dataset": k, **v} for k, v in ev.items()]
-        cols = [c for c in ("dataset", "fp_ppl", "ppl", "ppl_ratio", "kl", "top1", "tokens",
-                            "cosine", "fp_probe_acc", "probe_acc") if any(c in r for r in rows)]
+        cols = [c for c in ("dataset", "fp_ppl", "ppl", "ppl_ratio", "kl", "top1", "tokens", "gen_prefix",
+                            "gen_agree", "gen_kl", "gen_top1", "cosine", "fp_probe_acc", "probe_acc")
+                if any(c in r for r in rows)]
         out.append("\n## Evaluation (full precision vs compressed, same tokens)\n\n" + _table(rows, cols))
     size = report.get("size") or {}
     if size:
@@ -41,6 +42,10 @@ def summary_lines(report: dict) -> list[str]:
         if "ppl" in e:
             lines.append(f"{name}: perplexity {e['fp_ppl']:.3f} (FP) -> {e['ppl']:.3f} (x{e['ppl_ratio']:.4f}), "
                          f"KL {e['kl']:.4g}, top-1 {e['top1']:.4f}")
+            if "gen_prefix" in e:
+                lines.append(f"{name}: greedy continuations ({e['gen_prompts']} x {e['gen_new_tokens']} tokens): "
+                             f"common prefix {e['gen_prefix']:.1f}, agreement {e['gen_agree']:.3f}, "
+                             f"KL {e['gen_kl']:.4g}, top-1 {e['gen_top1']:.4f}")
         elif "cosine" in e:
             lines.append(f"{name}: cosine {e['cosine']:.4f}, probe {e.get('fp_probe_acc')} -> {e.get('probe_acc')}")
     s = report.get("size") or {}

@@ -3,7 +3,8 @@
 Per block (ALGORITHMS.md 0.4): every linear gets a rounding perturbation V (init 0) and, with
 minmax tuning, per-group range coefficients alpha, beta (init 1, clamped to [0, 1]). The block's
 output on the quantized-model inputs is fitted to the full-precision block's output on the
-full-precision inputs by MSE, with auto-round's `SignSGD` (p <- p - lr * sign(grad)), lr decayed
+full-precision inputs by MSE (the last block optionally through the frozen LM head: `final_block`,
+see lfq.py), with auto-round's `SignSGD` (p <- p - lr * sign(grad)), lr decayed
 linearly to 0 over `iters`, keeping the parameters of the best loss seen. Fake quantization is
 auto-round's own `int_sym` (full range, scales may be negative) / `int_asym`, so the rounding is
 auto-round's; the loop runs in our driver on our calibration data (auto-round's own default would
@@ -22,6 +23,7 @@ from pydantic import Field
 
 from compress.config import QuantizeConfig
 from compress.driver import BlockData, LayerSpec, block_forward
+from compress.methods.lfq import FINAL_BLOCK_HELP, FinalBlock, logit_loss_backward
 from compress.primitives import group_view, resolve_group
 from compress.qweight import QuantizedWeight
 from compress.registry import register
@@ -34,6 +36,8 @@ class AutoRoundConfig(QuantizeConfig):
     batch_size: int = Field(8, gt=0, description="calibration samples per step")
     minmax_tuning: bool = Field(True, description="also tune the per-group range (alpha, beta)")
     quanted_input: bool = Field(True, description="feed each block the quantized model's inputs")
+    final_block: FinalBlock = Field("same", description=FINAL_BLOCK_HELP)
+    chunk_tokens: int = Field(512, gt=0, description="tokens per full-vocabulary logit chunk (final_block)")
 
 
 class _Tuned:
@@ -107,16 +111,22 @@ def _tune(data: BlockData, tuned: dict, inputs, cfg: AutoRoundConfig):
     g = torch.Generator().manual_seed(data.seed)
     order = torch.randperm(len(inputs), generator=g).tolist()
     best_loss, best = float("inf"), {n: t.snapshot() for n, t in tuned.items()}
+    through_head = data.head is not None and cfg.final_block != "same"
     for block_param in data.block.parameters():
         block_param.requires_grad_(False)
     for it in range(cfg.iters):
         j = order[it % len(order)]
-        out = block_forward(data.block, inputs[j], data.kwargs[j])
-        loss = F.mse_loss(out.float(), data.fp_targets[j].float())
-        if loss.item() < best_loss:
-            best_loss, best = loss.item(), {n: t.snapshot() for n, t in tuned.items()}
         opt.zero_grad()
-        (loss * 1000).backward()
+        out = block_forward(data.block, inputs[j], data.kwargs[j])
+        if through_head:
+            loss = logit_loss_backward(out, data.fp_targets[j], data.head, cfg.final_block,
+                                       data.tokens[j] if data.tokens else None, cfg.chunk_tokens)
+        else:
+            mse = F.mse_loss(out.float(), data.fp_targets[j].float())
+            (mse * 1000).backward()  # auto-round's scale; irrelevant to SignSGD's sign
+            loss = mse.item()
+        if loss < best_loss:  # the parameters that produced this loss (the step comes after)
+            best_loss, best = loss, {n: t.snapshot() for n, t in tuned.items()}
         opt.step()
         sched.step()
     return best
@@ -130,6 +140,7 @@ class AutoRound:
     def __init__(self, cfg: AutoRoundConfig):
         self.cfg = cfg
         self.batch_size = cfg.batch_size
+        self.needs_head = cfg.final_block != "same"
 
     def quantize_block(self, data: BlockData) -> dict[str, QuantizedWeight]:
         with torch.enable_grad():

@@ -19,6 +19,7 @@ class RTN:
     needs_hessian = False
     needs_fp_targets = False
     needs_data = False
+    needs_head = False
     batch_size = 1
 
     def quantize_block(self, data: BlockData) -> dict[str, QuantizedWeight]:

@@ -1,0 +1,102 @@
+"""LFQ: logit-aware final-block quantization (arXiv 2605.29756; ALGORITHMS.md section 1).
+
+Blocks 1..L-1 keep their method's own objective. The last decoder block is tuned (AutoRound's
+sign-gradient rounding) to minimise, through the frozen final norm and the frozen full-precision
+LM head,
+
+    lfq:      KL(p_FP || p_Q) per token  (= soft cross-entropy against the FP distribution + const)
+    hard_ce:  next-token cross-entropy against the calibration tokens (auto-round's `enable_lfq`,
+              kept for comparison; its maintainers report accuracy drops)
+
+The teacher logits are recomputed per minibatch from the cached FP block outputs (hidden size
+only) and the loss is chunked over tokens with a detached hidden state, so no full-vocabulary
+logits exist for more than `chunk_tokens` tokens at a time: memory is
+O(chunk_tokens x vocab) whatever the calibration size.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from compress.errors import BadInput
+
+FinalBlock = Literal["same", "lfq", "hard_ce"]
+FINAL_BLOCK_HELP = ("objective of the last decoder block: `same` (the method's own), `lfq` (KL to the FP model's "
+                    "token distribution through the frozen head), `hard_ce` (next-token CE, for comparison)")
+
+
+class LogitHead(nn.Module):
+    """The model's own path from the last block's output to logits, frozen: final norm, LM head, and
+    logit soft-capping where the config has it."""
+
+    def __init__(self, norm: nn.Module | None, head: nn.Module, softcap: float | None = None):
+        super().__init__()
+        self.norm, self.head, self.softcap = norm, head, softcap
+
+    @classmethod
+    def of(cls, adapter) -> LogitHead:
+        _, head = adapter.lm_head()
+        if adapter.kind != "causal" or head is None:
+            raise BadInput(f"`final_block` other than `same` needs a causal LM with an LM head; "
+                           f"`{adapter.model_type}` has none")
+        out = cls(adapter.final_norm(), head, getattr(adapter.model.config, "final_logit_softcapping", None))
+        out.requires_grad_(False)  # frozen: gradients reach only the last block's rounding parameters
+        return out
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        z = self.head(self.norm(h) if self.norm is not None else h).float()
+        if self.softcap:
+            z = torch.tanh(z / self.softcap) * self.softcap
+        return z
+
+
+def kl_per_token(z_teacher: torch.Tensor, z_student: torch.Tensor) -> torch.Tensor:
+    """KL(softmax(z_teacher) || softmax(z_student)) per row, in nats."""
+    log_t, log_s = F.log_softmax(z_teacher.float(), -1), F.log_softmax(z_student.float(), -1)
+    return (log_t.exp() * (log_t - log_s)).sum(-1)
+
+
+def shifted_labels(tokens: torch.Tensor) -> torch.Tensor:
+    """Next-token labels of (batch, seq) tokens; the last position of each row is ignored (-100)."""
+    labels = torch.full_like(tokens, -100)
+    labels[:, :-1] = tokens[:, 1:]
+    return labels
+
+
+def logit_loss_backward(out: torch.Tensor, fp_out: torch.Tensor, head: LogitHead, mode: str,
+                        tokens: torch.Tensor | None = None, chunk_tokens: int = 512) -> float:
+    """Loss of the block output `out` (batch, seq, hidden) through `head`, back-propagated into the
+    block's graph chunk by chunk; returns the mean loss per token.
+
+    `lfq`: teacher = head(fp_out) (the FP block's output on the FP trajectory), no gradient.
+    `hard_ce`: targets = `tokens` shifted by one.
+    """
+    h = out.detach().requires_grad_(True)
+    flat_h = h.reshape(-1, h.shape[-1])
+    if mode == "lfq":
+        flat_t = fp_out.reshape(-1, fp_out.shape[-1])
+        n = flat_h.shape[0]
+    elif mode == "hard_ce":
+        if tokens is None:
+            raise ValueError("hard_ce needs the calibration tokens")
+        flat_lab = shifted_labels(tokens).reshape(-1)
+        n = int((flat_lab != -100).sum())
+    else:
+        raise ValueError(f"unknown final-block objective {mode!r}")
+    total = 0.0
+    for s in range(0, flat_h.shape[0], chunk_tokens):
+        z_q = head(flat_h[s : s + chunk_tokens])
+        if mode == "lfq":
+            with torch.no_grad():
+                z_t = head(flat_t[s : s + chunk_tokens])
+            loss = kl_per_token(z_t, z_q).sum() / n
+        else:
+            loss = F.cross_entropy(z_q, flat_lab[s : s + chunk_tokens], ignore_index=-100, reduction="sum") / n
+        loss.backward()
+        total += loss.item()
+    out.backward(h.grad)
+    return total
