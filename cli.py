@@ -213,15 +213,27 @@ def bench_quality(
     md_out: Optional[Path] = typer.Option(None, "--markdown", help="also write the markdown table here"),
     quick: bool = typer.Option(False, "--quick", help="tiny settings, for a smoke test"),
     only: Optional[List[str]] = typer.Option(None, "--only", help="run only these models (repeatable)"),
+    suite: str = typer.Option("ptq", "--suite", help="`ptq`: FP/RTN/GPTQ/AutoRound matrix; `lfq`: AutoRound "
+                              "with and without LFQ and hard-label CE, three seeds, with greedy-continuation scores"),
 ):
-    """FP, RTN, GPTQ and AutoRound at W4/W3/W2 on the real small models and MiniLM.
+    """FP, RTN, GPTQ and AutoRound at W4/W3/W2 on the real small models and MiniLM (`--suite ptq`),
+    or the LFQ comparison (`--suite lfq`).
 
-    Example: compress bench quality --json bench-quality.json --markdown bench-quality.md
+    Example: compress bench quality --json bench/quality.json --markdown bench/quality.md
     """
-    from compress.eval.bench_quality import run_quality
+    from compress.errors import BadInput
 
     _setup_logging(False)
-    rows, md = run_quality(quick=quick, only=only or None)
+    if suite == "ptq":
+        from compress.eval.bench_quality import run_quality
+
+        rows, md = run_quality(quick=quick, only=only or None)
+    elif suite == "lfq":
+        from compress.eval.bench_lfq import run_lfq
+
+        rows, md = run_lfq(quick=quick, only=only or None)
+    else:
+        raise BadInput(f"unknown --suite `{suite}` (known: ptq, lfq)")
     typer.echo(md)
     if json_out:
         json_out.write_text(json.dumps(rows, indent=2) + "\n")

@@ -36,3 +36,22 @@ def test_only_rejects_unknown_model():
     with pytest.raises(BadInput, match="unknown model `nope`"):
         selected(False, ["nope"])
     assert [b.name for b in selected(True, None)] == ["stories260K", "stories-llama-1m"]
+
+
+@pytest.mark.skipif(not (MODELS / "stories260K").is_dir(), reason="shared/data is not available")
+def test_quick_lfq_suite_on_stories260k():
+    from compress.eval.bench_lfq import QUICK as LQ, VARIANTS, run_lfq
+
+    result, md = run_lfq(quick=True, only=["stories260K"])
+    assert [(c["variant"], c["bits"], c["seed"]) for c in result["cells"]] == [(v, 2, 0) for v in VARIANTS]
+    assert [r["variant"] for r in result["summary"]] == list(VARIANTS)
+    plain = result["cells"][0]
+    for c in result["cells"]:
+        assert c["fp_ppl"] == plain["fp_ppl"] and c["group_size"] == 32
+        assert 0 <= c["gen_prefix"] <= LQ.new_tokens and 0 <= c["gen_agree"] <= 1 and c["kl"] > 0
+    # same calibration and blocks before the last: only the final objective differs, so results differ
+    assert len({round(c["kl"], 9) for c in result["cells"]}) == 3
+    assert [t["target"] for t in result["targets"]] == [
+        "stories260K W2: LFQ KL <= 0.85 x plain", "stories260K W2: LFQ greedy prefix > plain",
+        "stories260K W2: LFQ ppl <= 1.01 x plain"]
+    assert md.startswith("# LFQ benchmark") and md.count("\n| stories260K | W2 |") == 3

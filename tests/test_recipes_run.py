@@ -31,9 +31,9 @@ def shrink(recipe: dict) -> list[str]:
 
 
 
-def test_four_bundled_recipes():
-    assert [p.name for p in RECIPES] == ["quickstart.yaml", "w2-autoround.yaml", "w3-autoround.yaml",
-                                         "w4-gptq.yaml"]
+def test_bundled_recipes():
+    assert [p.name for p in RECIPES] == ["quickstart.yaml", "w2-autoround-lfq.yaml", "w2-autoround.yaml",
+                                         "w3-autoround.yaml", "w4-gptq.yaml"]
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
@@ -49,6 +49,7 @@ def test_bundled_recipe_runs_and_exports(recipe: Path, tmp_path):
     assert [s["method"] for s in report["stages"] if s["name"] == "quantize"] == [stage["method"]]
     ev = next(iter(report["eval"].values()))
     assert ev["tokens"] == 512 and ev["ppl_ratio"] > 0.9 and ev["top1"] > 0.3
+    assert ev["gen_prompts"] == 16 and 0 <= ev["gen_prefix"] <= ev["gen_new_tokens"] and ev["gen_kl"] >= 0
     assert report["size"]["quantized_layers"] == 6 * 7
     assert report["size"]["bytes"] < report["size"]["fp_bytes"]
 
