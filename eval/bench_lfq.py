@@ -27,7 +27,7 @@ METRICS = ("ppl", "kl", "top1", "gen_prefix", "gen_agree", "gen_kl", "gen_top1")
 
 @dataclass(frozen=True)
 class LfqSettings:
-    base: bq.Settings = replace(bq.FULL, iters=200, ar_batch_size=8)  # auto-round's default tuning
+    base: bq.Settings = replace(bq.FULL, iters=100, ar_batch_size=8)  # half auto-round's default: 2-core budget
     seeds: tuple[int, ...] = (0, 1, 2)
     widths: tuple[int, ...] = (2, 3, 4)
     prompts: int = 16
