@@ -1,0 +1,143 @@
+"""`compress bench kernels`: packed GEMM speed on this machine, side by side in one process.
+
+For each weight shape (N x K), batch and format (int4 g128, int2 g64) it times, repeated (min and
+median): our C++ kernel (`ours-cpu`), the reference path (`reference`: dequantize, then matmul),
+torch's int4 CPU kernel (`torch-int4`, int4 only), an OpenVINO compiled weight-compressed MatMul
+(`openvino-int4` / `openvino-int2`: u4/u2 constant -> convert -> subtract zero -> multiply scale ->
+reshape -> MatMul), and dense torch fp32 / bf16 matmuls (format `dense`). The machine's streaming
+read bandwidth (sum of a 512 MiB tensor) is measured in the same run; `gbps` is the bytes each
+backend's weight occupies divided by its minimum time, `bw_fraction` that over the read bandwidth.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from compress.kernels import cpu
+from compress.kernels.backends import Reference
+from compress.qweight import QuantizedWeight
+
+logger = logging.getLogger(__name__)
+
+SHAPES = ((4096, 4096), (11008, 4096), (8192, 8192))  # (out, in)
+BATCHES = (1, 8, 32)
+FORMATS = ((4, 128), (2, 64))
+QUICK = dict(shapes=((1024, 1024),), batches=(1, 8), repeats=3)
+
+
+def timed(fn, repeats: int) -> tuple[float, float]:
+    """(min, median) milliseconds of `fn()` over `repeats` runs after one warm-up."""
+    fn()
+    ts = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        ts.append((time.perf_counter() - t) * 1e3)
+    return min(ts), statistics.median(ts)
+
+
+def read_bandwidth_gbps(mib: int, repeats: int) -> float:
+    a = torch.ones(mib * 2**20 // 4)
+    ms, _ = timed(lambda: a.sum(), repeats)
+    return a.numel() * 4 / ms / 1e6
+
+
+def random_qweight(n: int, k: int, bits: int, group: int, seed: int = 0) -> QuantizedWeight:
+    g = torch.Generator().manual_seed(seed)
+    ng = -(-k // group)
+    return QuantizedWeight(codes=torch.randint(0, 2**bits, (n, k), dtype=torch.uint8, generator=g),
+                           scales=(torch.rand(n, ng, generator=g) * 0.02 + 0.001).half().float(),
+                           zeros=torch.randint(0, 2**bits, (n, ng), dtype=torch.uint8, generator=g),
+                           bits=bits, group_size=group, sym=False)
+
+
+def torch_int4(qw: QuantizedWeight):
+    """(fn(x), bytes) for torch's `_weight_int4pack_mm_for_cpu`: w = (q - 8) * scale + offset."""
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(qw.codes.to(torch.int32), 1)
+    s = qw.scales.float()
+    offset = (8 - qw.zeros.float()) * s
+    sz = torch.stack([s.T, offset.T], dim=-1).contiguous()  # (n_groups, N, 2)
+    fn = lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, qw.group_size, sz)  # noqa: E731
+    return fn, packed.numel() * packed.element_size() + sz.numel() * sz.element_size()
+
+
+def openvino_matmul(qw: QuantizedWeight, batch: int):
+    """(fn(x), bytes) for an OpenVINO CPU model with u4/u2 codes and zero points, fp16 scales."""
+    import openvino as ov
+    import openvino.opset13 as ops
+
+    n, k, g = qw.out_features, qw.in_features, qw.group_size
+    ng, t = k // g, {4: ov.Type.u4, 2: ov.Type.u2}[qw.bits]
+    x = ops.parameter([batch, k], np.float32, name="x")
+    w = ops.convert(ops.constant(qw.codes.numpy().reshape(n, ng, g), dtype=t), ov.Type.f16)
+    w = ops.subtract(w, ops.convert(ops.constant(qw.zeros.numpy().reshape(n, ng, 1), dtype=t), ov.Type.f16))
+    w = ops.multiply(w, ops.constant(qw.scales.numpy().astype(np.float16).reshape(n, ng, 1)))
+    w = ops.convert(ops.reshape(w, ops.constant(np.array([n, k], np.int64)), False), ov.Type.f32)
+    model = ov.Model([ops.matmul(x, w, False, True)], [x])
+    compiled = ov.Core().compile_model(model, "CPU", {"INFERENCE_NUM_THREADS": torch.get_num_threads()})
+    req = compiled.create_infer_request()
+    fn = lambda xx: req.infer([xx])  # noqa: E731
+    return fn, n * k * qw.bits // 8 + n * ng * (2 + qw.bits / 8)
+
+
+def _row(shape, batch, fmt, backend, ms, nbytes, bw) -> dict:
+    gbps = nbytes / ms[0] / 1e6
+    return {"shape": shape, "batch": batch, "format": fmt, "backend": backend, "ms_min": round(ms[0], 4),
+            "ms_median": round(ms[1], 4), "gbps": round(gbps, 2), "bw_fraction": round(gbps / bw, 3)}
+
+
+def bench_shape(n: int, k: int, batches, repeats: int, bw: float) -> list[dict]:
+    shape, rows = f"{n}x{k}", []
+    w = torch.randn(n, k) * 0.02
+    wb = w.bfloat16()
+    for b in batches:
+        x = torch.randn(b, k)
+        xb = x.bfloat16()
+        rows.append(_row(shape, b, "dense", "torch-fp32", timed(lambda: x @ w.T, repeats), w.numel() * 4, bw))
+        rows.append(_row(shape, b, "dense", "torch-bf16", timed(lambda: xb @ wb.T, repeats), w.numel() * 2, bw))
+    del w, wb
+    for bits, group in FORMATS:
+        fmt = f"int{bits}-g{group}"
+        qw = random_qweight(n, k, bits, group)
+        packed = cpu.pack(qw) if cpu.extension() is not None else None
+        ref = Reference()
+        for b in batches:
+            x = torch.randn(b, k)
+            if packed is not None:
+                rows.append(_row(shape, b, fmt, "ours-cpu", timed(lambda: cpu.matmul(x, packed), repeats),
+                                 packed.nbytes(), bw))
+            rows.append(_row(shape, b, fmt, "reference", timed(lambda: ref.matmul(x, qw), max(1, repeats // 4)),
+                             qw.storage_bits() // 8, bw))
+            if bits == 4:
+                fn, nbytes = torch_int4(qw)
+                rows.append(_row(shape, b, fmt, "torch-int4", timed(lambda: fn(x), repeats), nbytes, bw))
+            fn, nbytes = openvino_matmul(qw, b)
+            xn = x.numpy()
+            rows.append(_row(shape, b, fmt, f"openvino-int{bits}", timed(lambda: fn(xn), repeats), nbytes, bw))
+            logger.info("%s batch %d %s done", shape, b, fmt)
+    return rows
+
+
+def run(quick: bool = False, repeats: int = 15) -> dict:
+    shapes, batches = (QUICK["shapes"], QUICK["batches"]) if quick else (SHAPES, BATCHES)
+    repeats = QUICK["repeats"] if quick else repeats
+    bw = read_bandwidth_gbps(64 if quick else 512, repeats)
+    rows = [r for n, k in shapes for r in bench_shape(n, k, batches, repeats, bw)]
+    return {"read_bandwidth_gbps": round(bw, 2), "threads": torch.get_num_threads(),
+            "cpu_kernel": cpu.extension() is not None, "rows": rows}
+
+
+def markdown(result: dict) -> str:
+    """One table: shape, batch, format, backend, ms min / median, GB/s, fraction of read bandwidth."""
+    lines = [f"Streaming read bandwidth: {result['read_bandwidth_gbps']} GB/s, {result['threads']} threads.", "",
+             "| shape | batch | format | backend | ms min | ms median | GB/s | of read bw |",
+             "|---|---:|---|---|---:|---:|---:|---:|"]
+    for r in result["rows"]:
+        lines.append(f"| {r['shape']} | {r['batch']} | {r['format']} | {r['backend']} | {r['ms_min']:.3f} | "
+                     f"{r['ms_median']:.3f} | {r['gbps']:.1f} | {r['bw_fraction']:.0%} |")
+    return "\n".join(lines) + "\n"
