@@ -57,12 +57,13 @@ def random_qweight(n: int, k: int, bits: int, group: int, seed: int = 0) -> Quan
 
 
 def torch_int4(qw: QuantizedWeight):
-    """(fn(x), bytes) for torch's `_weight_int4pack_mm_for_cpu`: w = (q - 8) * scale + offset."""
+    """(fn(x), bytes) for torch's `_weight_int4pack_mm_for_cpu`: w = (q - 8) * scale + offset. It runs in
+    bf16 (activations, scales and offsets), its fast path; fp32 activations take a far slower one."""
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(qw.codes.to(torch.int32), 1)
     s = qw.scales.float()
     offset = (8 - qw.zeros.float()) * s
-    sz = torch.stack([s.T, offset.T], dim=-1).contiguous()  # (n_groups, N, 2)
-    fn = lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, qw.group_size, sz)  # noqa: E731
+    sz = torch.stack([s.T, offset.T], dim=-1).bfloat16().contiguous()  # (n_groups, N, 2)
+    fn = lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x.bfloat16(), packed, qw.group_size, sz)  # noqa: E731
     return fn, packed.numel() * packed.element_size() + sz.numel() * sz.element_size()
 
 
