@@ -31,9 +31,9 @@ def shrink(recipe: dict) -> list[str]:
 
 
 
-def test_four_bundled_recipes():
+def test_bundled_recipes():
     assert [p.name for p in RECIPES] == ["quickstart.yaml", "w2-autoround.yaml", "w3-autoround.yaml",
-                                         "w4-gptq.yaml"]
+                                         "w4-gptq.yaml", "w4-onnx.yaml"]
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
@@ -64,6 +64,12 @@ def test_bundled_recipe_runs_and_exports(recipe: Path, tmp_path):
     with torch.no_grad():
         logits = loaded(ids).logits
     assert logits.shape == (1, 8, 4096) and torch.isfinite(logits).all()
+    if "onnx" in spec["export"]["formats"]:  # onnxruntime vs the reloaded checkpoint (fp16-rounded norms/embeddings)
+        import onnxruntime as ort
+
+        sess = ort.InferenceSession(str(out / "onnx" / "model.onnx"), providers=["CPUExecutionProvider"])
+        onnx_logits = torch.from_numpy(sess.run(["logits"], {"input_ids": ids.numpy()})[0])
+        assert (onnx_logits - logits).abs().max() < 1e-2 * (logits.max() - logits.min())
 
     rc, stdout, err = invoke("inspect", out / "hf", "--json")
     assert rc == 0, err
