@@ -2,7 +2,9 @@
 
 A backend turns a QuantizedWeight into its own packed state once (`prepare`) and multiplies
 activations by it (`matmul(x, state) -> x @ W_hat.T` in fp32). `reference` (dequantize, then matmul)
-is the oracle every other backend is tested against; `cpu` is the C++ kernel of `kernels/cpu.py`.
+is the oracle every other backend is tested against; `cpu` is the C++ kernel of `kernels/cpu.py` with
+fp32 activations (the reference up to float rounding), `cpu-a8` the same kernel with activations
+rounded to int8 per block (faster; 8-bit weights keep fp32 activations).
 `select("auto", qw)` picks `cpu` when it supports the weight and its build succeeded, else `reference`.
 """
 
@@ -39,23 +41,22 @@ class Reference:
 
 
 class CPU:
-    name = "cpu"
-
-    def __init__(self, scalar: bool = False):
-        self.scalar = scalar  # force the scalar C++ path (tests)
+    def __init__(self, act: str = "fp32", scalar: bool = False):
+        self.act, self.scalar = act, scalar  # scalar: force the scalar C++ path (tests)
+        self.name = "cpu" if act == "fp32" else "cpu-a8"
 
     def prepare(self, qw: QuantizedWeight) -> cpu.PackedCPU:
         return cpu.pack(qw)
 
     def matmul(self, x: torch.Tensor, state: cpu.PackedCPU) -> torch.Tensor:
-        return cpu.matmul(x, state, scalar=self.scalar)
+        return cpu.matmul(x, state, act=self.act, scalar=self.scalar)
 
 
-BACKENDS = {"reference": Reference, "cpu": CPU}
+BACKENDS = {"reference": Reference, "cpu": CPU, "cpu-a8": lambda: CPU(act="int8")}
 
 
 def select(name: str, qw: QuantizedWeight) -> Backend:
-    """`auto`, `cpu` or `reference`. `auto` falls back to the reference path (logged at debug level per
+    """`auto`, `cpu`, `cpu-a8` or `reference`. `auto` (= `cpu` when possible) falls back to the reference path (logged at debug level per
     layer; a missing compiler is logged once by `cpu.extension`). An explicit `cpu` that cannot run raises."""
     if name not in ("auto", *BACKENDS):
         raise ValueError(f"unknown kernel backend `{name}` (known: auto, {', '.join(BACKENDS)})")
@@ -63,8 +64,8 @@ def select(name: str, qw: QuantizedWeight) -> Backend:
         return Reference()
     reason = cpu.supports(qw) or (None if cpu.extension() is not None else "no compiled cpu kernel")
     if reason is None:
-        return CPU()
-    if name == "cpu":
+        return BACKENDS["cpu" if name == "auto" else name]()
+    if name != "auto":
         raise ValueError(f"the cpu backend cannot run this weight: {reason}; use backend `auto` or `reference`")
     logger.debug("reference path for a %dx%d weight: %s", qw.out_features, qw.in_features, reason)
     return Reference()

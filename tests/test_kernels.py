@@ -53,6 +53,24 @@ def test_kernel_matches_reference(ext, bits, group, shape, sym, scalar):
         assert_close_to_reference(backend.matmul(x, state), Reference().matmul(x, qw))
 
 
+@pytest.mark.parametrize("bits,group,shape", [c for c in CASES if c[0] in cpu.A8_BITS])
+@pytest.mark.parametrize("sym", [True, False])
+@pytest.mark.parametrize("scalar", [False, True])
+def test_int8_activations_match_reference_on_rounded_x(ext, bits, group, shape, sym, scalar):
+    """cpu-a8 is exact for the activations it rounds: compare with the reference on those."""
+    qw = rand_qw(*shape, bits, group, sym)
+    state = cpu.pack(qw)
+    block = cpu.xblock(state)
+    for batch in (1, 5, 8):
+        x = torch.randn(batch, shape[1])
+        xpad = torch.nn.functional.pad(x, (0, state.kpad - shape[1]))
+        xq, sx = cpu.quantize_x(xpad, block)
+        xhat = (xq.view(batch, -1, block).float() * sx.unsqueeze(-1)).view(batch, -1)[:, : shape[1]]
+        y = cpu.matmul(x, state, act="int8", scalar=scalar)
+        assert_close_to_reference(y, Reference().matmul(xhat, qw))
+        assert (xhat - x).abs().max() <= x.abs().max() / 254 + 1e-6  # the rounding it documents
+
+
 def test_avx2_compiled_here(ext):
     import subprocess
 
@@ -61,20 +79,34 @@ def test_avx2_compiled_here(ext):
 
 
 def test_layout_known_answer():
-    """Field j of word i of a chunk holds column 8j + i (module docstring of kernels/cpu.py)."""
-    k = 64
-    codes = (torch.arange(k) % 16).to(torch.uint8).view(1, k)
-    qw = QuantizedWeight(codes=codes, scales=torch.ones(1, 1), zeros=torch.zeros(1, 1, dtype=torch.uint8),
-                         bits=4, group_size=-1, sym=False)
-    words = cpu.pack(qw).words.view(-1).to(torch.int64) & 0xFFFFFFFF
-    for i in range(8):
-        for j in range(8):
-            assert (words[i] >> (4 * j)) & 0xF == (8 * j + i) % 16
+    """Byte t of word i holds column 32*s + 4*i + t in field s (module docstring of kernels/cpu.py)."""
+    for bits in (2, 4, 8):
+        P, k = 8 // bits, 32 * (8 // bits)
+        codes = (torch.arange(k) % 2**bits).to(torch.uint8).view(1, k)
+        qw = QuantizedWeight(codes=codes, scales=torch.ones(1, 1), zeros=torch.zeros(1, 1, dtype=torch.uint8),
+                             bits=bits, group_size=-1, sym=False)
+        p = cpu.pack(qw)
+        words = p.words.view(-1).to(torch.int64) & 0xFFFFFFFF
+        for i in range(8):
+            for t in range(4):
+                for s in range(P):
+                    assert (words[i] >> (8 * t + bits * s)) & (2**bits - 1) == (32 * s + 4 * i + t) % 2**bits
     qw2 = QuantizedWeight(codes=torch.full((1, 200), 3, dtype=torch.uint8), scales=torch.ones(1, 4),
                           zeros=torch.zeros(1, 4, dtype=torch.uint8), bits=2, group_size=64, sym=False)
     p = cpu.pack(qw2)
-    assert p.kpad == 256 and p.words.shape == (1, 16) and p.scales.shape == (1, 4)
+    assert p.kpad == 256 and p.words.shape == (1, 16) and p.scales.shape == (1, 4) and p.gshift == 1
     assert (p.words[0, :8] == -1).all()  # columns 0..127: every 2-bit field is 3
+
+
+def test_permute_x_matches_fields():
+    """The fp32 path reads field j = t*P + s of lane i at chunk offset 8j + i: column 32s + 4i + t."""
+    bits, P = 4, 2
+    x = torch.arange(64, dtype=torch.float32).view(1, 64)
+    xp = cpu.permute_x(x, bits).view(-1)
+    for t in range(4):
+        for s in range(P):
+            for i in range(8):
+                assert xp[8 * (t * P + s) + i] == 32 * s + 4 * i + t
 
 
 def test_quant_linear_bias_dtype_and_shape(ext):
@@ -93,6 +125,7 @@ def test_unsupported_weights_use_reference(ext):
     assert select("auto", qw3).name == "reference"
     with pytest.raises(ValueError, match="3-bit"):
         select("cpu", qw3)
+    assert select("cpu-a8", rand_qw(16, 96, 4, 32, False)).name == "cpu-a8"
     assert select("auto", rand_qw(16, 96, 4, 48, False)).name == "reference"  # group not a power of two
     with pytest.raises(ValueError, match="unknown kernel backend"):
         select("cuda", qw3)
