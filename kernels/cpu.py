@@ -2,7 +2,7 @@
 
 Layout, for a QuantizedWeight of shape (N, K) with b bits (b in 2, 4, 8; P = 8/b codes per byte)
 -------------------------------------------------------------------------------------------------
-K is zero padded to `kpad`. Each row is a run of chunks; a chunk is 8 int32 words (one AVX2
+K is zero padded to `kpad` (a multiple of 128, of the chunk and of the group). Each row is a run of chunks; a chunk is 8 int32 words (one AVX2
 register) = 32 bytes holding 32*P codes. Byte t (0..3) of word i (0..7) holds in its field s (bits
 s*b .. s*b+b-1) the chunk's column `k = 32*s + 4*i + t`::
 
@@ -86,7 +86,7 @@ def pack(qw: QuantizedWeight) -> PackedCPU:
         raise ValueError(f"the cpu kernel cannot hold {reason}")
     bits, (N, K) = qw.bits, qw.codes.shape
     P = 8 // bits
-    step = max(32 * P, XBLOCK if qw.group_size == -1 else qw.group_size)
+    step = max(128, 32 * P, qw.group_size)  # whole groups, whole chunk pairs and XBLOCKs
     kpad = math.ceil(K / step) * step
     codes = torch.zeros(N, kpad, dtype=torch.int64)
     codes[:, :K] = qw.codes.cpu()

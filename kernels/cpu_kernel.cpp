@@ -128,49 +128,71 @@ inline __m256i dot_u8s8(__m256i acc, __m256i w, __m256i x) {
 #endif
 }
 
-// int8 activations (xq, scale sx per 2^xshift 32-column blocks): one row, batch rows b0..b0+BT.
-template <int BITS, int BT>
-void row_a8(const Args& a, int64_t n, int64_t b0) {
+// int8 activations (xq, scale sx per 2^xshift 32-column blocks): rows n..n+R, batch rows b0..b0+BT.
+// R*BT = 4 independent dot-product chains hide the latency; each activation load serves R rows.
+template <int BITS, int R, int BT>
+void rows_a8(const Args& a, int64_t n, int64_t b0) {
   constexpr int P = 8 / BITS;
   const __m256i mask = _mm256_set1_epi8((char)((1 << BITS) - 1));
-  const uint32_t* row = a.words + n * a.W;
-  const float* s = a.scales + n * a.Gp;
   const int8_t* xq = a.xq + b0 * a.Kpad;
   const float* sx = a.sx + b0 * a.Xb;
   const int64_t chunks = a.Kpad / (32 * P), xmask = (int64_t(1) << a.xshift) - 1;
-  __m256 racc[BT];
-  __m256i acc[BT];
-  for (int b = 0; b < BT; ++b) { racc[b] = _mm256_setzero_ps(); acc[b] = _mm256_setzero_si256(); }
+  __m256 racc[R][BT];
+  __m256i acc[R][BT];
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < BT; ++b) { racc[r][b] = _mm256_setzero_ps(); acc[r][b] = _mm256_setzero_si256(); }
   for (int64_t c = 0; c < chunks; ++c) {
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c * 8));
-    _mm_prefetch(reinterpret_cast<const char*>(row + c * 8 + 256), _MM_HINT_T0);
+    __m256i v[R];
+    for (int r = 0; r < R; ++r) {
+      const uint32_t* row = a.words + (n + r) * a.W + c * 8;
+      v[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row));
+      _mm_prefetch(reinterpret_cast<const char*>(row + 256), _MM_HINT_T0);
+    }
 #pragma GCC unroll 8
     for (int f = 0; f < P; ++f) {
-      __m256i q = f == 0 ? v : _mm256_srli_epi32(v, f * BITS);
-      if (P > 1) q = _mm256_and_si256(q, mask);
       const int64_t blk = c * P + f;
+      __m256i xv[BT];
       for (int b = 0; b < BT; ++b)
-        acc[b] = dot_u8s8(acc[b], q, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * a.Kpad + blk * 32)));
+        xv[b] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * a.Kpad + blk * 32));
+      for (int r = 0; r < R; ++r) {
+        const __m256i q = _mm256_and_si256(f == 0 ? v[r] : _mm256_srli_epi32(v[r], f * BITS), mask);
+        for (int b = 0; b < BT; ++b) acc[r][b] = dot_u8s8(acc[r][b], q, xv[b]);
+      }
       if (((blk + 1) & xmask) == 0) {
-        const float sw = s[blk >> a.gshift];
-        for (int b = 0; b < BT; ++b) {
-          const __m256 sc = _mm256_set1_ps(sw * sx[b * a.Xb + (blk >> a.xshift)]);
-          racc[b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[b]), sc, racc[b]);
-          acc[b] = _mm256_setzero_si256();
+        for (int r = 0; r < R; ++r) {
+          const float sw = a.scales[(n + r) * a.Gp + (blk >> a.gshift)];
+          for (int b = 0; b < BT; ++b) {
+            const __m256 sc = _mm256_set1_ps(sw * sx[b * a.Xb + (blk >> a.xshift)]);
+            racc[r][b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][b]), sc, racc[r][b]);
+            acc[r][b] = _mm256_setzero_si256();
+          }
         }
       }
     }
   }
-  for (int b = 0; b < BT; ++b) a.y[(b0 + b) * a.N + n] = hsum(racc[b]) - zero_correction(a, n, b0 + b);
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < BT; ++b)
+      a.y[(b0 + b) * a.N + n + r] = hsum(racc[r][b]) - zero_correction(a, n + r, b0 + b);
 }
 
-template <int BITS, bool A8>
-void row_avx2(const Args& a, int64_t n) {
+// Rows [n, end) for int8 activations: batch tiles of 4, 2, 1, each with 4/BT rows at a time.
+template <int BITS>
+void rows_a8_all(const Args& a, int64_t n, int64_t end) {
   auto tile = [&](auto bt, int64_t b) {
-    constexpr int BT = decltype(bt)::value;
-    if constexpr (A8) row_a8<BITS, BT>(a, n, b);
-    else row_f32<BITS, BT>(a, n, b);
+    constexpr int BT = decltype(bt)::value, R = 4 / BT;
+    int64_t m = n;
+    for (; m + R <= end; m += R) rows_a8<BITS, R, BT>(a, m, b);
+    for (; m < end; ++m) rows_a8<BITS, 1, BT>(a, m, b);
   };
+  int64_t b = 0;
+  for (; b + 4 <= a.B; b += 4) tile(std::integral_constant<int, 4>{}, b);
+  if (b + 2 <= a.B) { tile(std::integral_constant<int, 2>{}, b); b += 2; }
+  if (b < a.B) tile(std::integral_constant<int, 1>{}, b);
+}
+
+template <int BITS>
+void rows_f32_all(const Args& a, int64_t n) {
+  auto tile = [&](auto bt, int64_t b) { row_f32<BITS, decltype(bt)::value>(a, n, b); };
   int64_t b = 0;
   for (; b + 4 <= a.B; b += 4) tile(std::integral_constant<int, 4>{}, b);
   if (b + 2 <= a.B) { tile(std::integral_constant<int, 2>{}, b); b += 2; }
@@ -181,19 +203,16 @@ void row_avx2(const Args& a, int64_t n) {
 template <int BITS>
 void run(const Args& a, bool scalar) {
   at::parallel_for(0, a.N, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) {
 #ifdef __AVX2__
-      if (!scalar) {
-        if (a.xq) {
-          if constexpr (BITS < 8) { row_avx2<BITS, true>(a, n); continue; }
-        } else {
-          row_avx2<BITS, false>(a, n);
-          continue;
-        }
-      }
-#endif
-      row_scalar<BITS>(a, n);
+    if (!scalar && a.xq) {
+      if constexpr (BITS < 8) { rows_a8_all<BITS>(a, begin, end); return; }
     }
+    if (!scalar && !a.xq) {
+      for (int64_t n = begin; n < end; ++n) rows_f32_all<BITS>(a, n);
+      return;
+    }
+#endif
+    for (int64_t n = begin; n < end; ++n) row_scalar<BITS>(a, n);
   });
 }
 
@@ -236,7 +255,7 @@ torch::Tensor matmul_a8(torch::Tensor xq, torch::Tensor sx, torch::Tensor xsum, 
                         bool scalar) {
   TORCH_CHECK(xq.dim() == 2 && xq.scalar_type() == torch::kChar && xq.is_contiguous(), "xq: contiguous int8");
   TORCH_CHECK(sx.scalar_type() == torch::kFloat && sx.is_contiguous(), "sx: contiguous fp32");
-  TORCH_CHECK(xshift <= gshift && xq.size(1) % (int64_t(32) << xshift) == 0 && sx.size(1) == xq.size(1) / (32 << xshift),
+  TORCH_CHECK(xshift <= gshift && xq.size(1) % 128 == 0 && xq.size(1) % (int64_t(32) << xshift) == 0 && sx.size(1) == xq.size(1) / (32 << xshift),
               "x scale blocks must tile the row and not span weight groups");
   check_weight(words, scales, sz, xsum, xq.size(1), bits);
   auto y = torch::empty({xq.size(0), words.size(0)}, sx.options());
