@@ -1,12 +1,15 @@
 """`compress bench kernels`: packed GEMM speed on this machine, side by side in one process.
 
 For each weight shape (N x K), batch and format (int4 g128, int2 g64) it times, repeated (min and
-median): our C++ kernel (`ours-cpu`), the reference path (`reference`: dequantize, then matmul),
+median): our C++ kernel with fp32 activations (`ours-cpu`, exact up to float rounding) and with
+int8 activations (`ours-cpu-a8`, one scale per 128 or group columns), the reference path (`reference`: dequantize, then matmul),
 torch's int4 CPU kernel (`torch-int4`, int4 only), an OpenVINO compiled weight-compressed MatMul
 (`openvino-int4` / `openvino-int2`: u4/u2 constant -> convert -> subtract zero -> multiply scale ->
 reshape -> MatMul), and dense torch fp32 / bf16 matmuls (format `dense`). The machine's streaming
 read bandwidth (sum of a 512 MiB tensor) is measured in the same run; `gbps` is the bytes each
-backend's weight occupies divided by its minimum time, `bw_fraction` that over the read bandwidth.
+backend's weight occupies divided by its minimum time, `bw_fraction` that over the read bandwidth,
+and `rel_err` the backend's largest deviation from the fp32 reference output at that batch, relative
+to the reference's largest magnitude (dense rows: the bf16 rounding of the weights, fp32 rows 0).
 """
 
 from __future__ import annotations
@@ -86,10 +89,16 @@ def openvino_matmul(qw: QuantizedWeight, batch: int):
     return fn, n * k * qw.bits // 8 + n * ng * (2 + qw.bits / 8)
 
 
-def _row(shape, batch, fmt, backend, ms, nbytes, bw) -> dict:
+def _row(shape, batch, fmt, backend, ms, nbytes, bw, err) -> dict:
     gbps = nbytes / ms[0] / 1e6
     return {"shape": shape, "batch": batch, "format": fmt, "backend": backend, "ms_min": round(ms[0], 4),
-            "ms_median": round(ms[1], 4), "gbps": round(gbps, 2), "bw_fraction": round(gbps / bw, 3)}
+            "ms_median": round(ms[1], 4), "gbps": round(gbps, 2), "bw_fraction": round(gbps / bw, 3),
+            "rel_err": float(f"{err:.2e}")}
+
+
+def rel_err(y, ref: torch.Tensor) -> float:
+    y = torch.as_tensor(np.asarray(y) if not isinstance(y, torch.Tensor) else y).float()
+    return ((y - ref).abs().max() / ref.abs().max()).item()
 
 
 def bench_shape(n: int, k: int, batches, repeats: int, bw: float) -> list[dict]:
@@ -98,28 +107,32 @@ def bench_shape(n: int, k: int, batches, repeats: int, bw: float) -> list[dict]:
     wb = w.bfloat16()
     for b in batches:
         x = torch.randn(b, k)
-        xb = x.bfloat16()
-        rows.append(_row(shape, b, "dense", "torch-fp32", timed(lambda: x @ w.T, repeats), w.numel() * 4, bw))
-        rows.append(_row(shape, b, "dense", "torch-bf16", timed(lambda: xb @ wb.T, repeats), w.numel() * 2, bw))
+        xb, ref = x.bfloat16(), x @ w.T
+        rows.append(_row(shape, b, "dense", "torch-fp32", timed(lambda: x @ w.T, repeats), w.numel() * 4, bw, 0.0))
+        rows.append(_row(shape, b, "dense", "torch-bf16", timed(lambda: xb @ wb.T, repeats), w.numel() * 2, bw,
+                         rel_err(xb @ wb.T, ref)))
     del w, wb
     for bits, group in FORMATS:
         fmt = f"int{bits}-g{group}"
         qw = random_qweight(n, k, bits, group)
         packed = cpu.pack(qw) if cpu.extension() is not None else None
-        ref = Reference()
         for b in batches:
             x = torch.randn(b, k)
+            ref = Reference().matmul(x, qw)
+            cases = []  # (backend, fn, bytes)
             if packed is not None:
-                rows.append(_row(shape, b, fmt, "ours-cpu", timed(lambda: cpu.matmul(x, packed), repeats),
-                                 packed.nbytes(), bw))
-            rows.append(_row(shape, b, fmt, "reference", timed(lambda: ref.matmul(x, qw), max(1, repeats // 4)),
-                             qw.storage_bits() // 8, bw))
+                cases += [("ours-cpu", lambda: cpu.matmul(x, packed), packed.nbytes()),
+                          ("ours-cpu-a8", lambda: cpu.matmul(x, packed, act="int8"), packed.nbytes())]
+            cases.append(("reference", lambda: Reference().matmul(x, qw), qw.storage_bits() // 8))
             if bits == 4:
-                fn, nbytes = torch_int4(qw)
-                rows.append(_row(shape, b, fmt, "torch-int4", timed(lambda: fn(x), repeats), nbytes, bw))
-            fn, nbytes = openvino_matmul(qw, b)
+                fn4, nbytes4 = torch_int4(qw)
+                cases.append(("torch-int4", lambda: fn4(x), nbytes4))
+            fno, nbyteso = openvino_matmul(qw, b)
             xn = x.numpy()
-            rows.append(_row(shape, b, fmt, f"openvino-int{bits}", timed(lambda: fn(xn), repeats), nbytes, bw))
+            cases.append((f"openvino-int{bits}", lambda: fno(xn)[0], nbyteso))
+            for name, fn, nbytes in cases:
+                reps = max(1, repeats // 4) if name == "reference" else repeats
+                rows.append(_row(shape, b, fmt, name, timed(fn, reps), nbytes, bw, rel_err(fn(), ref)))
             logger.info("%s batch %d %s done", shape, b, fmt)
     return rows
 
@@ -136,9 +149,9 @@ def run(quick: bool = False, repeats: int = 15) -> dict:
 def markdown(result: dict) -> str:
     """One table: shape, batch, format, backend, ms min / median, GB/s, fraction of read bandwidth."""
     lines = [f"Streaming read bandwidth: {result['read_bandwidth_gbps']} GB/s, {result['threads']} threads.", "",
-             "| shape | batch | format | backend | ms min | ms median | GB/s | of read bw |",
-             "|---|---:|---|---|---:|---:|---:|---:|"]
+             "| shape | batch | format | backend | ms min | ms median | GB/s | of read bw | rel. error |",
+             "|---|---:|---|---|---:|---:|---:|---:|---:|"]
     for r in result["rows"]:
         lines.append(f"| {r['shape']} | {r['batch']} | {r['format']} | {r['backend']} | {r['ms_min']:.3f} | "
-                     f"{r['ms_median']:.3f} | {r['gbps']:.1f} | {r['bw_fraction']:.0%} |")
+                     f"{r['ms_median']:.3f} | {r['gbps']:.1f} | {r['bw_fraction']:.0%} | {r['rel_err']:.1e} |")
     return "\n".join(lines) + "\n"
