@@ -14,6 +14,8 @@
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <algorithm>
+#include <atomic>
 #include <cstdint>
 #ifdef __AVX2__
 #include <immintrin.h>
@@ -200,9 +202,21 @@ void rows_f32_all(const Args& a, int64_t n) {
 }
 #endif
 
+// Rows are handed out in chunks of 64 from a shared counter, so a thread the OS parks (the cores are
+// shared) delays only its current chunk instead of a fixed half of the matrix.
+template <class Fn>
+void parallel_rows(int64_t N, Fn&& fn) {
+  constexpr int64_t chunk = 64;
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), (N + chunk - 1) / chunk));
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    for (int64_t s; (s = next.fetch_add(chunk)) < N;) fn(s, std::min(N, s + chunk));
+  });
+}
+
 template <int BITS>
 void run(const Args& a, bool scalar) {
-  at::parallel_for(0, a.N, 16, [&](int64_t begin, int64_t end) {
+  parallel_rows(a.N, [&](int64_t begin, int64_t end) {
 #ifdef __AVX2__
     if (!scalar && a.xq) {
       if constexpr (BITS < 8) { rows_a8_all<BITS>(a, begin, end); return; }

@@ -52,3 +52,16 @@ def export_onnx_stage(ctx, cfg: OnnxExportConfig) -> dict:
 
     meta = {"recipe_sha256": ctx.loaded.sha256, "model": ctx.loaded.recipe.model.path}
     return export_onnx(ctx.model, ctx.qweights, ctx.workspace.path(cfg.directory), meta=meta)
+
+
+class OpenVINOExportConfig(StrictModel):
+    format: Literal["openvino"] = "openvino"
+    directory: str = "openvino"
+
+
+@register("export", "openvino", OpenVINOExportConfig, "OpenVINO IR with compressed u2/u4/u8 weight constants")
+def export_openvino_stage(ctx, cfg: OpenVINOExportConfig) -> dict:
+    from compress.export.openvino import export_openvino
+
+    meta = {"recipe_sha256": ctx.loaded.sha256, "model": ctx.loaded.recipe.model.path}
+    return export_openvino(ctx.model, ctx.qweights, ctx.workspace.path(cfg.directory), meta=meta)
