@@ -230,6 +230,7 @@ def bench_kernels(
     md_out: Optional[Path] = typer.Option(None, "--markdown", help="also write the markdown table here"),
     quick: bool = typer.Option(False, "--quick", help="one small shape, few repeats, for a smoke test"),
     repeats: int = typer.Option(15, "--repeats", help="timed runs per measurement (min and median reported)"),
+    threads: Optional[int] = typer.Option(None, "--threads", help="threads for every backend (default: torch's)"),
 ):
     """Packed GEMM speed: our CPU kernel vs the reference path, torch fp32/bf16/int4 and OpenVINO int4/int2.
 
@@ -238,7 +239,7 @@ def bench_kernels(
     from compress.eval.bench_kernels import markdown, run as run_kernels
 
     _setup_logging(False)
-    result = run_kernels(quick=quick, repeats=repeats)
+    result = run_kernels(quick=quick, repeats=repeats, threads=threads)
     md = markdown(result)
     typer.echo(md)
     if json_out:

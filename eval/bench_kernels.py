@@ -137,13 +137,18 @@ def bench_shape(n: int, k: int, batches, repeats: int, bw: float) -> list[dict]:
     return rows
 
 
-def run(quick: bool = False, repeats: int = 15) -> dict:
-    shapes, batches = (QUICK["shapes"], QUICK["batches"]) if quick else (SHAPES, BATCHES)
-    repeats = QUICK["repeats"] if quick else repeats
-    bw = read_bandwidth_gbps(64 if quick else 512, repeats)
-    rows = [r for n, k in shapes for r in bench_shape(n, k, batches, repeats, bw)]
-    return {"read_bandwidth_gbps": round(bw, 2), "threads": torch.get_num_threads(),
-            "cpu_kernel": cpu.extension() is not None, "rows": rows}
+def run(quick: bool = False, repeats: int = 15, threads: int | None = None) -> dict:
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads or previous)
+    try:
+        shapes, batches = (QUICK["shapes"], QUICK["batches"]) if quick else (SHAPES, BATCHES)
+        repeats = QUICK["repeats"] if quick else repeats
+        bw = read_bandwidth_gbps(64 if quick else 512, repeats)
+        rows = [r for n, k in shapes for r in bench_shape(n, k, batches, repeats, bw)]
+        return {"read_bandwidth_gbps": round(bw, 2), "threads": torch.get_num_threads(),
+                "cpu_kernel": cpu.extension() is not None, "rows": rows}
+    finally:
+        torch.set_num_threads(previous)
 
 
 def markdown(result: dict) -> str:

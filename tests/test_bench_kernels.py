@@ -7,10 +7,10 @@ from conftest import invoke
 
 def test_bench_kernels_quick_json_and_markdown(tmp_path):
     js, md = tmp_path / "k.json", tmp_path / "k.md"
-    rc, stdout, err = invoke("bench", "kernels", "--quick", "--json", js, "--markdown", md)
+    rc, stdout, err = invoke("bench", "kernels", "--quick", "--threads", "1", "--json", js, "--markdown", md)
     assert rc == 0, err
     result = json.loads(js.read_text())
-    assert result["read_bandwidth_gbps"] > 0.5
+    assert result["read_bandwidth_gbps"] > 0.5 and result["threads"] == 1
     rows = result["rows"]
     keys = {"shape", "batch", "format", "backend", "ms_min", "ms_median", "gbps", "bw_fraction", "rel_err"}
     assert all(set(r) == keys and 0 < r["ms_min"] <= r["ms_median"] for r in rows)
