@@ -10,11 +10,16 @@ read bandwidth (sum of a 512 MiB tensor) is measured in the same run; `gbps` is 
 backend's weight occupies divided by its minimum time, `bw_fraction` that over the read bandwidth,
 and `rel_err` the backend's largest deviation from the fp32 reference output at that batch, relative
 to the reference's largest magnitude (dense rows: the bf16 rounding of the weights, fp32 rows 0).
+
+On a machine whose cores are shared with other work, run it with `OMP_WAIT_POLICY=PASSIVE` in the
+environment (read when torch starts): spinning OpenMP workers otherwise cost the torch and ours-cpu
+rows up to 10x at 2 threads. The value in effect is recorded in the JSON (`omp_wait_policy`).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import statistics
 import time
 
@@ -146,6 +151,7 @@ def run(quick: bool = False, repeats: int = 15, threads: int | None = None) -> d
         bw = read_bandwidth_gbps(64 if quick else 512, repeats)
         rows = [r for n, k in shapes for r in bench_shape(n, k, batches, repeats, bw)]
         return {"read_bandwidth_gbps": round(bw, 2), "threads": torch.get_num_threads(),
+                "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", ""),
                 "cpu_kernel": cpu.extension() is not None, "rows": rows}
     finally:
         torch.set_num_threads(previous)
