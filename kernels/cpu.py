@@ -149,8 +149,19 @@ def matmul(x: torch.Tensor, p: PackedCPU, act: str = "fp32", scalar: bool = Fals
     return y.reshape(*lead, p.out_features)
 
 
+def _cpu_flags() -> bytes:
+    """The CPU's feature flags: the build uses -march=native, so a cached build is only for this CPU."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        import platform
+
+        return platform.processor().encode()
+    return next((ln for ln in text.splitlines() if ln.startswith("flags")), "").encode()
+
+
 def _build_dir() -> Path:
-    key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:12]
+    key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + _cpu_flags()).hexdigest()[:12]
     root = Path(os.environ.get("COMPRESS_CACHE", Path.home() / ".cache" / "compress"))
     d = root / "kernels" / f"cpu-{key}"
     d.mkdir(parents=True, exist_ok=True)
