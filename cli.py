@@ -229,7 +229,7 @@ def bench_kernels(
     json_out: Optional[Path] = typer.Option(None, "--json", help="also write the rows as JSON here"),
     md_out: Optional[Path] = typer.Option(None, "--markdown", help="also write the markdown table here"),
     quick: bool = typer.Option(False, "--quick", help="one small shape, few repeats, for a smoke test"),
-    repeats: int = typer.Option(15, "--repeats", help="timed runs per measurement (min and median reported)"),
+    repeats: int = typer.Option(10, "--repeats", help="timed runs per measurement (min and median reported)"),
     threads: Optional[int] = typer.Option(None, "--threads", help="threads for every backend (default: torch's)"),
 ):
     """Packed GEMM speed: our CPU kernel vs the reference path, torch fp32/bf16/int4 and OpenVINO int4/int2.

@@ -56,8 +56,9 @@ BACKENDS = {"reference": Reference, "cpu": CPU, "cpu-a8": lambda: CPU(act="int8"
 
 
 def select(name: str, qw: QuantizedWeight) -> Backend:
-    """`auto`, `cpu`, `cpu-a8` or `reference`. `auto` (= `cpu` when possible) falls back to the reference path (logged at debug level per
-    layer; a missing compiler is logged once by `cpu.extension`). An explicit `cpu` that cannot run raises."""
+    """`auto`, `cpu`, `cpu-a8` or `reference`. `auto` (= `cpu` when possible) falls back to the reference
+    path (logged at debug level per layer; a missing compiler is logged once by `cpu.extension`). An
+    explicit `cpu` / `cpu-a8` that cannot run raises."""
     if name not in ("auto", *BACKENDS):
         raise ValueError(f"unknown kernel backend `{name}` (known: auto, {', '.join(BACKENDS)})")
     if name == "reference":

@@ -2,9 +2,9 @@
 
 Layout, for a QuantizedWeight of shape (N, K) with b bits (b in 2, 4, 8; P = 8/b codes per byte)
 -------------------------------------------------------------------------------------------------
-K is zero padded to `kpad` (a multiple of 128, of the chunk and of the group). Each row is a run of chunks; a chunk is 8 int32 words (one AVX2
-register) = 32 bytes holding 32*P codes. Byte t (0..3) of word i (0..7) holds in its field s (bits
-s*b .. s*b+b-1) the chunk's column `k = 32*s + 4*i + t`::
+K is zero padded to `kpad` (a multiple of 128, of the chunk and of the group). Each row is a run of
+chunks; a chunk is 8 int32 words (one AVX2 register) = 32 bytes holding 32*P codes. Byte t (0..3)
+of word i (0..7) holds in its field s (bits s*b .. s*b+b-1) the chunk's column `k = 32*s + 4*i + t`::
 
     b = 4: one chunk = 64 columns; each byte = | field 1 (bits 7..4) | field 0 (bits 3..0) |
               byte 3       byte 2       byte 1       byte 0

@@ -269,7 +269,8 @@ torch::Tensor matmul_a8(torch::Tensor xq, torch::Tensor sx, torch::Tensor xsum, 
                         bool scalar) {
   TORCH_CHECK(xq.dim() == 2 && xq.scalar_type() == torch::kChar && xq.is_contiguous(), "xq: contiguous int8");
   TORCH_CHECK(sx.scalar_type() == torch::kFloat && sx.is_contiguous(), "sx: contiguous fp32");
-  TORCH_CHECK(xshift <= gshift && xq.size(1) % 128 == 0 && xq.size(1) % (int64_t(32) << xshift) == 0 && sx.size(1) == xq.size(1) / (32 << xshift),
+  TORCH_CHECK(xshift <= gshift && xq.size(1) % 128 == 0 && xq.size(1) % (int64_t(32) << xshift) == 0 &&
+                  sx.size(1) == xq.size(1) / (32 << xshift),
               "x scale blocks must tile the row and not span weight groups");
   check_weight(words, scales, sz, xsum, xq.size(1), bits);
   auto y = torch::empty({xq.size(0), words.size(0)}, sx.options());
