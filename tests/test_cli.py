@@ -58,7 +58,7 @@ def test_recipes_lists_every_bundled_recipe_with_its_description():
     rc, out, _ = invoke("recipes")
     assert rc == 0
     bundled = sorted((REPO / "recipes").glob("*.yaml"))
-    assert len(bundled) == 4
+    assert len(bundled) == 5
     for path in bundled:
         desc = yaml.safe_load(path.read_text())["description"]
         assert f"recipes/{path.name}: {desc}" in out
