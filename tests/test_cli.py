@@ -67,7 +67,7 @@ def test_recipes_lists_every_bundled_recipe_with_its_description():
 def test_validate_bundled_recipes():
     rc, out, err = invoke("validate", *sorted((REPO / "recipes").glob("*.yaml")))
     assert rc == 0, err
-    assert out.count("ok  ") == 4
+    assert out.count("ok  ") == 5
 
 
 def test_validate_reports_a_bad_recipe_with_exit_1(tmp_path):
