@@ -3,8 +3,8 @@
 For each weight shape (N x K), batch and format (int4 g128, int2 g64) it times, repeated (min and
 median): our C++ kernel with fp32 activations (`ours-cpu`, exact up to float rounding) and with
 int8 activations (`ours-cpu-a8`, one scale per 128 or group columns), the reference path
-(`reference`: dequantize, then matmul),
-torch's int4 CPU kernel (`torch-int4`, int4 only), an OpenVINO compiled weight-compressed MatMul
+(`reference`: dequantize, then matmul), torch's int4 CPU kernel (`torch-int4`, int4 only, bf16
+activations: its fast path), an OpenVINO compiled weight-compressed MatMul
 (`openvino-int4` / `openvino-int2`: u4/u2 constant -> convert -> subtract zero -> multiply scale ->
 reshape -> MatMul), and dense torch fp32 / bf16 matmuls (format `dense`). The machine's streaming
 read bandwidth (a pass over a 512 MiB tensor) is measured in the same run; `gbps` is the bytes each
