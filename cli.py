@@ -241,6 +241,31 @@ def bench_quality(
         md_out.write_text(md)
 
 
+
+@bench_app.command("kernels")
+def bench_kernels(
+    json_out: Optional[Path] = typer.Option(None, "--json", help="also write the rows as JSON here"),
+    md_out: Optional[Path] = typer.Option(None, "--markdown", help="also write the markdown table here"),
+    quick: bool = typer.Option(False, "--quick", help="one small shape, few repeats, for a smoke test"),
+    repeats: int = typer.Option(10, "--repeats", help="timed runs per measurement (min and median reported)"),
+    threads: Optional[int] = typer.Option(None, "--threads", help="threads for every backend (default: torch's)"),
+):
+    """Packed GEMM speed: our CPU kernel vs the reference path, torch fp32/bf16/int4 and OpenVINO int4/int2.
+
+    Example: compress bench kernels --json bench-kernels.json --markdown bench-kernels.md
+    """
+    from compress.eval.bench_kernels import markdown, run as run_kernels
+
+    _setup_logging(False)
+    result = run_kernels(quick=quick, repeats=repeats, threads=threads)
+    md = markdown(result)
+    typer.echo(md)
+    if json_out:
+        json_out.write_text(json.dumps(result, indent=2) + "\n")
+    if md_out:
+        md_out.write_text(md)
+
+
 def main(argv=None) -> int:
     """Console entry point with the documented exit codes."""
     from compress.errors import CompressError

@@ -1,1 +1,7 @@
-"""Packed-integer formats and kernels (imported as `compress.kernels`)."""
+"""Packed-integer formats and kernels (imported as `compress.kernels`).
+
+    packing.py       reference LSB-first bitstream and the GPTQ / auto-round layout (pure torch)
+    cpu.py           the `cpu-rows` layout for the C++ kernel, its build on first use, fp32 / int8 activations
+    cpu_kernel.cpp   the AVX2/FMA (+ AVX-VNNI) and scalar kernels
+    backends.py      backends behind one interface (`reference`, `cpu`, `cpu-a8`), `QuantLinear`, `quantize_model`
+"""

@@ -39,3 +39,29 @@ def export_hf_stage(ctx, cfg: HFExportConfig) -> dict:
 @register("export", "fake", FakeExportConfig, "dequantized floating-point checkpoint for FP-only tools")
 def export_fake_stage(ctx, cfg: FakeExportConfig) -> dict:
     return _export(ctx, cfg, "fake")
+
+
+class OnnxExportConfig(StrictModel):
+    format: Literal["onnx"] = "onnx"
+    directory: str = "onnx"
+
+
+@register("export", "onnx", OnnxExportConfig, "ONNX graph with com.microsoft::MatMulNBits linears (onnxruntime)")
+def export_onnx_stage(ctx, cfg: OnnxExportConfig) -> dict:
+    from compress.export.onnx import export_onnx
+
+    meta = {"recipe_sha256": ctx.loaded.sha256, "model": ctx.loaded.recipe.model.path}
+    return export_onnx(ctx.model, ctx.qweights, ctx.workspace.path(cfg.directory), meta=meta)
+
+
+class OpenVINOExportConfig(StrictModel):
+    format: Literal["openvino"] = "openvino"
+    directory: str = "openvino"
+
+
+@register("export", "openvino", OpenVINOExportConfig, "OpenVINO IR with compressed u2/u4/u8 weight constants")
+def export_openvino_stage(ctx, cfg: OpenVINOExportConfig) -> dict:
+    from compress.export.openvino import export_openvino
+
+    meta = {"recipe_sha256": ctx.loaded.sha256, "model": ctx.loaded.recipe.model.path}
+    return export_openvino(ctx.model, ctx.qweights, ctx.workspace.path(cfg.directory), meta=meta)

@@ -1,0 +1,237 @@
+"""ONNX export: Llama-architecture decoders with quantized linears as `com.microsoft::MatMulNBits`.
+
+`export_onnx(model, qweights, out_dir)` writes `model.onnx`: input `input_ids` int64 (batch, seq),
+output `logits` fp32 (batch, seq, vocab), full causal attention without a KV cache. The graph is
+written op by op from the model's config and weights (embedding Gather, RMSNorm, RoPE from the
+model's own cos/sin tables, grouped-query attention, SiLU MLP) rather than traced: torch 2.13's
+TorchScript exporter stops at transformers' mask code (`aten::diff`) and its dynamo exporter needs
+onnxscript, which is not installed here. Supported `model_type`s: llama, mistral (no sliding
+window), qwen2 (q/k/v biases).
+
+MatMulNBits (ALGORITHMS.md 8.6), for a QuantizedWeight of shape (N, K) with b in {2, 4, 8} bits:
+  B            uint8 (N, k_blocks, block*b/8)  codes along K, LSB first within each byte, K zero padded
+  scales       fp32  (N, k_blocks)             (negative scales are kept as they are)
+  zero_points  uint8 (N, ceil(k_blocks*b/8))   zero points packed the same way along k_blocks
+  block_size = group size (per-channel: the next power of two >= K, at least 16).
+Weights MatMulNBits cannot hold (3, 5, 6, 7 bits; a group that is not a power of two >= 16) are
+written as dequantized fp32 MatMuls and listed in the metadata under `dense_layers`.
+The file is self-describing: metadata_props `compress.format` = "onnx-matmulnbits", `compress.version`
+and `compress.meta` (JSON).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from compress.errors import BadInput
+from compress.qweight import QuantizedWeight
+
+logger = logging.getLogger(__name__)
+
+FORMAT, FORMAT_VERSION, OPSET = "onnx-matmulnbits", 1, 17
+MODEL_TYPES = ("llama", "mistral", "qwen2")
+NBITS = (2, 4, 8)
+
+
+def pack_lsb(values: np.ndarray, bits: int) -> np.ndarray:
+    """uint8 values (..., n) with n*bits % 8 == 0 -> bytes (..., n*bits/8), first value in the low bits."""
+    per = 8 // bits
+    v = values.astype(np.uint8).reshape(*values.shape[:-1], -1, per)
+    out = np.zeros(v.shape[:-1], np.uint8)
+    for i in range(per):
+        out |= v[..., i] << np.uint8(i * bits)
+    return out
+
+
+def block_size(qw: QuantizedWeight) -> int | None:
+    """MatMulNBits block size for `qw`, or None when it cannot be expressed."""
+    if qw.bits not in NBITS:
+        return None
+    if qw.group_size == -1:
+        return max(16, 1 << math.ceil(math.log2(qw.in_features)))
+    g = qw.group_size
+    return g if g >= 16 and g & (g - 1) == 0 else None
+
+
+def matmulnbits_tensors(qw: QuantizedWeight) -> dict[str, np.ndarray]:
+    """QuantizedWeight -> MatMulNBits B, scales, zero_points (module docstring)."""
+    bs, b = block_size(qw), qw.bits
+    n, k = qw.codes.shape
+    kb = math.ceil(k / bs)
+    codes = np.zeros((n, kb * bs), np.uint8)
+    codes[:, :k] = qw.codes.cpu().numpy()
+    per = 8 // b
+    zeros = np.zeros((n, math.ceil(kb / per) * per), np.uint8)
+    zeros[:, :kb] = qw.zeros.cpu().numpy()
+    return {"B": pack_lsb(codes.reshape(n, kb, bs), b), "scales": qw.scales.cpu().float().numpy(),
+            "zero_points": pack_lsb(zeros, b)}
+
+
+class Graph:
+    """Accumulates ONNX nodes and initializers with unique names."""
+
+    def __init__(self):
+        self.nodes, self.inits, self._n = [], [], 0
+
+    def name(self, hint: str) -> str:
+        self._n += 1
+        return f"{hint}_{self._n}"
+
+    def const(self, array, hint: str = "c") -> str:
+        from onnx import numpy_helper
+
+        name = self.name(hint)
+        self.inits.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
+        return name
+
+    def op(self, op_type: str, *inputs: str, domain: str = "", **attrs) -> str:
+        from onnx import helper
+
+        out = self.name(op_type.lower())
+        self.nodes.append(helper.make_node(op_type, list(inputs), [out], name=out, domain=domain, **attrs))
+        return out
+
+
+def _f32(t: torch.Tensor) -> np.ndarray:
+    return t.detach().cpu().float().numpy()
+
+
+class LlamaOnnx:
+    """Writes one Llama-style decoder into a Graph; `linear` picks MatMulNBits or a dense MatMul."""
+
+    def __init__(self, model, qweights: dict[str, QuantizedWeight]):
+        self.model, self.cfg, self.qweights, self.g = model, model.config, qweights, Graph()
+        self.dense: list[str] = []
+        self.hd = getattr(self.cfg, "head_dim", None) or self.cfg.hidden_size // self.cfg.num_attention_heads
+
+    def linear(self, x: str, name: str) -> str:
+        g, mod = self.g, self.model.get_submodule(name)
+        qw = self.qweights.get(name)
+        if qw is not None and block_size(qw) is not None:
+            t = matmulnbits_tensors(qw)
+            y = g.op("MatMulNBits", x, g.const(t["B"], name + ".B"), g.const(t["scales"], name + ".scales"),
+                     g.const(t["zero_points"], name + ".zp"), domain="com.microsoft", K=qw.in_features,
+                     N=qw.out_features, bits=qw.bits, block_size=block_size(qw), accuracy_level=0)
+        else:
+            if qw is not None:
+                self.dense.append(name)
+            w = qw.dequantize() if qw is not None else mod.weight
+            y = g.op("MatMul", x, g.const(_f32(w).T.copy(), name + ".weight_t"))
+        if getattr(mod, "bias", None) is not None:
+            y = g.op("Add", y, g.const(_f32(mod.bias), name + ".bias"))
+        return y
+
+    def rmsnorm(self, x: str, mod) -> str:
+        g = self.g
+        eps = getattr(mod, "variance_epsilon", getattr(mod, "eps", 1e-6))
+        ms = g.op("ReduceMean", g.op("Mul", x, x), axes=[-1], keepdims=1)
+        inv = g.op("Reciprocal", g.op("Sqrt", g.op("Add", ms, g.const(np.array(eps, np.float32)))))
+        return g.op("Mul", g.op("Mul", x, inv), g.const(_f32(mod.weight), "norm"))
+
+    def rope(self, x: str, cos: str, sin: str) -> str:
+        """x (B, H, S, D) * cos + rotate_half(x) * sin, cos/sin (S, D)."""
+        g, half = self.g, self.hd // 2
+        axis, start, mid, end = (g.const(np.array([v], np.int64)) for v in (-1, 0, half, self.hd))
+        x1 = g.op("Slice", x, start, mid, axis)
+        x2 = g.op("Slice", x, mid, end, axis)
+        rot = g.op("Concat", g.op("Neg", x2), x1, axis=-1)
+        return g.op("Add", g.op("Mul", x, cos), g.op("Mul", rot, sin))
+
+    def heads(self, x: str, n: int) -> str:
+        """(B, S, n*D) -> (B, n, S, D)."""
+        g = self.g
+        return g.op("Transpose", g.op("Reshape", x, g.const(np.array([0, 0, n, self.hd], np.int64))),
+                    perm=[0, 2, 1, 3])
+
+    def attention(self, x: str, prefix: str, attn, cos: str, sin: str, mask: str) -> str:
+        g, nh, nkv = self.g, self.cfg.num_attention_heads, self.cfg.num_key_value_heads
+        q = self.rope(self.heads(self.linear(x, prefix + ".q_proj"), nh), cos, sin)
+        k = self.rope(self.heads(self.linear(x, prefix + ".k_proj"), nkv), cos, sin)
+        v = self.heads(self.linear(x, prefix + ".v_proj"), nkv)
+        if nh != nkv:  # grouped-query attention: repeat each kv head nh/nkv times
+            rep = np.array([1, 1, nh // nkv, 1, 1], np.int64)
+            to_heads = g.const(np.array([0, nh, -1, self.hd], np.int64))
+            axis2 = g.const(np.array([2], np.int64))
+            k, v = (g.op("Reshape", g.op("Expand", g.op("Unsqueeze", t, axis2), g.const(rep)), to_heads)
+                    for t in (k, v))
+        scores = g.op("Mul", g.op("MatMul", q, g.op("Transpose", k, perm=[0, 1, 3, 2])),
+                      g.const(np.array(attn.scaling, np.float32)))
+        probs = g.op("Softmax", g.op("Add", scores, mask), axis=-1)
+        ctx = g.op("Transpose", g.op("MatMul", probs, v), perm=[0, 2, 1, 3])
+        ctx = g.op("Reshape", ctx, g.const(np.array([0, 0, nh * self.hd], np.int64)))
+        return self.linear(ctx, prefix + ".o_proj")
+
+    def mlp(self, x: str, prefix: str) -> str:
+        g = self.g
+        gate = self.linear(x, prefix + ".gate_proj")
+        act = g.op("Mul", gate, g.op("Sigmoid", gate))
+        return self.linear(g.op("Mul", act, self.linear(x, prefix + ".up_proj")), prefix + ".down_proj")
+
+    def positions(self, ids: str) -> tuple[str, str, str]:
+        """cos, sin (S, D) and the additive causal mask (S, S) for the input's sequence length."""
+        g, inner = self.g, self.model.model
+        n_pos = self.cfg.max_position_embeddings
+        with torch.no_grad():
+            dummy = torch.zeros(1, 1, self.hd)
+            cos, sin = inner.rotary_emb(dummy, torch.arange(n_pos).unsqueeze(0))
+        mask = np.triu(np.full((n_pos, n_pos), np.finfo(np.float32).min, np.float32), k=1)
+        seq = g.op("Slice", g.op("Shape", ids), *(g.const(np.array([v], np.int64)) for v in (1, 2, 0)))
+        zero = g.const(np.array([0], np.int64))
+        cos_s = g.op("Slice", g.const(_f32(cos[0]), "rope_cos"), zero, seq, zero)
+        sin_s = g.op("Slice", g.const(_f32(sin[0]), "rope_sin"), zero, seq, zero)
+        axes = g.const(np.array([0, 1], np.int64))
+        mask_s = g.op("Slice", g.const(mask, "causal_mask"), g.const(np.array([0, 0], np.int64)),
+                      g.op("Concat", seq, seq, axis=0), axes)
+        return cos_s, sin_s, mask_s
+
+    def build(self):
+        from onnx import TensorProto, helper
+
+        g, inner = self.g, self.model.model
+        ids = "input_ids"
+        cos, sin, mask = self.positions(ids)
+        h = g.op("Gather", g.const(_f32(inner.embed_tokens.weight), "embed_tokens"), ids)
+        for i, layer in enumerate(inner.layers):
+            p = f"model.layers.{i}"
+            h = g.op("Add", h, self.attention(self.rmsnorm(h, layer.input_layernorm), p + ".self_attn",
+                                              layer.self_attn, cos, sin, mask))
+            h = g.op("Add", h, self.mlp(self.rmsnorm(h, layer.post_attention_layernorm), p + ".mlp"))
+        logits = self.linear(self.rmsnorm(h, inner.norm), "lm_head")
+        g.nodes.append(helper.make_node("Identity", [logits], ["logits"], name="logits"))
+        graph = helper.make_graph(
+            g.nodes, "compress", [helper.make_tensor_value_info(ids, TensorProto.INT64, ["batch", "seq"])],
+            [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", "seq", self.cfg.vocab_size])],
+            g.inits)
+        return helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET),
+                                                       helper.make_opsetid("com.microsoft", 1)])
+
+
+def export_onnx(model, qweights: dict[str, QuantizedWeight], out_dir: str | Path, meta: dict | None = None) -> dict:
+    """Write `out_dir/model.onnx` (weights inline, or in `model.onnx.data` above 1.5 GB); returns path, bytes."""
+    import onnx
+
+    model_type = getattr(model.config, "model_type", None)
+    if model_type not in MODEL_TYPES:
+        raise BadInput(f"the onnx export supports model types {', '.join(MODEL_TYPES)}, not `{model_type}`; "
+                       "drop `onnx` from export.formats")
+    builder = LlamaOnnx(model, qweights)
+    proto = builder.build()
+    if builder.dense:
+        logger.warning("onnx: %d quantized layers written as dense MatMuls (not MatMulNBits-expressible): %s",
+                       len(builder.dense), ", ".join(builder.dense[:5]))
+    info = {"format": FORMAT, "version": FORMAT_VERSION, "meta": meta or {}, "dense_layers": builder.dense}
+    onnx.helper.set_model_props(proto, {"compress.format": FORMAT, "compress.version": str(FORMAT_VERSION),
+                                        "compress.meta": json.dumps(info)})
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "model.onnx"
+    large = proto.ByteSize() > 1.5e9
+    onnx.save_model(proto, str(path), save_as_external_data=large, location="model.onnx.data")
+    nbytes = sum(f.stat().st_size for f in out.iterdir() if f.name.startswith("model.onnx"))
+    return {"path": str(path), "bytes": nbytes, "dense_layers": len(builder.dense)}

@@ -1,0 +1,190 @@
+"""`compress bench kernels`: packed GEMM speed on this machine, side by side in one process.
+
+For each weight shape (N x K), batch and format (int4 g128, int2 g64) it times, repeated (min and
+median): our C++ kernel with fp32 activations (`ours-cpu`, exact up to float rounding) and with
+int8 activations (`ours-cpu-a8`, one scale per 128 or group columns), the reference path
+(`reference`: dequantize, then matmul), torch's int4 CPU kernel (`torch-int4`, int4 only, bf16
+activations: its fast path), an OpenVINO compiled weight-compressed MatMul
+(`openvino-int4` / `openvino-int2`: u4/u2 constant -> convert -> subtract zero -> multiply scale ->
+reshape -> MatMul), and dense torch fp32 / bf16 matmuls (format `dense`). The machine's streaming
+read bandwidth (a pass over a 512 MiB tensor) is measured in the same run; `gbps` is the bytes each
+backend's weight occupies divided by its minimum time, `bw_fraction` that over the read bandwidth,
+and `rel_err` the backend's largest deviation from the fp32 reference output at that batch, relative
+to the reference's largest magnitude (dense rows: the bf16 rounding of the weights, fp32 rows 0).
+
+Every timed call starts with cold caches (`Evict`: the L3 of these VMs holds 300 MiB, more than a
+packed 8192x8192 weight, and decoding a real model streams its weights from DRAM).
+
+On a machine whose cores are shared with other work, run it with `OMP_WAIT_POLICY=PASSIVE` in the
+environment (read when torch starts): spinning OpenMP workers otherwise cost the torch and ours-cpu
+rows up to 10x at 2 threads. The value in effect is recorded in the JSON (`omp_wait_policy`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from compress.kernels import cpu
+from compress.kernels.backends import Reference
+from compress.qweight import QuantizedWeight
+
+logger = logging.getLogger(__name__)
+
+SHAPES = ((4096, 4096), (11008, 4096), (8192, 8192))  # (out, in)
+BATCHES = (1, 8, 32)
+FORMATS = ((4, 128), (2, 64))
+EVICT_MIB = 512  # > the last-level cache (300 MiB L3 on the 2-core VMs used here)
+QUICK = dict(shapes=((1024, 1024),), batches=(1, 8), repeats=3)
+
+
+def timed(fn, repeats: int, before=None) -> tuple[float, float]:
+    """(min, median) milliseconds of `fn()` over `repeats` runs after one warm-up; `before()` runs
+    untimed ahead of each (the cache eviction)."""
+    fn()
+    ts = []
+    for _ in range(repeats):
+        if before is not None:
+            before()
+        t = time.perf_counter()
+        fn()
+        ts.append((time.perf_counter() - t) * 1e3)
+    return min(ts), statistics.median(ts)
+
+
+class Evict:
+    """Streams over a buffer larger than the last-level cache so each timed call reads its weights
+    from DRAM, as decoding a model much larger than the cache does."""
+
+    def __init__(self, mib: int):
+        self.buf = torch.ones(mib * 2**20 // 4)
+
+    def __call__(self):
+        self.buf.add_(0.0)  # read and write every line: the buffer displaces the weights
+
+
+def read_bandwidth_gbps(mib: int, repeats: int, evict=None) -> float:
+    """Streaming read of a `mib` MiB fp32 tensor: the faster of `sum` and BLAS `dot(a, a)` (one pass)."""
+    a = torch.ones(mib * 2**20 // 4)
+    ms = min(timed(lambda: a.sum(), repeats, evict)[0], timed(lambda: torch.dot(a, a), repeats, evict)[0])
+    return a.numel() * 4 / ms / 1e6
+
+
+def random_qweight(n: int, k: int, bits: int, group: int, seed: int = 0) -> QuantizedWeight:
+    g = torch.Generator().manual_seed(seed)
+    ng = -(-k // group)
+    return QuantizedWeight(codes=torch.randint(0, 2**bits, (n, k), dtype=torch.uint8, generator=g),
+                           scales=(torch.rand(n, ng, generator=g) * 0.02 + 0.001).half().float(),
+                           zeros=torch.randint(0, 2**bits, (n, ng), dtype=torch.uint8, generator=g),
+                           bits=bits, group_size=group, sym=False)
+
+
+def torch_int4(qw: QuantizedWeight):
+    """(fn(x), bytes) for torch's `_weight_int4pack_mm_for_cpu`: w = (q - 8) * scale + offset. It runs in
+    bf16 (activations, scales and offsets), its fast path; fp32 activations take a far slower one."""
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(qw.codes.to(torch.int32), 1)
+    s = qw.scales.float()
+    offset = (8 - qw.zeros.float()) * s
+    sz = torch.stack([s.T, offset.T], dim=-1).bfloat16().contiguous()  # (n_groups, N, 2)
+    fn = lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x.bfloat16(), packed, qw.group_size, sz)  # noqa: E731
+    return fn, packed.numel() * packed.element_size() + sz.numel() * sz.element_size()
+
+
+def openvino_matmul(qw: QuantizedWeight, batch: int):
+    """(fn(x), bytes) for an OpenVINO CPU model with u4/u2 codes and zero points, fp16 scales."""
+    import openvino as ov
+    import openvino.opset13 as ops
+
+    n, k, g = qw.out_features, qw.in_features, qw.group_size
+    ng, t = k // g, {4: ov.Type.u4, 2: ov.Type.u2}[qw.bits]
+    x = ops.parameter([batch, k], np.float32, name="x")
+    w = ops.convert(ops.constant(qw.codes.numpy().reshape(n, ng, g), dtype=t), ov.Type.f16)
+    w = ops.subtract(w, ops.convert(ops.constant(qw.zeros.numpy().reshape(n, ng, 1), dtype=t), ov.Type.f16))
+    w = ops.multiply(w, ops.constant(qw.scales.numpy().astype(np.float16).reshape(n, ng, 1)))
+    w = ops.convert(ops.reshape(w, ops.constant(np.array([n, k], np.int64)), False), ov.Type.f32)
+    model = ov.Model([ops.matmul(x, w, False, True)], [x])
+    compiled = ov.Core().compile_model(model, "CPU", {"INFERENCE_NUM_THREADS": torch.get_num_threads()})
+    req = compiled.create_infer_request()
+    fn = lambda xx: req.infer([xx])  # noqa: E731
+    return fn, n * k * qw.bits // 8 + n * ng * (2 + qw.bits / 8)
+
+
+def _row(shape, batch, fmt, backend, ms, nbytes, bw, err) -> dict:
+    gbps = nbytes / ms[0] / 1e6
+    return {"shape": shape, "batch": batch, "format": fmt, "backend": backend, "ms_min": round(ms[0], 4),
+            "ms_median": round(ms[1], 4), "gbps": round(gbps, 2), "bw_fraction": round(gbps / bw, 3),
+            "rel_err": float(f"{err:.2e}")}
+
+
+def rel_err(y, ref: torch.Tensor) -> float:
+    y = torch.as_tensor(np.asarray(y) if not isinstance(y, torch.Tensor) else y).float()
+    return ((y - ref).abs().max() / ref.abs().max()).item()
+
+
+def bench_shape(n: int, k: int, batches, repeats: int, bw: float, evict) -> list[dict]:
+    shape, rows = f"{n}x{k}", []
+    w = torch.randn(n, k) * 0.02
+    wb = w.bfloat16()
+    for b in batches:
+        x = torch.randn(b, k)
+        xb, ref = x.bfloat16(), x @ w.T
+        rows.append(_row(shape, b, "dense", "torch-fp32", timed(lambda: x @ w.T, repeats, evict),
+                         w.numel() * 4, bw, 0.0))
+        rows.append(_row(shape, b, "dense", "torch-bf16", timed(lambda: xb @ wb.T, repeats, evict),
+                         w.numel() * 2, bw, rel_err(xb @ wb.T, ref)))
+    del w, wb
+    for bits, group in FORMATS:
+        fmt = f"int{bits}-g{group}"
+        qw = random_qweight(n, k, bits, group)
+        packed = cpu.pack(qw) if cpu.extension() is not None else None
+        for b in batches:
+            x = torch.randn(b, k)
+            ref = Reference().matmul(x, qw)
+            cases = []  # (backend, fn, bytes)
+            if packed is not None:
+                cases += [("ours-cpu", lambda: cpu.matmul(x, packed), packed.nbytes()),
+                          ("ours-cpu-a8", lambda: cpu.matmul(x, packed, act="int8"), packed.nbytes())]
+            cases.append(("reference", lambda: Reference().matmul(x, qw), qw.storage_bits() // 8))
+            if bits == 4:
+                fn4, nbytes4 = torch_int4(qw)
+                cases.append(("torch-int4", lambda: fn4(x), nbytes4))
+            fno, nbyteso = openvino_matmul(qw, b)
+            xn = x.numpy()
+            cases.append((f"openvino-int{bits}", lambda: fno(xn)[0], nbyteso))
+            for name, fn, nbytes in cases:
+                reps = max(1, repeats // 4) if name == "reference" else repeats
+                rows.append(_row(shape, b, fmt, name, timed(fn, reps, evict), nbytes, bw, rel_err(fn(), ref)))
+            logger.info("%s batch %d %s done", shape, b, fmt)
+    return rows
+
+
+def run(quick: bool = False, repeats: int = 10, threads: int | None = None) -> dict:
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads or previous)
+    try:
+        shapes, batches = (QUICK["shapes"], QUICK["batches"]) if quick else (SHAPES, BATCHES)
+        repeats = QUICK["repeats"] if quick else repeats
+        evict = Evict(16 if quick else EVICT_MIB)
+        bw = read_bandwidth_gbps(64 if quick else 512, repeats, evict)
+        rows = [r for n, k in shapes for r in bench_shape(n, k, batches, repeats, bw, evict)]
+        return {"read_bandwidth_gbps": round(bw, 2), "threads": torch.get_num_threads(),
+                "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", ""),
+                "cpu_kernel": cpu.extension() is not None, "rows": rows}
+    finally:
+        torch.set_num_threads(previous)
+
+
+def markdown(result: dict) -> str:
+    """One table: shape, batch, format, backend, ms min / median, GB/s, fraction of read bandwidth."""
+    lines = [f"Streaming read bandwidth: {result['read_bandwidth_gbps']} GB/s, {result['threads']} threads.", "",
+             "| shape | batch | format | backend | ms min | ms median | GB/s | of read bw | rel. error |",
+             "|---|---:|---|---|---:|---:|---:|---:|---:|"]
+    for r in result["rows"]:
+        lines.append(f"| {r['shape']} | {r['batch']} | {r['format']} | {r['backend']} | {r['ms_min']:.3f} | "
+                     f"{r['ms_median']:.3f} | {r['gbps']:.1f} | {r['bw_fraction']:.0%} | {r['rel_err']:.1e} |")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,195 @@
+"""The `cpu-rows` packed layout and its C++ kernel (AVX2/FMA with a scalar fallback), compiled on first use.
+
+Layout, for a QuantizedWeight of shape (N, K) with b bits (b in 2, 4, 8; P = 8/b codes per byte)
+-------------------------------------------------------------------------------------------------
+K is zero padded to `kpad` (a multiple of 128, of the chunk and of the group). Each row is a run of
+chunks; a chunk is 8 int32 words (one AVX2 register) = 32 bytes holding 32*P codes. Byte t (0..3)
+of word i (0..7) holds in its field s (bits s*b .. s*b+b-1) the chunk's column `k = 32*s + 4*i + t`::
+
+    b = 4: one chunk = 64 columns; each byte = | field 1 (bits 7..4) | field 0 (bits 3..0) |
+              byte 3       byte 2       byte 1       byte 0
+      word 0: | k35 | k3 | | k34 | k2 | | k33 | k1 | | k32 | k0 |
+      word 1: | k39 | k7 | | k38 | k6 | | k37 | k5 | | k36 | k4 |
+      ...
+      word 7: | k63 | k31| | k62 | k30| | k61 | k29| | k60 | k28|
+
+so `(chunk >> b*s) & 0x0F0F..` is columns 32s..32s+31 as 32 bytes in order, ready for one u8 x s8
+dot product with int8 activations (`matmul(..., act="int8")`), and `(chunk >> b*(t*P+s)) & 0xF` is 8
+columns (32s+t, 32s+4+t, ...) as int32 lanes for the fp32 path (one shift, and, convert, FMA per 8
+weights, no shuffles; x is permuted once per call to match, `permute_x`). b = 2 packs 4 fields per
+byte (128 columns per chunk), b = 8 one (32 columns).
+
+Per (row, group): `scales` fp32 and `sz = scales * zeros` fp32; padded groups are zero. The kernel
+computes `y = sum_g scale_g * dot(q_g, x_g) - sum_g sz_g * sum(x_g)`: with fp32 activations the
+reference's `x @ (scales * (codes - zeros)).T` up to float rounding; with int8 activations
+(symmetric, one scale per min(group, 128) columns of each row of x, like onnxruntime's
+accuracy_level 4 and OpenVINO's dynamic quantization) exactly that of the rounded activations.
+Groups must be powers of two >= 32 columns (or per-channel); other weights use the reference backend.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from compress.qweight import QuantizedWeight
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_kernel.cpp")
+KERNEL_BITS = (2, 4, 8)
+A8_BITS = (2, 4)  # int8 activations: u8 x s8 products of 8-bit weights could saturate without VNNI
+PER_CHANNEL_SHIFT = 60  # group of a 32-column block = block >> shift: always 0
+XBLOCK = 128  # int8 activations: at most this many columns per activation scale
+_EXT: dict[str, object] = {}
+
+
+@dataclass(frozen=True)
+class PackedCPU:
+    words: torch.Tensor  # int32 (N, Kpad*bits/32)
+    scales: torch.Tensor  # fp32 (N, Gp)
+    sz: torch.Tensor  # fp32 (N, Gp)
+    bits: int
+    in_features: int
+    kpad: int
+    gshift: int
+
+    @property
+    def out_features(self) -> int:
+        return self.words.shape[0]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.words, self.scales, self.sz))
+
+
+def supports(qw: QuantizedWeight) -> str | None:
+    """None if the kernel can run `qw`, else the reason it cannot."""
+    if qw.bits not in KERNEL_BITS:
+        return f"{qw.bits}-bit weights (kernel bits: {KERNEL_BITS})"
+    g = qw.group_size
+    if g != -1 and (g < 32 or g & (g - 1)):
+        return f"group size {g} (kernel groups: powers of two >= 32, or per-channel)"
+    return None
+
+
+def pack(qw: QuantizedWeight) -> PackedCPU:
+    """QuantizedWeight -> cpu-rows layout (module docstring)."""
+    reason = supports(qw)
+    if reason:
+        raise ValueError(f"the cpu kernel cannot hold {reason}")
+    bits, (N, K) = qw.bits, qw.codes.shape
+    P = 8 // bits
+    step = max(128, 32 * P, qw.group_size)  # whole groups, whole chunk pairs and XBLOCKs
+    kpad = math.ceil(K / step) * step
+    codes = torch.zeros(N, kpad, dtype=torch.int64)
+    codes[:, :K] = qw.codes.cpu()
+    # codes[n, chunk, s, i, t] -> bits 8t + b*s of word i
+    fields = codes.view(N, kpad // (32 * P), P, 8, 4)
+    shift = (8 * torch.arange(4).view(1, 1, 1, 1, 4) + bits * torch.arange(P).view(1, 1, P, 1, 1))
+    words = (fields << shift).sum((2, 4))  # disjoint bit ranges: sum == or
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).reshape(N, -1).contiguous()
+    if qw.group_size == -1:
+        gp, gshift = 1, PER_CHANNEL_SHIFT
+    else:
+        gp, gshift = kpad // qw.group_size, int(math.log2(qw.group_size // 32))
+    scales = torch.zeros(N, gp)
+    scales[:, : qw.n_groups] = qw.scales.cpu().float()
+    sz = torch.zeros(N, gp)
+    sz[:, : qw.n_groups] = qw.scales.cpu().float() * qw.zeros.cpu().float()
+    return PackedCPU(words, scales.contiguous(), sz.contiguous(), bits, K, kpad, gshift)
+
+
+def permute_x(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """(B, kpad) natural order -> the fp32 path's order: per chunk, field j = t*P + s, lane i."""
+    P = 8 // bits
+    B, kpad = x.shape
+    return x.view(B, kpad // (32 * P), P, 8, 4).permute(0, 1, 4, 2, 3).reshape(B, kpad).contiguous()
+
+
+def quantize_x(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per `block` columns: (xq int8 (B, kpad), scales fp32 (B, kpad/block))."""
+    B, kpad = x.shape
+    xb = x.view(B, kpad // block, block)
+    sx = (xb.abs().amax(-1) / 127).clamp_min(1e-30)
+    xq = torch.round(xb / sx.unsqueeze(-1)).clamp_(-127, 127).to(torch.int8)
+    return xq.view(B, kpad).contiguous(), sx.contiguous()
+
+
+def xblock(p: PackedCPU) -> int:
+    return XBLOCK if p.gshift == PER_CHANNEL_SHIFT else min(XBLOCK, 32 << p.gshift)
+
+
+def matmul(x: torch.Tensor, p: PackedCPU, act: str = "fp32", scalar: bool = False) -> torch.Tensor:
+    """x (..., K) -> (..., N) fp32 through the compiled kernel (`extension()` must not be None).
+    act="fp32": exact up to float rounding; act="int8": activations rounded per block (module docstring)."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1]).float()
+    if p.kpad != p.in_features:
+        x2 = torch.nn.functional.pad(x2, (0, p.kpad - p.in_features))
+    gp = p.scales.shape[1]
+    if act == "int8" and p.bits in A8_BITS:
+        block = xblock(p)
+        xq, sx = quantize_x(x2, block)
+        xhat = (xq.view(xq.shape[0], -1, block).float() * sx.unsqueeze(-1)).view_as(x2)
+        xsum = xhat.view(x2.shape[0], gp, -1).sum(-1).contiguous()
+        y = extension().matmul_a8(xq, sx, xsum, p.words, p.scales, p.sz, p.bits, p.gshift,
+                                  int(math.log2(block // 32)), scalar)
+    elif act in ("fp32", "int8"):
+        xsum = x2.view(x2.shape[0], gp, -1).sum(-1).contiguous()
+        y = extension().matmul_f32(permute_x(x2, p.bits), xsum, p.words, p.scales, p.sz, p.bits, p.gshift, scalar)
+    else:
+        raise ValueError(f"act must be fp32 or int8, got {act}")
+    return y.reshape(*lead, p.out_features)
+
+
+def _cpu_flags() -> bytes:
+    """The CPU's feature flags: the build uses -march=native, so a cached build is only for this CPU."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        import platform
+
+        return platform.processor().encode()
+    return next((ln for ln in text.splitlines() if ln.startswith("flags")), "").encode()
+
+
+def _build_dir() -> Path:
+    key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + _cpu_flags()).hexdigest()[:12]
+    root = Path(os.environ.get("COMPRESS_CACHE", Path.home() / ".cache" / "compress"))
+    d = root / "kernels" / f"cpu-{key}"
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def extension():
+    """The compiled kernel module, or None (logged once) when it cannot be built or is disabled
+    with COMPRESS_CPU_KERNEL=0."""
+    if "mod" in _EXT:
+        return _EXT["mod"]
+    mod = None
+    if os.environ.get("COMPRESS_CPU_KERNEL", "1") == "0":
+        logger.warning("COMPRESS_CPU_KERNEL=0: packed layers use the reference path (dequantize, then matmul)")
+    elif shutil.which(os.environ.get("CXX", "c++")) is None:
+        logger.warning("no C++ compiler found: packed layers use the reference path (dequantize, then matmul)")
+    else:
+        mod = _compile()
+    _EXT["mod"] = mod
+    return mod
+
+
+def _compile():
+    from torch.utils.cpp_extension import load
+
+    try:
+        return load(name="compress_cpu_kernel", sources=[str(SOURCE)], build_directory=str(_build_dir()),
+                    extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+    except (OSError, RuntimeError, ImportError) as e:  # compiler present but the build failed
+        logger.warning("building the cpu kernel failed, packed layers use the reference path: %s", e)
+        return None

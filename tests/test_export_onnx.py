@@ -1,0 +1,124 @@
+"""ONNX export with MatMulNBits: onnxruntime reproduces the in-memory quantized model."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from compress.errors import BadInput
+from compress.export.onnx import export_onnx, pack_lsb
+from compress.kernels.backends import quantize_model
+from compress.primitives import rtn
+from conftest import MODELS, TEXT, invoke
+from tiny import tiny_causal
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+
+
+def quantized(model, bits, group, sym, skip=()):
+    """RTN every linear inside the blocks, W <- W_hat; returns the QuantizedWeights."""
+    qweights = {}
+    for name, mod in model.named_modules():
+        if isinstance(mod, torch.nn.Linear) and name.startswith("model.layers.") and not name.endswith(skip):
+            qw = rtn(mod.weight.data, bits, group, sym)
+            mod.weight.data = qw.dequantize()
+            qweights[name] = qw
+    return qweights
+
+
+def ort_logits(path, ids: torch.Tensor) -> np.ndarray:
+    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    return sess.run(["logits"], {"input_ids": ids.numpy()})[0]
+
+
+def rel_err(out: np.ndarray, ref: np.ndarray) -> float:
+    return float(np.abs(out - ref).max() / (ref.max() - ref.min()))
+
+
+def op_types(path) -> dict[str, int]:
+    counts = {}
+    for node in onnx.load(str(path)).graph.node:
+        counts[node.op_type] = counts.get(node.op_type, 0) + 1
+    return counts
+
+
+def load(name):
+    return AutoModelForCausalLM.from_pretrained(MODELS / name, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("name,bits,group,sym", [
+    ("stories260K", 4, 32, True), ("stories260K", 2, 32, False), ("stories260K", 8, -1, False),
+    ("ref-llama-7m", 4, 128, True), ("ref-llama-7m", 2, 64, False),
+])
+def test_onnx_matches_quantized_model(name, bits, group, sym, tmp_path):
+    model = load(name)
+    qweights = quantized(model, bits, group, sym)
+    res = export_onnx(model, qweights, tmp_path)
+    assert res["dense_layers"] == 0
+    assert op_types(res["path"])["MatMulNBits"] == len(qweights) == 7 * model.config.num_hidden_layers
+    ids = torch.randint(0, model.config.vocab_size, (2, 33), generator=torch.Generator().manual_seed(0))
+    out = ort_logits(res["path"], ids)
+    with torch.no_grad():
+        ref = model(ids).logits.numpy()
+        quantize_model(model, qweights)  # the same model running our kernels
+        ours = model(ids).logits.numpy()
+    assert rel_err(out, ref) < 1e-3 and rel_err(out, ours) < 1e-3
+    props = {p.key: p.value for p in onnx.load(res["path"], load_external_data=False).metadata_props}
+    assert props["compress.format"] == "onnx-matmulnbits" and json.loads(props["compress.meta"])["version"] == 1
+
+
+def test_unexpressible_layers_are_dense_and_logits_still_match(tmp_path, caplog):
+    model = tiny_causal("llama")
+    qweights = quantized(model, 3, 32, False)  # MatMulNBits here: bits 2, 4, 8
+    res = export_onnx(model, qweights, tmp_path)
+    assert res["dense_layers"] == len(qweights) and "MatMulNBits" not in op_types(res["path"])
+    ids = torch.randint(0, 128, (1, 9))
+    with torch.no_grad():
+        assert rel_err(ort_logits(res["path"], ids), model(ids).logits.numpy()) < 1e-4
+
+
+def test_qkv_bias_model(tmp_path):
+    model = tiny_causal("qwen2")
+    qweights = quantized(model, 4, 32, True)
+    res = export_onnx(model, qweights, tmp_path)
+    ids = torch.randint(0, 128, (2, 7))
+    with torch.no_grad():
+        assert rel_err(ort_logits(res["path"], ids), model(ids).logits.numpy()) < 1e-3
+
+
+def test_pack_lsb_first_value_low_bits():
+    assert pack_lsb(np.array([1, 2, 3, 0]), 2).tolist() == [1 | 2 << 2 | 3 << 4]
+    assert pack_lsb(np.array([0xA, 0x5]), 4).tolist() == [0x5A]
+
+
+def test_unsupported_model_type(tmp_path):
+    with pytest.raises(BadInput, match="onnx export supports model types"):
+        export_onnx(tiny_causal("qwen3"), {}, tmp_path)
+
+
+def test_recipe_exports_onnx(tmp_path):
+    """`export: formats: [fake, onnx]` through `compress run`: the ONNX logits match the dequantized checkpoint."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"""version: 1
+model: {{path: {MODELS / 'stories260K'}, dtype: float32}}
+calibration: {{sources: [{TEXT / 'tinystories' / 'tinystories_val.txt'}], nsamples: 4, seqlen: 32}}
+stages:
+  - {{stage: quantize, method: rtn, bits: 4, group_size: 32, sym: false}}
+export:
+  formats: [fake, onnx]
+""")
+    out = tmp_path / "out"
+    rc, stdout, err = invoke("run", recipe, "--output", out, "--json")
+    assert rc == 0, err
+    report = json.loads(stdout)
+    onnx_path = report["exports"]["onnx"]
+    fake = AutoModelForCausalLM.from_pretrained(report["exports"]["fake"], dtype=torch.float32).eval()
+    ids = torch.randint(0, 512, (1, 20))
+    with torch.no_grad():
+        assert rel_err(ort_logits(onnx_path, ids), fake(ids).logits.numpy()) < 1e-3

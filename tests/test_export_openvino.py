@@ -1,0 +1,76 @@
+"""OpenVINO IR export: compressed integer constants, and OpenVINO on CPU reproduces the quantized model."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import openvino as ov
+import pytest
+import torch
+
+from compress.export.openvino import EXACT_CPU_CONFIG, export_openvino
+from conftest import invoke
+from test_export_onnx import MODELS, TEXT, load, quantized, rel_err
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+
+
+def run_ir(path, ids: torch.Tensor):
+    compiled = ov.Core().compile_model(str(path), "CPU", {**EXACT_CPU_CONFIG, "INFERENCE_NUM_THREADS": 1})
+    runtime = fc_precisions(compiled)
+    return compiled([ids.numpy()])[0], runtime
+
+
+def fc_precisions(compiled) -> dict:
+    """(layerType, runtimePrecision) counts of the compiled model's FullyConnected layers."""
+    out = {}
+    for op in compiled.get_runtime_model().get_ops():
+        rt = op.get_rt_info()
+        if rt["layerType"].astype(str) == "FullyConnected":
+            key = rt["runtimePrecision"].astype(str)
+            out[key] = out.get(key, 0) + 1
+    return out
+
+
+@pytest.mark.parametrize("name,bits,group,sym,ctype", [
+    ("stories260K", 4, 32, False, "u4"), ("stories260K", 2, 32, True, "u2"), ("stories260K", 8, -1, False, "u8"),
+    ("ref-llama-7m", 4, 128, True, "u4"), ("ref-llama-7m", 2, 64, False, "u2"),
+])
+def test_openvino_matches_quantized_model(name, bits, group, sym, ctype, tmp_path):
+    model = load(name)
+    qweights = quantized(model, bits, group, sym)
+    res = export_openvino(model, qweights, tmp_path)
+    assert res["low_bit_constants"][ctype] >= len(qweights)
+    ids = torch.randint(0, model.config.vocab_size, (2, 21), generator=torch.Generator().manual_seed(1))
+    out, fc = run_ir(res["path"], ids)
+    # the runtime keeps the weights compressed (the CPU plugin may fuse one pair of projections per block)
+    assert fc.get(ctype, 0) >= 6 * model.config.num_hidden_layers
+    with torch.no_grad():
+        ref = model(ids).logits.numpy()
+    assert rel_err(out, ref) < 1e-3
+    info = json.loads(ov.Core().read_model(res["path"]).get_rt_info(["compress", "meta"]).astype(str))
+    assert info["format"] == "openvino-ir" and info["version"] == 1
+
+
+def test_recipe_exports_openvino(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"""version: 1
+model: {{path: {MODELS / 'stories260K'}, dtype: float32}}
+calibration: {{sources: [{TEXT / 'tinystories' / 'tinystories_val.txt'}], nsamples: 4, seqlen: 32}}
+stages:
+  - {{stage: quantize, method: rtn, bits: 4, group_size: 32, sym: true}}
+export:
+  formats: [fake, openvino]
+""")
+    rc, stdout, err = invoke("run", recipe, "--output", tmp_path / "out", "--json")
+    assert rc == 0, err
+    report = json.loads(stdout)
+    from transformers import AutoModelForCausalLM
+
+    fake = AutoModelForCausalLM.from_pretrained(report["exports"]["fake"], dtype=torch.float32).eval()
+    ids = torch.randint(0, 512, (1, 20))
+    out, fc = run_ir(report["exports"]["openvino"], ids)
+    with torch.no_grad():
+        assert rel_err(out, fake(ids).logits.numpy()) < 1e-3
+    assert np.isfinite(out).all() and fc.get("u4", 0) >= 30

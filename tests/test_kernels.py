@@ -1,0 +1,159 @@
+"""CPU kernel vs the reference (dequantize, then matmul), the cpu-rows layout, QuantLinear and fallbacks."""
+
+import logging
+
+import pytest
+import torch
+
+from compress.kernels import cpu
+from compress.kernels.backends import CPU, QuantLinear, Reference, quantize_model, select
+from compress.qweight import QuantizedWeight
+
+from tiny import tiny_causal
+
+
+def rand_qw(n, k, bits, group, sym, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ng = -(-k // (k if group == -1 else group))
+    scales = (torch.randn(n, ng, generator=g) * 0.02).half().float()  # negative too (full-range sym)
+    zeros = (torch.full((n, ng), 2 ** (bits - 1), dtype=torch.uint8) if sym
+             else torch.randint(0, 2**bits, (n, ng), dtype=torch.uint8, generator=g))
+    codes = torch.randint(0, 2**bits, (n, k), dtype=torch.uint8, generator=g)
+    return QuantizedWeight(codes=codes, scales=scales, zeros=zeros, bits=bits, group_size=group, sym=sym)
+
+
+def assert_close_to_reference(y, ref):
+    err = (y - ref).abs().max().item()
+    assert err <= 2e-5 * ref.abs().max().item() + 1e-7, f"max error {err} vs range {ref.abs().max().item()}"
+
+
+@pytest.fixture(scope="module")
+def ext():
+    mod = cpu.extension()
+    if mod is None:
+        pytest.fail("the cpu kernel did not build; a C++ compiler is expected on this machine")
+    return mod
+
+
+CASES = [  # bits, group, (out, in): in not a multiple of the group -> short last group
+    (4, 128, (48, 256)), (4, 128, (40, 300)), (2, 64, (48, 256)), (2, 64, (33, 200)),
+    (8, 128, (24, 200)), (4, -1, (32, 100)), (2, -1, (16, 72)), (4, 32, (16, 96)), (2, 32, (16, 160)),
+]
+
+
+@pytest.mark.parametrize("bits,group,shape", CASES)
+@pytest.mark.parametrize("sym", [True, False])
+@pytest.mark.parametrize("scalar", [False, True])
+def test_kernel_matches_reference(ext, bits, group, shape, sym, scalar):
+    qw = rand_qw(*shape, bits, group, sym)
+    backend = CPU(scalar=scalar)
+    state = backend.prepare(qw)
+    for batch in (1, 3, 8, 13):
+        x = torch.randn(batch, shape[1])
+        assert_close_to_reference(backend.matmul(x, state), Reference().matmul(x, qw))
+
+
+@pytest.mark.parametrize("bits,group,shape", [c for c in CASES if c[0] in cpu.A8_BITS])
+@pytest.mark.parametrize("sym", [True, False])
+@pytest.mark.parametrize("scalar", [False, True])
+def test_int8_activations_match_reference_on_rounded_x(ext, bits, group, shape, sym, scalar):
+    """cpu-a8 is exact for the activations it rounds: compare with the reference on those."""
+    qw = rand_qw(*shape, bits, group, sym)
+    state = cpu.pack(qw)
+    block = cpu.xblock(state)
+    for batch in (1, 5, 8):
+        x = torch.randn(batch, shape[1])
+        xpad = torch.nn.functional.pad(x, (0, state.kpad - shape[1]))
+        xq, sx = cpu.quantize_x(xpad, block)
+        xhat = (xq.view(batch, -1, block).float() * sx.unsqueeze(-1)).view(batch, -1)[:, : shape[1]]
+        y = cpu.matmul(x, state, act="int8", scalar=scalar)
+        assert_close_to_reference(y, Reference().matmul(xhat, qw))
+        assert (xhat - x).abs().max() <= x.abs().max() / 254 + 1e-6  # the rounding it documents
+
+
+def test_avx2_compiled_here(ext):
+    import subprocess
+
+    flags = subprocess.run(["grep", "-m1", "-o", "avx2", "/proc/cpuinfo"], capture_output=True, text=True).stdout
+    assert ext.has_avx2() == ("avx2" in flags)
+
+
+def test_layout_known_answer():
+    """Byte t of word i holds column 32*s + 4*i + t in field s (module docstring of kernels/cpu.py)."""
+    for bits in (2, 4, 8):
+        P, k = 8 // bits, 32 * (8 // bits)
+        codes = (torch.arange(k) % 2**bits).to(torch.uint8).view(1, k)
+        qw = QuantizedWeight(codes=codes, scales=torch.ones(1, 1), zeros=torch.zeros(1, 1, dtype=torch.uint8),
+                             bits=bits, group_size=-1, sym=False)
+        p = cpu.pack(qw)
+        words = p.words.view(-1).to(torch.int64) & 0xFFFFFFFF
+        for i in range(8):
+            for t in range(4):
+                for s in range(P):
+                    assert (words[i] >> (8 * t + bits * s)) & (2**bits - 1) == (32 * s + 4 * i + t) % 2**bits
+    qw2 = QuantizedWeight(codes=torch.full((1, 200), 3, dtype=torch.uint8), scales=torch.ones(1, 4),
+                          zeros=torch.zeros(1, 4, dtype=torch.uint8), bits=2, group_size=64, sym=False)
+    p = cpu.pack(qw2)
+    assert p.kpad == 256 and p.words.shape == (1, 16) and p.scales.shape == (1, 4) and p.gshift == 1
+    assert (p.words[0, :8] == -1).all()  # columns 0..127: every 2-bit field is 3
+
+
+def test_permute_x_matches_fields():
+    """The fp32 path reads field j = t*P + s of lane i at chunk offset 8j + i: column 32s + 4i + t."""
+    bits, P = 4, 2
+    x = torch.arange(64, dtype=torch.float32).view(1, 64)
+    xp = cpu.permute_x(x, bits).view(-1)
+    for t in range(4):
+        for s in range(P):
+            for i in range(8):
+                assert xp[8 * (t * P + s) + i] == 32 * s + 4 * i + t
+
+
+def test_quant_linear_bias_dtype_and_shape(ext):
+    qw = rand_qw(40, 128, 4, 128, False)
+    lin = torch.nn.Linear(128, 40)
+    ql = QuantLinear.from_linear(lin, qw)
+    assert ql.backend.name == "cpu" and "backend=cpu" in repr(ql)
+    x = torch.randn(2, 5, 128)
+    ref = x @ qw.dequantize().T + lin.bias.detach()
+    assert_close_to_reference(ql(x), ref)
+    assert ql(x.bfloat16()).dtype == torch.bfloat16
+
+
+def test_unsupported_weights_use_reference(ext):
+    qw3 = rand_qw(16, 96, 3, 32, False)
+    assert select("auto", qw3).name == "reference"
+    with pytest.raises(ValueError, match="3-bit"):
+        select("cpu", qw3)
+    assert select("cpu-a8", rand_qw(16, 96, 4, 32, False)).name == "cpu-a8"
+    assert select("auto", rand_qw(16, 96, 4, 48, False)).name == "reference"  # group not a power of two
+    with pytest.raises(ValueError, match="unknown kernel backend"):
+        select("cuda", qw3)
+
+
+def test_no_compiler_falls_back_and_logs_once(monkeypatch, caplog):
+    monkeypatch.setattr(cpu, "_EXT", {})
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    qw = rand_qw(16, 128, 4, 128, True)
+    with caplog.at_level(logging.WARNING, logger="compress.kernels.cpu"):
+        layers = [QuantLinear(qw) for _ in range(3)]
+    assert all(layer.backend.name == "reference" for layer in layers)
+    assert sum("no C++ compiler" in r.message for r in caplog.records) == 1
+    x = torch.randn(2, 128)
+    assert torch.allclose(layers[0](x), x @ qw.dequantize().T)
+
+
+def test_quantize_model_matches_dequantized_model(ext):
+    model = tiny_causal("llama")
+    qweights = {}
+    for name, mod in model.named_modules():
+        if isinstance(mod, torch.nn.Linear) and name.startswith("model.layers"):
+            qweights[name] = rand_qw(mod.out_features, mod.in_features, 4, 32, False, seed=len(qweights))
+            mod.weight.data = qweights[name].dequantize()
+    ids = torch.randint(0, 128, (2, 16))
+    with torch.no_grad():
+        ref = model(ids).logits
+        quantize_model(model, qweights)
+        out = model(ids).logits
+    assert sum(isinstance(m, QuantLinear) for m in model.modules()) == len(qweights) == 14
+    assert (out - ref).abs().max() <= 1e-4 * ref.abs().max()
