@@ -44,9 +44,10 @@ def test_supported_orders_contain_the_quarot_paley_family():
     orders = supported_orders()
     assert {1, 12, 20, 28, 36, 44, 60, 76, 108, 140}.issubset(orders)
     assert 172 not in orders and 52 not in orders
+    assert factor(384) == (12, 32)  # 3 * 128 is reached through K = 12
 
 
-@pytest.mark.parametrize("n", [3, 172, 384, 43])
+@pytest.mark.parametrize("n", [3, 6, 172, 43])
 def test_unsupported_sizes_raise_naming_supported_orders(n):
     with pytest.raises(BadInput, match=r"supported sizes are K \* 2\^m with K in \[1, 12, 20"):
         hadamard_transform(torch.zeros(2, n))
