@@ -23,6 +23,7 @@ METHOD_MODULES = (
     "compress.methods.rtn",
     "compress.methods.gptq",
     "compress.methods.autoround",
+    "compress.rotation.walsh",
     "compress.export.stage",
 )
 

@@ -1,0 +1,270 @@
+"""`rotate` stage, `method: walsh`: Walsh-Hadamard rotation and BBT-spectral energy scaling (ALGORITHMS.md 3).
+
+Everything here is an exact re-parametrisation of the full-precision model that lands in ordinary
+weights of the same architecture, so the quantizer that follows sees (and rounds) the transformed
+weights and every exporter writes them unchanged:
+
+* `fused: true` (ALGORITHMS 3.8/3.9, QuaRot R1 + SpinQuant R2, zero run-time cost):
+  1. tied input/output embeddings are untied (`config.tie_word_embeddings = False`), because the
+     LM head receives the final norm's weight and the embedding does not;
+  2. every RMSNorm weight is folded into the columns of the modules that read it (q/k/v; gate/up,
+     router, every expert, shared expert and its gate; lm_head) and set to 1;
+  3. the residual stream is rotated by `Q = H_hidden / sqrt(hidden)` (`hadamard.py`, K * 2^m):
+     embeddings `E <- E Q`, readers `W <- W Q`, writers (o, down, experts' down) `W <- Q^T W`, `b <- b Q`;
+  4. per value head, `v_proj` rows `<- Q_hd^T W` (and bias) and the matching `o_proj` columns `<- W Q_hd`;
+     q/k are never rotated on their output side, so RoPE and Qwen3's q_norm/k_norm see vanilla q/k.
+  There is no R4 (online Hadamard on the down_proj input): it would need a run-time operator.
+* `mode: no_rotation` (ALGORITHMS 3.2, the published norm-absorbed BBT scaling): per-coordinate
+  activation energy `e` of each input group on the calibration data, `rho = e / sum(e)`,
+  `s = clamp((1 + n rho) ** alpha, min=1e-2)`; then
+  group 1: `input_norm.weight /= s`, q/k/v columns `*= s`; group 2: `post_attn_norm.weight /= s`,
+  every MLP reader's columns (router and experts included) `*= s`; group 3: each up_proj's rows (and
+  bias) `/= s`, its down_proj columns `*= s`; group 4: v_proj rows `/= s`, o_proj columns `*= s`, with
+  `s` tied across the query heads of one KV group (exact under GQA; the published code skips GQA).
+  Energies are measured on the model being quantized, after the fused rotation when there is one.
+  `influence_basis`: `wht` (paper-code faithful: energy of `pad(x) H / sqrt(d_pad)`, tail dropped,
+  renormalised, used to scale raw channel l) or `channel` (`E[x_l^2]`, basis-consistent). With
+  `fused: true` the stream is already in the Walsh basis, so the energy is always per channel.
+  `mode: none` only rotates (the `alpha = 0` ablation).
+
+The scaled weights `W diag(s)` are what the block-wise quantizer (AutoRound, GPTQ, RTN) rounds, so
+high-energy input coordinates are boosted before per-group rounding, as in the paper.
+
+Not implemented: the published `spectral` mode (input-side WHT with zero padding per linear layer)
+needs a pad + FWHT + 1/s transform at run time that no exporter here expresses (the paper exports
+dequantized FP16 instead); `spectral_pca` (Qwen3 matrix-gamma norm) and `spectral_pca_2d` (pair-PCA).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Literal, Optional
+
+import torch
+from pydantic import Field, model_validator
+from torch import nn
+
+from compress.config import StrictModel
+from compress.errors import BadInput
+from compress.registry import register
+from compress.rotation.hadamard import factor, hadamard_transform
+
+log = logging.getLogger(__name__)
+
+
+class WalshConfig(StrictModel):
+    stage: Literal["rotate"] = "rotate"
+    method: Literal["walsh"] = "walsh"
+    fused: bool = Field(True, description="rotate the residual stream and value heads by Walsh-Hadamard matrices, "
+                                          "absorbed into the weights (zero run-time cost)")
+    mode: Literal["no_rotation", "none"] = Field(
+        "no_rotation", description="no_rotation: published norm-absorbed BBT energy scaling; none: rotation only")
+    alpha: float = Field(0.5, ge=0, le=2, description="energy exponent: s = (1 + n rho) ** alpha")
+    influence_basis: Optional[Literal["wht", "channel"]] = Field(
+        None, description="energy basis without fusion: wht (paper code, default) or channel; fused: channel")
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.fused and self.influence_basis == "wht":
+            raise ValueError("fused: true measures energy in the rotated (Walsh) stream; use influence_basis: channel "
+                             "or leave it unset")
+        if self.mode == "none" and not self.fused:
+            raise ValueError("mode: none with fused: false changes nothing")
+        return self
+
+    @property
+    def basis(self) -> str:
+        return "channel" if self.fused else (self.influence_basis or "wht")
+
+
+# -- checks ------------------------------------------------------------------------------------------
+def check(adapter, cfg: WalshConfig) -> None:
+    """Refuse what the rotation cannot handle exactly, before anything is changed."""
+    if adapter.kind != "causal":
+        raise BadInput(f"rotate/walsh needs a pre-norm decoder with RMSNorm; `{adapter.model_type}` is an encoder "
+                       "(post-LayerNorm) and is not supported")
+    norms = [adapter.final_norm()] + [adapter.role(i, r) for i in range(len(adapter.blocks))
+                                     for r in ("input_norm", "post_attn_norm")]
+    for n in norms:
+        if n is None or getattr(n, "bias", None) is not None or "RMSNorm" not in type(n).__name__:
+            raise BadInput(f"rotate/walsh needs RMSNorm layers without bias; found {type(n).__name__}")
+    if cfg.fused:
+        factor(adapter.model.config.hidden_size)  # BadInput naming the supported sizes
+        factor(adapter.attention_shape()[2])
+
+
+# -- weight surgery (float64, written back in the weight's dtype) -----------------------------------
+def _set(p: nn.Parameter, value: torch.Tensor) -> None:
+    with torch.no_grad():
+        p.copy_(value.to(p.dtype))
+
+
+def _cols(m: nn.Module, fn) -> None:
+    """W <- fn(W) acting on the input (last) dimension."""
+    _set(m.weight, fn(m.weight.double()))
+
+
+def _rows(m: nn.Module, fn) -> None:
+    """W <- fn(W^T)^T and b <- fn(b): acting on the output dimension."""
+    _set(m.weight, fn(m.weight.double().T).T)
+    if getattr(m, "bias", None) is not None:
+        _set(m.bias, fn(m.bias.double()))
+
+
+def untie_embeddings(adapter) -> bool:
+    _, head = adapter.lm_head()
+    emb = adapter.embeddings()
+    if head is None or head.weight is not emb.weight:
+        return False
+    head.weight = nn.Parameter(emb.weight.detach().clone(), requires_grad=emb.weight.requires_grad)
+    adapter.model.config.tie_word_embeddings = False
+    return True
+
+
+def _norm_groups(adapter):
+    """(norm, readers) for every RMSNorm of the residual stream, final norm last."""
+    for i in range(len(adapter.blocks)):
+        for role in ("input_norm", "post_attn_norm"):
+            yield adapter.role(i, role), adapter.norm_readers(i, role)
+    yield adapter.final_norm(), [adapter.lm_head()[1]]
+
+
+def fuse_norms(adapter) -> None:
+    for norm, readers in _norm_groups(adapter):
+        g = norm.weight.double()
+        for m in readers:
+            _cols(m, lambda W: W * g)
+        _set(norm.weight, torch.ones_like(g))
+
+
+def rotate_residual(adapter) -> None:
+    _cols(adapter.embeddings(), hadamard_transform)
+    for norm, readers in _norm_groups(adapter):
+        for m in readers:
+            _cols(m, hadamard_transform)
+    for i in range(len(adapter.blocks)):
+        for m in adapter.residual_writers(i):
+            _rows(m, hadamard_transform)
+
+
+def rotate_value_heads(adapter) -> None:
+    heads, kv, hd = adapter.attention_shape()
+
+    def per_head(x):  # x (..., n * hd): rotate each head's hd-slice
+        return hadamard_transform(x.reshape(*x.shape[:-1], -1, hd)).reshape(x.shape)
+
+    for i in range(len(adapter.blocks)):
+        _rows(adapter.role(i, "v"), per_head)
+        _cols(adapter.role(i, "o"), per_head)
+
+
+# -- energy statistics and scaling ------------------------------------------------------------------
+def _pad_pow2(x: torch.Tensor) -> torch.Tensor:
+    n = x.shape[-1]
+    p = 1 << (n - 1).bit_length()
+    return torch.nn.functional.pad(x, (0, p - n)) if p > n else x
+
+
+class _Energy:
+    """Sum over calibration rows of x_l^2 (channel) or of (pad(x) H / sqrt(d_pad))_l^2 (wht), float64."""
+
+    def __init__(self, basis: str):
+        self.basis, self.sums, self.count, self.handles = basis, {}, {}, []
+
+    def add(self, key, x: torch.Tensor) -> None:
+        x = x.detach().reshape(-1, x.shape[-1]).double()
+        if x.shape[0] == 0:
+            return
+        h = hadamard_transform(_pad_pow2(x)) if self.basis == "wht" else x
+        self.sums[key] = self.sums.get(key, 0) + (h * h).sum(0)
+        self.count[key] = self.count.get(key, 0) + x.shape[0]
+
+    def output_of(self, key, m: nn.Module):
+        self.handles.append(m.register_forward_hook(lambda _m, _a, out: self.add(key, out)))
+
+    def input_of(self, key, m: nn.Module):
+        self.handles.append(m.register_forward_pre_hook(lambda _m, args: self.add(key, args[0])))
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+
+    def get(self, key, d: int) -> torch.Tensor | None:
+        """Per-coordinate energy of the first d coordinates (tail of a padded WHT dropped), or None."""
+        s = self.sums.get(key)
+        return None if s is None or float(s[:d].sum()) == 0.0 else s[:d] / self.count[key]
+
+
+def scales(energy: torch.Tensor, alpha: float) -> torch.Tensor:
+    """s = (1 + n rho)^alpha with rho = e / sum(e) over the n coordinates; uniform energy -> 2^alpha."""
+    rho = energy / energy.sum()
+    return ((1 + energy.numel() * rho) ** alpha).clamp(min=1e-2)
+
+
+@torch.no_grad()
+def measure(adapter, tokens: torch.Tensor, basis: str, batch_size: int = 8) -> _Energy:
+    model, stats = adapter.model, _Energy(basis)
+    for i in range(len(adapter.blocks)):
+        stats.output_of((i, "input_norm"), adapter.role(i, "input_norm"))
+        stats.output_of((i, "post_attn_norm"), adapter.role(i, "post_attn_norm"))
+        stats.input_of((i, "o"), adapter.role(i, "o"))
+        for j, (_, down) in enumerate(adapter.up_down_pairs(i)):
+            stats.input_of((i, "down", j), down)
+    try:
+        for b in tokens.split(batch_size):
+            model(input_ids=b, use_cache=False)
+    finally:
+        stats.remove()
+    return stats
+
+
+def apply_scaling(adapter, stats: _Energy, alpha: float) -> dict:
+    """Groups 1-4 of ALGORITHMS 3.2; returns how many scale vectors were applied per group."""
+    heads, kv, hd = adapter.attention_shape()
+    done = {"norm": 0, "up_down": 0, "v_o": 0}
+    hidden = adapter.model.config.hidden_size
+    for i in range(len(adapter.blocks)):
+        for role in ("input_norm", "post_attn_norm"):
+            e = stats.get((i, role), hidden)
+            if e is None:
+                continue
+            s = scales(e, alpha)
+            norm = adapter.role(i, role)
+            _set(norm.weight, norm.weight.double() / s)
+            for m in adapter.norm_readers(i, role):
+                _cols(m, lambda W: W * s)
+            done["norm"] += 1
+        for j, (up, down) in enumerate(adapter.up_down_pairs(i)):
+            e = stats.get((i, "down", j), down.in_features)
+            if e is None:  # an expert no calibration token was routed to
+                continue
+            s = scales(e, alpha)
+            _rows(up, lambda W: W / s)
+            _cols(down, lambda W: W * s)
+            done["up_down"] += 1
+        e = stats.get((i, "o"), heads * hd)
+        if e is not None:  # tie across the query heads sharing one KV head, then spread back
+            s_kv = scales(e.reshape(kv, heads // kv, hd).mean(1).reshape(-1), alpha)
+            s_o = s_kv.reshape(kv, 1, hd).expand(kv, heads // kv, hd).reshape(-1)
+            _rows(adapter.role(i, "v"), lambda W: W / s_kv)
+            _cols(adapter.role(i, "o"), lambda W: W * s_o)
+            done["v_o"] += 1
+    return done
+
+
+@register("rotate", "walsh", WalshConfig,
+          "Walsh-Hadamard rotation + BBT-spectral energy scaling, absorbed into the weights")
+def apply(ctx, cfg: WalshConfig) -> dict:
+    adapter = ctx.adapter
+    check(adapter, cfg)
+    metrics = {"fused": cfg.fused, "mode": cfg.mode, "untied_embeddings": False}
+    if cfg.fused:
+        metrics["untied_embeddings"] = untie_embeddings(adapter)
+        fuse_norms(adapter)
+        rotate_residual(adapter)
+        rotate_value_heads(adapter)
+    if cfg.mode == "no_rotation":
+        tokens = ctx.calibration_tokens()
+        metrics.update(apply_scaling(adapter, measure(adapter, tokens, cfg.basis), cfg.alpha))
+        metrics["calibration_tokens"] = tokens.numel()
+    return metrics

@@ -1,0 +1,175 @@
+"""rotate/walsh: exact in full precision (float64) on tiny llama/qwen2/qwen3/MoE models and the real
+checkpoints, broken when a reader of the rotated stream is left out, exportable after quantization."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from pydantic import ValidationError
+from transformers import AutoModelForCausalLM
+
+from compress import registry
+from compress.export.hf import export_hf
+from compress.models.adapters import ModelAdapter
+from compress.rotation import walsh
+from compress.rotation.walsh import WalshConfig
+from tests.conftest import MODELS
+from tests.test_export_hf import check_reload, in_blocks, quantize_model, tiny_llama
+from tests.tiny import tiny_causal
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+
+CONFIGS = {
+    "fused": dict(fused=True),
+    "fused-rotation-only": dict(fused=True, mode="none"),
+    "no_rotation-wht": dict(fused=False),
+    "no_rotation-channel": dict(fused=False, influence_basis="channel"),
+}
+
+
+def exact_rmsnorm(model):
+    """transformers' RMSNorm normalises in float32 even for float64 models (rel. error ~1e-7 after a
+    rotation); this computes it in the input dtype so a float64 test can demand 1e-10."""
+    for m in model.modules():
+        if type(m).__name__.endswith("RMSNorm"):
+            m.forward = (lambda mod: lambda x: mod.weight * x * torch.rsqrt(
+                x.pow(2).mean(-1, keepdim=True) + mod.variance_epsilon))(m)
+    return model
+
+
+def rotate(model, vocab, **cfg):
+    tokens = torch.randint(0, vocab, (4, 32), generator=torch.Generator().manual_seed(1))
+    ctx = SimpleNamespace(adapter=ModelAdapter(model), calibration_tokens=lambda: tokens)
+    return registry.get("rotate", "walsh").apply(ctx, WalshConfig(**cfg))
+
+
+def rel(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+def ids(vocab, n=24):
+    return torch.randint(0, vocab, (2, n), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3", "qwen2_moe", "mixtral"])
+def test_tiny_models_are_invariant_in_float64(model_type, name):
+    model = exact_rmsnorm(tiny_causal(model_type, dtype=torch.float64))
+    ModelAdapter(model)  # per-expert linears (exact) before the reference: fused experts refuse float64
+    x = ids(128)
+    with torch.no_grad():
+        before = model(x).logits
+        q_before = model.model.layers[0].self_attn.q_proj.weight.clone()
+        metrics = rotate(model, 128, **CONFIGS[name])
+        after = model(x).logits
+    assert rel(after, before) < 1e-10
+    assert not torch.allclose(model.model.layers[0].self_attn.q_proj.weight, q_before)  # it did change weights
+    if CONFIGS[name].get("mode") != "none":
+        n_up = {"qwen2_moe": 2 * 5, "mixtral": 2 * 4}.get(model_type, 2)  # experts (+ shared expert) per block
+        assert metrics["norm"] == 4 and metrics["v_o"] == 2 and metrics["up_down"] == n_up
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3", "qwen2_moe"])
+def test_transformers_norms_within_1e6(model_type):
+    """The same with transformers' own (float32-internal) RMSNorm: the requirement is 1e-6 relative."""
+    model = tiny_causal(model_type, dtype=torch.float64)
+    ModelAdapter(model)
+    x = ids(128)
+    with torch.no_grad():
+        before = model(x).logits
+        rotate(model, 128)
+        assert rel(model(x).logits, before) < 1e-6
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_leaving_out_the_router_breaks_moe_invariance(monkeypatch, fused):
+    """The router reads the rotated/scaled stream too; skipping it must be caught by the logits check."""
+    model = exact_rmsnorm(tiny_causal("qwen2_moe", dtype=torch.float64))
+    ModelAdapter(model)
+    x = ids(128)
+    with torch.no_grad():
+        before = model(x).logits
+    original = ModelAdapter.norm_readers
+
+    def without_router(self, i, role):
+        return [m for m in original(self, i, role) if m is not self.router(i)]
+
+    monkeypatch.setattr(ModelAdapter, "norm_readers", without_router)
+    with torch.no_grad():
+        rotate(model, 128, fused=fused)
+        assert rel(model(x).logits, before) > 1e-3
+
+
+def test_tied_embeddings_are_untied_when_fused():
+    model = exact_rmsnorm(tiny_llama(tie_word_embeddings=True).double())
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    x = ids(128)
+    with torch.no_grad():
+        before = model(x).logits
+        metrics = rotate(model, 128)
+        assert rel(model(x).logits, before) < 1e-10
+    assert metrics["untied_embeddings"] and model.config.tie_word_embeddings is False
+    assert model.lm_head.weight is not model.model.embed_tokens.weight
+
+
+@pytest.mark.parametrize("name", ["stories260K", "stories-llama-1m", "ref-llama-7m"])
+@pytest.mark.parametrize("fused", [True, False])
+def test_real_models_are_invariant_in_float64(name, fused):
+    model = AutoModelForCausalLM.from_pretrained(MODELS / name, dtype=torch.float64).eval()
+    vocab = model.config.vocab_size
+    x = ids(vocab, 64)
+    with torch.no_grad():
+        before = model(x).logits
+        metrics = rotate(model, vocab, fused=fused)
+        after = model(x).logits
+    assert rel(after, before) < 1e-6
+    assert metrics["untied_embeddings"] == (fused and name == "stories260K")
+
+
+def test_scales_formula():
+    s = walsh.scales(torch.ones(8, dtype=torch.float64), 0.5)
+    torch.testing.assert_close(s, torch.full((8,), 2**0.5, dtype=torch.float64))  # uniform energy -> sqrt(2)
+    e = torch.tensor([3.0, 1.0, 0.0, 0.0], dtype=torch.float64)
+    torch.testing.assert_close(walsh.scales(e, 1.0), torch.tensor([4.0, 2.0, 1.0, 1.0], dtype=torch.float64))
+
+
+def test_config_validation():
+    with pytest.raises(ValidationError, match="influence_basis"):
+        WalshConfig(fused=True, influence_basis="wht")
+    with pytest.raises(ValidationError, match="changes nothing"):
+        WalshConfig(fused=False, mode="none")
+    with pytest.raises(ValidationError):
+        WalshConfig(mode="spectral")
+    with pytest.raises(ValidationError):
+        WalshConfig(alpha=0.5, extra=1)
+    assert WalshConfig().basis == "channel" and WalshConfig(fused=False).basis == "wht"
+
+
+def test_unsupported_hidden_size_is_refused_before_changing_anything():
+    from compress.errors import BadInput
+
+    model = tiny_llama()
+    model.config.hidden_size = 172  # what check() reads
+    w = model.model.embed_tokens.weight.clone()
+    with pytest.raises(BadInput, match="172"):
+        rotate(model, 128)
+    assert torch.equal(model.model.embed_tokens.weight, w)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_rotated_quantized_model_exports_and_reloads(tmp_path, tied):
+    """The fused result is a plain Llama: the existing hf export packs it and transformers reloads it with
+    the in-memory quantized model's logits (check_reload compares them three ways)."""
+    model = tiny_llama(tie_word_embeddings=tied)
+    with torch.no_grad():
+        rotate(model, 128)
+    qweights = quantize_model(model, in_blocks((2, 32, False)))
+    out = tmp_path / "ckpt"
+    export_hf(model, qweights, None, out)
+    config, back, loaded = check_reload(model, qweights, out, 128)
+    assert set(back) == set(qweights) and config["tie_word_embeddings"] is False
+    norm = loaded.model.layers[0].input_layernorm.weight
+    assert not torch.allclose(norm.float(), torch.ones_like(norm.float()))  # energy scales live in the norms
