@@ -31,9 +31,9 @@ def shrink(recipe: dict) -> list[str]:
 
 
 
-def test_four_bundled_recipes():
-    assert [p.name for p in RECIPES] == ["quickstart.yaml", "w2-autoround.yaml", "w3-autoround.yaml",
-                                         "w4-gptq.yaml"]
+def test_six_bundled_recipes():
+    assert [p.name for p in RECIPES] == ["quickstart.yaml", "w2-autoround.yaml", "w2-walsh-autoround.yaml",
+                                         "w2-walsh-fused-autoround.yaml", "w3-autoround.yaml", "w4-gptq.yaml"]
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
@@ -41,12 +41,14 @@ def test_bundled_recipe_runs_and_exports(recipe: Path, tmp_path):
     from transformers import AutoModelForCausalLM
 
     spec = yaml.safe_load(recipe.read_text())
-    stage = spec["stages"][0]
+    stage = next(s for s in spec["stages"] if s["stage"] == "quantize")
     out = tmp_path / "out"
     rc, stdout, err = invoke("run", recipe, "--model", MODEL, "--output", out, "--json", *shrink(spec))
     assert rc == 0, err
     report = json.loads(stdout)
     assert [s["method"] for s in report["stages"] if s["name"] == "quantize"] == [stage["method"]]
+    ran = [s["name"] for s in report["stages"] if s["name"] not in ("load", "eval", "export")]
+    assert ran == [s["stage"] for s in spec["stages"]]
     ev = next(iter(report["eval"].values()))
     assert ev["tokens"] == 512 and ev["ppl_ratio"] > 0.9 and ev["top1"] > 0.3
     assert report["size"]["quantized_layers"] == 6 * 7

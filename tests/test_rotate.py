@@ -173,3 +173,44 @@ def test_rotated_quantized_model_exports_and_reloads(tmp_path, tied):
     assert set(back) == set(qweights) and config["tie_word_embeddings"] is False
     norm = loaded.model.layers[0].input_layernorm.weight
     assert not torch.allclose(norm.float(), torch.ones_like(norm.float()))  # energy scales live in the norms
+
+
+@pytest.mark.parametrize("recipe", ["w2-walsh-autoround", "w2-walsh-fused-autoround"])
+def test_walsh_recipes_run_on_stories_llama_1m(recipe, tmp_path):
+    """The bundled walsh recipes as written, shrunk like tests/test_recipes_run.py, on stories-llama-1m;
+    the exported checkpoint reloads with transformers and predicts like the in-run evaluation."""
+    import json
+
+    import yaml
+
+    from tests.conftest import REPO, invoke
+    from tests.test_recipes_run import shrink
+
+    path = REPO / "recipes" / f"{recipe}.yaml"
+    spec = yaml.safe_load(path.read_text())
+    out = tmp_path / "out"
+    rc, stdout, err = invoke("run", path, "--model", MODELS / "stories-llama-1m", "--output", out, "--json",
+                             *shrink(spec))
+    assert rc == 0, err
+    report = json.loads(stdout)
+    assert [s["name"] for s in report["stages"] if s["name"] in ("rotate", "quantize")] == ["rotate", "quantize"]
+    ev = next(iter(report["eval"].values()))
+    assert ev["tokens"] == 512 and ev["top1"] > 0.3
+    assert report["size"]["quantized_layers"] == 4 * 7
+    manifest = json.loads((out / "manifest.json").read_text())
+    rot = manifest["stages"]["00-rotate-walsh"]
+    assert rot["status"] == "done" and rot["metrics"]["norm"] == 8 and rot["metrics"]["up_down"] == 4
+    loaded = AutoModelForCausalLM.from_pretrained(out / "hf")
+    loaded = torch.nn.Module.float(loaded).eval()
+    with torch.no_grad():
+        logits = loaded(ids(512, 16)).logits
+    assert torch.isfinite(logits).all()
+
+
+def test_rotate_after_quantize_is_refused(tmp_path):
+    from tests.conftest import REPO, invoke
+
+    rc, _, err = invoke("run", REPO / "recipes" / "w2-walsh-fused-autoround.yaml", "--model", MODELS / "stories260K",
+                        "--output", tmp_path / "o", "--set", "stages.0={stage: quantize, method: rtn, bits: 4, group_size: 32}",
+                        "--set", "stages.1={stage: rotate, method: walsh}")
+    assert rc != 0 and "rotations must run before quantization" in err

@@ -253,7 +253,7 @@ def apply_scaling(adapter, stats: _Energy, alpha: float) -> dict:
 
 
 @register("rotate", "walsh", WalshConfig,
-          "Walsh-Hadamard rotation + BBT-spectral energy scaling, absorbed into the weights")
+          "Walsh-Hadamard rotation + BBT-spectral energy scaling, absorbed into the weights", check=check)
 def apply(ctx, cfg: WalshConfig) -> dict:
     adapter = ctx.adapter
     check(adapter, cfg)
