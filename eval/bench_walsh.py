@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import copy
 import json
+import shutil
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_quality as bq  # noqa: E402
@@ -39,7 +41,7 @@ def main(iters: int, names: list[str], bits: int = 2, seeds=(0,)) -> list[dict]:
                     if rot:
                         rec["stages"].insert(0, copy.deepcopy(rot))
                     t = time.time()
-                    report = bq.run_cell(rec, tmp)  # cells run one after another in scratch dirs
+                    report = run(rec, tmp / variant)
                     ev = next(iter(report["eval"].values()))
                     row = {"model": bench.name, "variant": variant, "bits": bits, "group_size": bench.group_size,
                            "iters": iters, "seed": seed, "ppl": round(ev["ppl"], 4), "fp_ppl": round(ev["fp_ppl"], 4),
@@ -48,6 +50,19 @@ def main(iters: int, names: list[str], bits: int = 2, seeds=(0,)) -> list[dict]:
                     print(json.dumps(row), flush=True)
                     rows.append(row)
     return rows
+
+
+def run(rec: dict, out: Path) -> dict:
+    """bench_quality.run_cell, with the scratch directory named by the caller (stage 0 may be `rotate`)."""
+    from compress import pipeline
+    from compress.recipe import load_recipe
+
+    path = out.with_suffix(".yaml")
+    path.write_text(yaml.safe_dump(rec, sort_keys=False))
+    try:
+        return pipeline.run(load_recipe(path), out, force=True, quiet=True)
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -214,3 +214,23 @@ def test_rotate_after_quantize_is_refused(tmp_path):
                         "--output", tmp_path / "o", "--set", "stages.0={stage: quantize, method: rtn, bits: 4, group_size: 32}",
                         "--set", "stages.1={stage: rotate, method: walsh}")
     assert rc != 0 and "rotations must run before quantization" in err
+
+
+def test_resume_reapplies_the_rotation(tmp_path):
+    """A finished rotate stage is re-applied on resume (the model is reloaded), so the resumed run
+    re-applies the quantize checkpoints to the same rotated weights and exports the same bytes."""
+    import json
+
+    from tests.conftest import REPO, invoke
+    from tests.test_resume import tensor_hashes
+
+    args = ["run", REPO / "recipes" / "w2-walsh-fused-autoround.yaml", "--model", MODELS / "stories-llama-1m",
+            "--output", tmp_path / "o", "--json", "--set", "calibration.nsamples=4", "--set", "calibration.seqlen=32",
+            "--set", "stages.1.iters=2", "--set", "eval.enabled=false"]
+    rc, stdout, err = invoke(*args)
+    assert rc == 0, err
+    first = tensor_hashes(tmp_path / "o")
+    rc, stdout, err = invoke(*args, "--resume")
+    assert rc == 0, err
+    assert [s["resumed"] for s in json.loads(stdout)["stages"] if "resumed" in s] == [True, True]
+    assert tensor_hashes(tmp_path / "o") == first

@@ -45,6 +45,7 @@ from pydantic import Field, model_validator
 from torch import nn
 
 from compress.config import StrictModel
+from compress.driver import collect_energy
 from compress.errors import BadInput
 from compress.registry import register
 from compress.rotation.hadamard import factor, hadamard_transform
@@ -165,67 +166,39 @@ def _pad_pow2(x: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(x, (0, p - n)) if p > n else x
 
 
-class _Energy:
-    """Sum over calibration rows of x_l^2 (channel) or of (pad(x) H / sqrt(d_pad))_l^2 (wht), float64."""
-
-    def __init__(self, basis: str):
-        self.basis, self.sums, self.count, self.handles = basis, {}, {}, []
-
-    def add(self, key, x: torch.Tensor) -> None:
-        x = x.detach().reshape(-1, x.shape[-1]).double()
-        if x.shape[0] == 0:
-            return
-        h = hadamard_transform(_pad_pow2(x)) if self.basis == "wht" else x
-        self.sums[key] = self.sums.get(key, 0) + (h * h).sum(0)
-        self.count[key] = self.count.get(key, 0) + x.shape[0]
-
-    def output_of(self, key, m: nn.Module):
-        self.handles.append(m.register_forward_hook(lambda _m, _a, out: self.add(key, out)))
-
-    def input_of(self, key, m: nn.Module):
-        self.handles.append(m.register_forward_pre_hook(lambda _m, args: self.add(key, args[0])))
-
-    def remove(self):
-        for h in self.handles:
-            h.remove()
-
-    def get(self, key, d: int) -> torch.Tensor | None:
-        """Per-coordinate energy of the first d coordinates (tail of a padded WHT dropped), or None."""
-        s = self.sums.get(key)
-        return None if s is None or float(s[:d].sum()) == 0.0 else s[:d] / self.count[key]
-
-
 def scales(energy: torch.Tensor, alpha: float) -> torch.Tensor:
     """s = (1 + n rho)^alpha with rho = e / sum(e) over the n coordinates; uniform energy -> 2^alpha."""
     rho = energy / energy.sum()
     return ((1 + energy.numel() * rho) ** alpha).clamp(min=1e-2)
 
 
-@torch.no_grad()
-def measure(adapter, tokens: torch.Tensor, basis: str, batch_size: int = 8) -> _Energy:
-    model, stats = adapter.model, _Energy(basis)
+def measure(adapter, tokens: torch.Tensor, basis: str) -> dict:
+    """Energy of every scaling group's input on the calibration tokens (driver.collect_energy)."""
+    taps = {}
     for i in range(len(adapter.blocks)):
-        stats.output_of((i, "input_norm"), adapter.role(i, "input_norm"))
-        stats.output_of((i, "post_attn_norm"), adapter.role(i, "post_attn_norm"))
-        stats.input_of((i, "o"), adapter.role(i, "o"))
+        for role in ("input_norm", "post_attn_norm"):
+            taps[(i, role)] = (adapter.role(i, role), "output")
+        taps[(i, "o")] = (adapter.role(i, "o"), "input")
         for j, (_, down) in enumerate(adapter.up_down_pairs(i)):
-            stats.input_of((i, "down", j), down)
-    try:
-        for b in tokens.split(batch_size):
-            model(input_ids=b, use_cache=False)
-    finally:
-        stats.remove()
-    return stats
+            taps[(i, "down", j)] = (down, "input")
+    transform = (lambda x: hadamard_transform(_pad_pow2(x))) if basis == "wht" else None
+    return collect_energy(adapter.model, tokens, taps, transform)
 
 
-def apply_scaling(adapter, stats: _Energy, alpha: float) -> dict:
+def _first(energy: dict, key, d: int) -> torch.Tensor | None:
+    """The first d coordinates (tail of a zero-padded WHT dropped), or None when nothing reached the tap."""
+    e = energy.get(key)
+    return None if e is None or float(e[:d].sum()) == 0.0 else e[:d]
+
+
+def apply_scaling(adapter, energy: dict, alpha: float) -> dict:
     """Groups 1-4 of ALGORITHMS 3.2; returns how many scale vectors were applied per group."""
     heads, kv, hd = adapter.attention_shape()
     done = {"norm": 0, "up_down": 0, "v_o": 0}
     hidden = adapter.model.config.hidden_size
     for i in range(len(adapter.blocks)):
         for role in ("input_norm", "post_attn_norm"):
-            e = stats.get((i, role), hidden)
+            e = _first(energy, (i, role), hidden)
             if e is None:
                 continue
             s = scales(e, alpha)
@@ -235,14 +208,14 @@ def apply_scaling(adapter, stats: _Energy, alpha: float) -> dict:
                 _cols(m, lambda W: W * s)
             done["norm"] += 1
         for j, (up, down) in enumerate(adapter.up_down_pairs(i)):
-            e = stats.get((i, "down", j), down.in_features)
+            e = _first(energy, (i, "down", j), down.in_features)
             if e is None:  # an expert no calibration token was routed to
                 continue
             s = scales(e, alpha)
             _rows(up, lambda W: W / s)
             _cols(down, lambda W: W * s)
             done["up_down"] += 1
-        e = stats.get((i, "o"), heads * hd)
+        e = _first(energy, (i, "o"), heads * hd)
         if e is not None:  # tie across the query heads sharing one KV head, then spread back
             s_kv = scales(e.reshape(kv, heads // kv, hd).mean(1).reshape(-1), alpha)
             s_o = s_kv.reshape(kv, 1, hd).expand(kv, heads // kv, hd).reshape(-1)
