@@ -122,7 +122,7 @@ def plan(loaded) -> dict:
                            "quantization (they rewrite the weights the quantizer rounds)")
         entry = registry.get(cfg.stage, cfg.method)
         if entry.check is not None:
-            entry.check(adapter, cfg)
+            entry.check(adapter, cfg, r)
         layers = planned_layers(adapter, cfg) if cfg.stage == "quantize" else {}
         stages.append({"key": stage_key(i, cfg), "stage": cfg.stage, "method": cfg.method,
                        "layers": len(layers), "config": cfg.model_dump()})

@@ -35,7 +35,7 @@ class Entry:
     config: type[BaseModel]
     apply: Callable
     description: str = ""
-    check: Callable | None = None  # check(adapter, cfg) at plan time, on the weightless skeleton
+    check: Callable | None = None  # check(adapter, cfg, recipe) at plan time, on the weightless skeleton
 
 
 _REGISTRY: dict[tuple[str, str], Entry] = {}

@@ -27,6 +27,7 @@ CONFIGS = {
     "fused-rotation-only": dict(fused=True, mode="none"),
     "no_rotation-wht": dict(fused=False),
     "no_rotation-channel": dict(fused=False, influence_basis="channel"),
+    "spectral": dict(fused=False, mode="spectral"),
 }
 
 
@@ -60,14 +61,18 @@ def test_tiny_models_are_invariant_in_float64(model_type, name):
     model = exact_rmsnorm(tiny_causal(model_type, dtype=torch.float64))
     ModelAdapter(model)  # per-expert linears (exact) before the reference: fused experts refuse float64
     x = ids(128)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
     with torch.no_grad():
         before = model(x).logits
-        q_before = model.model.layers[0].self_attn.q_proj.weight.clone()
         metrics = rotate(model, 128, **CONFIGS[name])
         after = model(x).logits
     assert rel(after, before) < 1e-10
-    assert not torch.allclose(model.model.layers[0].self_attn.q_proj.weight, q_before)  # it did change weights
-    if CONFIGS[name].get("mode") != "none":
+    now = model.state_dict()
+    assert set(now) != set(state) or any(not torch.equal(now[k], v) for k, v in state.items())  # it did something
+    if name == "spectral":  # every quantizable linear, but attention stays plain under q_norm (Qwen3)
+        per_block = {"qwen2_moe": 4 + 3 * 5, "mixtral": 4 + 3 * 4}.get(model_type, 7) - 4 * (model_type == "qwen3")
+        assert metrics["spectral_linears"] == 2 * per_block
+    elif CONFIGS[name].get("mode") != "none":
         n_up = {"qwen2_moe": 2 * 5, "mixtral": 2 * 4}.get(model_type, 2)  # experts (+ shared expert) per block
         assert metrics["norm"] == 4 and metrics["v_o"] == 2 and metrics["up_down"] == n_up
 
@@ -116,17 +121,17 @@ def test_tied_embeddings_are_untied_when_fused():
 
 
 @pytest.mark.parametrize("name", ["stories260K", "stories-llama-1m", "ref-llama-7m"])
-@pytest.mark.parametrize("fused", [True, False])
-def test_real_models_are_invariant_in_float64(name, fused):
+@pytest.mark.parametrize("cfg", ["fused", "no_rotation-wht", "spectral"])
+def test_real_models_are_invariant_in_float64(name, cfg):
     model = AutoModelForCausalLM.from_pretrained(MODELS / name, dtype=torch.float64).eval()
     vocab = model.config.vocab_size
     x = ids(vocab, 64)
     with torch.no_grad():
         before = model(x).logits
-        metrics = rotate(model, vocab, fused=fused)
+        metrics = rotate(model, vocab, **CONFIGS[cfg])
         after = model(x).logits
     assert rel(after, before) < 1e-6
-    assert metrics["untied_embeddings"] == (fused and name == "stories260K")
+    assert metrics["untied_embeddings"] == (cfg == "fused" and name == "stories260K")
 
 
 def test_scales_formula():
@@ -141,8 +146,12 @@ def test_config_validation():
         WalshConfig(fused=True, influence_basis="wht")
     with pytest.raises(ValidationError, match="changes nothing"):
         WalshConfig(fused=False, mode="none")
-    with pytest.raises(ValidationError):
+    with pytest.raises(ValidationError, match="fused: false"):
         WalshConfig(mode="spectral")
+    with pytest.raises(ValidationError, match="fused: false"):
+        WalshConfig(fused=False, mode="spectral", influence_basis="channel")
+    with pytest.raises(ValidationError):
+        WalshConfig(mode="spectral_pca")
     with pytest.raises(ValidationError):
         WalshConfig(alpha=0.5, extra=1)
     assert WalshConfig().basis == "channel" and WalshConfig(fused=False).basis == "wht"
@@ -234,3 +243,23 @@ def test_resume_reapplies_the_rotation(tmp_path):
     assert rc == 0, err
     assert [s["resumed"] for s in json.loads(stdout)["stages"] if "resumed" in s] == [True, True]
     assert tensor_hashes(tmp_path / "o") == first
+
+
+def test_spectral_mode_runs_in_memory_and_refuses_export(tmp_path):
+    """Mode spectral quantizes the transformed linears (d_pad inputs) and evaluates in memory; with an
+    export format the plan refuses it before loading the model."""
+    import json
+
+    from tests.conftest import REPO, invoke
+
+    args = ["run", REPO / "recipes" / "w2-walsh-autoround.yaml", "--model", MODELS / "stories260K", "--json",
+            "--set", "stages.0.mode=spectral", "--set", "calibration.nsamples=4", "--set", "calibration.seqlen=64",
+            "--set", "stages.1.iters=2", "--set", "stages.1.group_size=32", "--set", "eval.max_tokens=256"]
+    rc, _, err = invoke(*args, "--output", tmp_path / "a")
+    assert rc != 0 and "mode: spectral` needs a run-time input transform" in err
+    rc, stdout, err = invoke(*args, "--output", tmp_path / "b", "--set", "export.formats=[]")
+    assert rc == 0, err
+    report = json.loads(stdout)
+    assert report["size"]["quantized_layers"] == 5 * 7
+    ev = next(iter(report["eval"].values()))
+    assert ev["tokens"] == 256 and 1.0 < ev["ppl_ratio"] < float("inf")

@@ -30,9 +30,15 @@ weights and every exporter writes them unchanged:
 The scaled weights `W diag(s)` are what the block-wise quantizer (AutoRound, GPTQ, RTN) rounds, so
 high-energy input coordinates are boosted before per-group rounding, as in the paper.
 
-Not implemented: the published `spectral` mode (input-side WHT with zero padding per linear layer)
-needs a pad + FWHT + 1/s transform at run time that no exporter here expresses (the paper exports
-dequantized FP16 instead); `spectral_pca` (Qwen3 matrix-gamma norm) and `spectral_pca_2d` (pair-PCA).
+* `mode: spectral` (ALGORITHMS 3.1, the paper's headline mode; `fused: false` only): every block linear
+  `W` (d_out, d_in) becomes `WalshInput -> Linear(d_pad, d_out)` with `d_pad = next_pow2(d_in)`,
+  `x~ = pad(x) Q D^-1` computed at run time and `W~ = pad(W) Q D`, `D = diag(s)` from the energy of
+  `pad(x) Q` over all d_pad coordinates (the paper's definition). Exact in full precision and evaluated
+  in memory, but **not exportable**: no exporter here writes the run-time transform, so a recipe with
+  `mode: spectral` and any `export.formats` is refused at plan time. As in the published code, models
+  with q_norm/k_norm (Qwen3) keep their attention linears untransformed in this mode (pitfall 3.7.5).
+
+Not implemented: `spectral_pca` (Qwen3 matrix-gamma norm) and `spectral_pca_2d` (pair-PCA for RoPE).
 """
 
 from __future__ import annotations
@@ -58,8 +64,10 @@ class WalshConfig(StrictModel):
     method: Literal["walsh"] = "walsh"
     fused: bool = Field(True, description="rotate the residual stream and value heads by Walsh-Hadamard matrices, "
                                           "absorbed into the weights (zero run-time cost)")
-    mode: Literal["no_rotation", "none"] = Field(
-        "no_rotation", description="no_rotation: published norm-absorbed BBT energy scaling; none: rotation only")
+    mode: Literal["no_rotation", "spectral", "none"] = Field(
+        "no_rotation", description="no_rotation: published norm-absorbed BBT energy scaling (deployable); "
+                                   "spectral: published per-linear input WHT + scaling (in memory only, not exportable); "
+                                   "none: rotation only")
     alpha: float = Field(0.5, ge=0, le=2, description="energy exponent: s = (1 + n rho) ** alpha")
     influence_basis: Optional[Literal["wht", "channel"]] = Field(
         None, description="energy basis without fusion: wht (paper code, default) or channel; fused: channel")
@@ -69,6 +77,9 @@ class WalshConfig(StrictModel):
         if self.fused and self.influence_basis == "wht":
             raise ValueError("fused: true measures energy in the rotated (Walsh) stream; use influence_basis: channel "
                              "or leave it unset")
+        if self.mode == "spectral" and (self.fused or self.influence_basis == "channel"):
+            raise ValueError("mode: spectral is the unfused per-linear Walsh transform: set fused: false and leave "
+                             "influence_basis unset (it is always the Walsh basis)")
         if self.mode == "none" and not self.fused:
             raise ValueError("mode: none with fused: false changes nothing")
         return self
@@ -79,8 +90,12 @@ class WalshConfig(StrictModel):
 
 
 # -- checks ------------------------------------------------------------------------------------------
-def check(adapter, cfg: WalshConfig) -> None:
+def check(adapter, cfg: WalshConfig, recipe=None) -> None:
     """Refuse what the rotation cannot handle exactly, before anything is changed."""
+    if cfg.mode == "spectral" and recipe is not None and recipe.export.formats:
+        raise BadInput("rotate/walsh `mode: spectral` needs a run-time input transform (pad + Walsh-Hadamard + 1/s) "
+                       "that no exporter writes; remove `export.formats` (evaluation only), or use the deployable "
+                       "`fused: true` or `mode: no_rotation`")
     if adapter.kind != "causal":
         raise BadInput(f"rotate/walsh needs a pre-norm decoder with RMSNorm; `{adapter.model_type}` is an encoder "
                        "(post-LayerNorm) and is not supported")
@@ -225,6 +240,47 @@ def apply_scaling(adapter, energy: dict, alpha: float) -> dict:
     return done
 
 
+# -- mode spectral: run-time input transform per linear (not exportable) ----------------------------
+class WalshInput(nn.Module):
+    """x (..., d_in) -> pad(x) Q / s (..., d_pad): the input side of a `spectral` linear."""
+
+    def __init__(self, d_in: int, s: torch.Tensor):
+        super().__init__()
+        self.d_in = d_in
+        self.register_buffer("inv_s", 1.0 / s)
+
+    def forward(self, x):
+        return hadamard_transform(_pad_pow2(x)) * self.inv_s.to(x.dtype)
+
+
+def spectral_targets(adapter) -> dict[str, nn.Linear]:
+    """Block linears transformed in mode spectral: all quantizable ones, minus attention when q_norm exists."""
+    out = {}
+    for i in range(len(adapter.blocks)):
+        attn = {id(adapter.role(i, r)) for r in ("q", "k", "v", "o")} if "q_norm" in adapter.arch.roles else set()
+        out.update({n: m for n, m in adapter.block_linears(i).items() if id(m) not in attn})
+    return out
+
+
+def apply_spectral(adapter, tokens: torch.Tensor, alpha: float) -> dict:
+    targets = spectral_targets(adapter)
+    energy = collect_energy(adapter.model, tokens, {n: (m, "input") for n, m in targets.items()},
+                            lambda x: hadamard_transform(_pad_pow2(x)))
+    for name, lin in targets.items():
+        e = energy.get(name)
+        d_pad = 1 << (lin.in_features - 1).bit_length()
+        s = scales(e, alpha) if e is not None and float(e.sum()) > 0 else torch.ones(d_pad, dtype=torch.float64)
+        new = nn.Linear(d_pad, lin.out_features, bias=lin.bias is not None, dtype=lin.weight.dtype,
+                        device=lin.weight.device)
+        _set(new.weight, hadamard_transform(_pad_pow2(lin.weight.double())) * s)
+        if lin.bias is not None:
+            _set(new.bias, lin.bias.double())
+        parent, _, leaf = name.rpartition(".")
+        setattr(adapter.model.get_submodule(parent), leaf,
+                nn.Sequential(WalshInput(lin.in_features, s.to(lin.weight.dtype)), new))
+    return {"spectral_linears": len(targets)}
+
+
 @register("rotate", "walsh", WalshConfig,
           "Walsh-Hadamard rotation + BBT-spectral energy scaling, absorbed into the weights", check=check)
 def apply(ctx, cfg: WalshConfig) -> dict:
@@ -239,5 +295,9 @@ def apply(ctx, cfg: WalshConfig) -> dict:
     if cfg.mode == "no_rotation":
         tokens = ctx.calibration_tokens()
         metrics.update(apply_scaling(adapter, measure(adapter, tokens, cfg.basis), cfg.alpha))
+        metrics["calibration_tokens"] = tokens.numel()
+    elif cfg.mode == "spectral":
+        tokens = ctx.calibration_tokens()
+        metrics.update(apply_spectral(adapter, tokens, cfg.alpha))
         metrics["calibration_tokens"] = tokens.numel()
     return metrics
