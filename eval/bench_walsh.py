@@ -23,6 +23,7 @@ import bench_quality as bq  # noqa: E402
 VARIANTS = {
     "autoround": None,
     "walsh+autoround": {"stage": "rotate", "method": "walsh", "fused": False},
+    "walsh-spectral+autoround": {"stage": "rotate", "method": "walsh", "fused": False, "mode": "spectral"},
     "walsh-fused+autoround": {"stage": "rotate", "method": "walsh", "fused": True},
     "walsh-fused-rotation-only+autoround": {"stage": "rotate", "method": "walsh", "fused": True, "mode": "none"},
 }
