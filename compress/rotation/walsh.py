@@ -1,8 +1,9 @@
 """`rotate` stage, `method: walsh`: Walsh-Hadamard rotation and BBT-spectral energy scaling (ALGORITHMS.md 3).
 
-Everything here is an exact re-parametrisation of the full-precision model that lands in ordinary
-weights of the same architecture, so the quantizer that follows sees (and rounds) the transformed
-weights and every exporter writes them unchanged:
+Every mode is an exact re-parametrisation of the full-precision model (float64 tests: tests/test_rotate.py).
+`fused` and `no_rotation` land in ordinary weights of the same architecture, so the quantizer that
+follows rounds the transformed weights and every exporter writes them unchanged (deployable at full
+compression); `spectral` adds a run-time transform and is evaluation-only:
 
 * `fused: true` (ALGORITHMS 3.8/3.9, QuaRot R1 + SpinQuant R2, zero run-time cost):
   1. tied input/output embeddings are untied (`config.tie_word_embeddings = False`), because the
@@ -27,9 +28,8 @@ weights and every exporter writes them unchanged:
   `fused: true` the stream is already in the Walsh basis, so the energy is always per channel.
   `mode: none` only rotates (the `alpha = 0` ablation).
 
-The scaled weights `W diag(s)` are what the block-wise quantizer (AutoRound, GPTQ, RTN) rounds, so
-high-energy input coordinates are boosted before per-group rounding, as in the paper.
-
+  The scaled weights `W diag(s)` are what the block-wise quantizer (AutoRound, GPTQ, RTN) rounds, so
+  high-energy input coordinates are boosted before per-group rounding, as in the paper.
 * `mode: spectral` (ALGORITHMS 3.1, the paper's headline mode; `fused: false` only): every block linear
   `W` (d_out, d_in) becomes `WalshInput -> Linear(d_pad, d_out)` with `d_pad = next_pow2(d_in)`,
   `x~ = pad(x) Q D^-1` computed at run time and `W~ = pad(W) Q D`, `D = diag(s)` from the energy of
@@ -43,7 +43,6 @@ Not implemented: `spectral_pca` (Qwen3 matrix-gamma norm) and `spectral_pca_2d` 
 
 from __future__ import annotations
 
-import logging
 from typing import Literal, Optional
 
 import torch
@@ -55,8 +54,6 @@ from compress.driver import collect_energy
 from compress.errors import BadInput
 from compress.registry import register
 from compress.rotation.hadamard import factor, hadamard_transform
-
-log = logging.getLogger(__name__)
 
 
 class WalshConfig(StrictModel):
