@@ -127,6 +127,38 @@ def collect_hessians(block, linears: dict[str, nn.Linear], inputs, kwargs) -> di
     return {n: (H[n] / max(count[n], 1)).float() for n in linears}
 
 
+@torch.no_grad()
+def collect_energy(model: nn.Module, tokens: torch.Tensor, taps: dict, transform: Callable | None = None,
+                   batch_size: int = 8) -> dict:
+    """Per-coordinate mean of `transform(x)**2` (float64) over every calibration row reaching each tap.
+
+    taps: key -> (module, "input" | "output"); returns key -> energy vector, for taps that saw rows.
+    One forward pass of the whole model per batch of `tokens`.
+    """
+    sums, count = {}, {}
+
+    def add(key, x):
+        x = x.detach().reshape(-1, x.shape[-1]).double()
+        if x.shape[0]:
+            h = transform(x) if transform else x
+            sums[key] = sums.get(key, 0) + (h * h).sum(0)
+            count[key] = count.get(key, 0) + x.shape[0]
+
+    handles = []
+    for key, (m, where) in taps.items():
+        if where == "input":
+            handles.append(m.register_forward_pre_hook(lambda _m, args, k=key: add(k, args[0])))
+        else:
+            handles.append(m.register_forward_hook(lambda _m, _a, out, k=key: add(k, out)))
+    try:
+        for b in tokens.split(batch_size):
+            model(input_ids=b, use_cache=False) if _accepts_use_cache(model) else model(input_ids=b)
+    finally:
+        for h in handles:
+            h.remove()
+    return {k: sums[k] / count[k] for k in sums}
+
+
 def set_weight(linear: nn.Linear, qw: QuantizedWeight) -> None:
     with torch.no_grad():
         linear.weight.copy_(qw.dequantize(linear.weight.dtype))

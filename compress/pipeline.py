@@ -121,6 +121,12 @@ def plan(loaded) -> dict:
     act = r.calibration.nsamples * r.calibration.seqlen * config.hidden_size * 4
     stages = []
     for i, cfg in enumerate(r.stage_configs):
+        if cfg.stage == "rotate" and any(c.stage == "quantize" for c in r.stage_configs[:i]):
+            raise BadInput(f"stage {i} (`rotate`) comes after a `quantize` stage; rotations must run before "
+                           "quantization (they rewrite the weights the quantizer rounds)")
+        entry = registry.get(cfg.stage, cfg.method)
+        if entry.check is not None:
+            entry.check(adapter, cfg, r)
         layers = planned_layers(adapter, cfg) if cfg.stage == "quantize" else {}
         stages.append({"key": stage_key(i, cfg), "stage": cfg.stage, "method": cfg.method,
                        "layers": len(layers), "config": cfg.model_dump()})

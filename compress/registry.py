@@ -23,6 +23,7 @@ METHOD_MODULES = (
     "compress.methods.rtn",
     "compress.methods.gptq",
     "compress.methods.autoround",
+    "compress.rotation.walsh",
     "compress.export.stage",
 )
 
@@ -34,14 +35,16 @@ class Entry:
     config: type[BaseModel]
     apply: Callable
     description: str = ""
+    check: Callable | None = None  # check(adapter, cfg, recipe) at plan time, on the weightless skeleton
 
 
 _REGISTRY: dict[tuple[str, str], Entry] = {}
 
 
-def register(stage: str, method: str, config: type[BaseModel], description: str = ""):
+def register(stage: str, method: str, config: type[BaseModel], description: str = "", check: Callable | None = None):
     def deco(fn):
-        _REGISTRY[(stage, method)] = Entry(stage, method, config, fn, description or (fn.__doc__ or "").strip())
+        _REGISTRY[(stage, method)] = Entry(stage, method, config, fn, description or (fn.__doc__ or "").strip(),
+                                           check)
         return fn
 
     return deco

@@ -33,8 +33,8 @@ def shrink(recipe: dict) -> list[str]:
 
 def test_bundled_recipes():
     """The recipes the issues ask for are bundled (every bundled recipe runs in the test below)."""
-    required = {"quickstart.yaml", "w4-gptq.yaml", "w3-autoround.yaml", "w2-autoround.yaml",
-                "w2-autoround-lfq.yaml", "w4-onnx.yaml"}
+    required = {"quickstart.yaml", "w4-gptq.yaml", "w3-autoround.yaml", "w2-autoround.yaml", "w2-autoround-lfq.yaml",
+                "w4-onnx.yaml", "w2-walsh-autoround.yaml", "w2-walsh-fused-autoround.yaml"}
     assert required <= {p.name for p in RECIPES}
 
 
@@ -43,12 +43,14 @@ def test_bundled_recipe_runs_and_exports(recipe: Path, tmp_path):
     from transformers import AutoModelForCausalLM
 
     spec = yaml.safe_load(recipe.read_text())
-    stage = spec["stages"][0]
+    stage = next(s for s in spec["stages"] if s["stage"] == "quantize")
     out = tmp_path / "out"
     rc, stdout, err = invoke("run", recipe, "--model", MODEL, "--output", out, "--json", *shrink(spec))
     assert rc == 0, err
     report = json.loads(stdout)
     assert [s["method"] for s in report["stages"] if s["name"] == "quantize"] == [stage["method"]]
+    ran = [s["name"] for s in report["stages"] if s["name"] not in ("load", "eval", "export")]
+    assert ran == [s["stage"] for s in spec["stages"]]
     ev = next(iter(report["eval"].values()))
     assert ev["tokens"] == 512 and ev["ppl_ratio"] > 0.9 and ev["top1"] > 0.3
     assert ev["gen_prompts"] == 16 and 0 <= ev["gen_prefix"] <= ev["gen_new_tokens"] and ev["gen_kl"] >= 0

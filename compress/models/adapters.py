@@ -72,6 +72,16 @@ ARCHS: dict[str, ArchMap] = {
 }
 
 
+# Residual-stream plumbing of pre-norm decoders, by role (used by rotations, `compress.rotation`).
+# A role not defined for an architecture is absent; a defined role whose module is missing is an error.
+NORM_READERS = {
+    "input_norm": ("q", "k", "v"),
+    "post_attn_norm": ("mlp_gate", "mlp_up", "shared_gate", "shared_up", "shared_expert_gate"),
+}
+RESIDUAL_WRITERS = ("o", "mlp_down", "shared_down")
+UP_DOWN = (("mlp_up", "mlp_down"), ("shared_up", "shared_down"))
+
+
 class LinearExperts(nn.ModuleList):
     """Per-expert `nn.Linear` replacement for transformers' fused `*Experts` modules (same forward).
 
@@ -167,6 +177,48 @@ class ModelAdapter:
 
     def experts(self, i: int) -> LinearExperts | None:
         return get_module(self.blocks[i], self.arch.experts) if self.arch.experts else None
+
+    def router(self, i: int) -> nn.Module | None:
+        return get_module(self.blocks[i], self.arch.router) if self.arch.router else None
+
+    def attention_shape(self) -> tuple[int, int, int]:
+        """(num_attention_heads, num_key_value_heads, head_dim) from the model config."""
+        c = self.model.config
+        heads = c.num_attention_heads
+        kv = getattr(c, "num_key_value_heads", None) or heads
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+        return heads, kv, head_dim
+
+    def _roles(self, i: int, names) -> list[nn.Module]:
+        out = []
+        for r in names:
+            if r in self.arch.roles:
+                m = self.role(i, r)
+                if m is None:
+                    raise BadInput(f"block {i} of `{self.model_type}` has no module at role `{r}` "
+                                   f"({self.arch.roles[r]})")
+                out.append(m)
+        return out
+
+    def norm_readers(self, i: int, norm_role: str) -> list[nn.Module]:
+        """Every module of block i whose `.weight` (out, hidden) multiplies the output of `norm_role`:
+        attention projections, or the MLP inputs incl. router, every expert and shared expert(s)."""
+        mods = self._roles(i, NORM_READERS[norm_role])
+        if norm_role == "post_attn_norm":
+            if self.arch.router:
+                mods.append(self.router(i))
+            for e in self.experts(i) or ():
+                mods += [e.gate_proj, e.up_proj]
+        return mods
+
+    def residual_writers(self, i: int) -> list[nn.Module]:
+        """Every linear of block i whose output is added to the residual stream (o, down, experts' down)."""
+        return self._roles(i, RESIDUAL_WRITERS) + [e.down_proj for e in self.experts(i) or ()]
+
+    def up_down_pairs(self, i: int) -> list[tuple[nn.Linear, nn.Linear]]:
+        """(up, down) of every gated MLP in block i: `down(act(gate(x)) * up(x))` is linear in up's rows."""
+        pairs = [tuple(self._roles(i, pair)) for pair in UP_DOWN if pair[0] in self.arch.roles]
+        return pairs + [(e.up_proj, e.down_proj) for e in self.experts(i) or ()]
 
     def block_linears(self, i: int) -> dict[str, nn.Linear]:
         """Every quantizable nn.Linear of block i (routers and scalar gates excluded), full names."""

@@ -1,0 +1,300 @@
+"""`rotate` stage, `method: walsh`: Walsh-Hadamard rotation and BBT-spectral energy scaling (ALGORITHMS.md 3).
+
+Every mode is an exact re-parametrisation of the full-precision model (float64 tests: tests/test_rotate.py).
+`fused` and `no_rotation` land in ordinary weights of the same architecture, so the quantizer that
+follows rounds the transformed weights and every exporter writes them unchanged (deployable at full
+compression); `spectral` adds a run-time transform and is evaluation-only:
+
+* `fused: true` (ALGORITHMS 3.8/3.9, QuaRot R1 + SpinQuant R2, zero run-time cost):
+  1. tied input/output embeddings are untied (`config.tie_word_embeddings = False`), because the
+     LM head receives the final norm's weight and the embedding does not;
+  2. every RMSNorm weight is folded into the columns of the modules that read it (q/k/v; gate/up,
+     router, every expert, shared expert and its gate; lm_head) and set to 1;
+  3. the residual stream is rotated by `Q = H_hidden / sqrt(hidden)` (`hadamard.py`, K * 2^m):
+     embeddings `E <- E Q`, readers `W <- W Q`, writers (o, down, experts' down) `W <- Q^T W`, `b <- b Q`;
+  4. per value head, `v_proj` rows `<- Q_hd^T W` (and bias) and the matching `o_proj` columns `<- W Q_hd`;
+     q/k are never rotated on their output side, so RoPE and Qwen3's q_norm/k_norm see vanilla q/k.
+  There is no R4 (online Hadamard on the down_proj input): it would need a run-time operator.
+* `mode: no_rotation` (ALGORITHMS 3.2, the published norm-absorbed BBT scaling): per-coordinate
+  activation energy `e` of each input group on the calibration data, `rho = e / sum(e)`,
+  `s = clamp((1 + n rho) ** alpha, min=1e-2)`; then
+  group 1: `input_norm.weight /= s`, q/k/v columns `*= s`; group 2: `post_attn_norm.weight /= s`,
+  every MLP reader's columns (router and experts included) `*= s`; group 3: each up_proj's rows (and
+  bias) `/= s`, its down_proj columns `*= s`; group 4: v_proj rows `/= s`, o_proj columns `*= s`, with
+  `s` tied across the query heads of one KV group (exact under GQA; the published code skips GQA).
+  Energies are measured on the model being quantized, after the fused rotation when there is one.
+  `influence_basis`: `wht` (paper-code faithful: energy of `pad(x) H / sqrt(d_pad)`, tail dropped,
+  renormalised, used to scale raw channel l) or `channel` (`E[x_l^2]`, basis-consistent). With
+  `fused: true` the stream is already in the Walsh basis, so the energy is always per channel.
+  `mode: none` only rotates (the `alpha = 0` ablation).
+
+  The scaled weights `W diag(s)` are what the block-wise quantizer (AutoRound, GPTQ, RTN) rounds, so
+  high-energy input coordinates are boosted before per-group rounding, as in the paper.
+* `mode: spectral` (ALGORITHMS 3.1, the paper's headline mode; `fused: false` only): every block linear
+  `W` (d_out, d_in) becomes `WalshInput -> Linear(d_pad, d_out)` with `d_pad = next_pow2(d_in)`,
+  `x~ = pad(x) Q D^-1` computed at run time and `W~ = pad(W) Q D`, `D = diag(s)` from the energy of
+  `pad(x) Q` over all d_pad coordinates (the paper's definition). Exact in full precision and evaluated
+  in memory, but **not exportable**: no exporter here writes the run-time transform, so a recipe with
+  `mode: spectral` and any `export.formats` is refused at plan time. As in the published code, models
+  with q_norm/k_norm (Qwen3) keep their attention linears untransformed in this mode (pitfall 3.7.5).
+
+Not implemented: `spectral_pca` (Qwen3 matrix-gamma norm) and `spectral_pca_2d` (pair-PCA for RoPE).
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+import torch
+from pydantic import Field, model_validator
+from torch import nn
+
+from compress.config import StrictModel
+from compress.driver import collect_energy
+from compress.errors import BadInput
+from compress.registry import register
+from compress.rotation.hadamard import factor, hadamard_transform
+
+
+class WalshConfig(StrictModel):
+    stage: Literal["rotate"] = "rotate"
+    method: Literal["walsh"] = "walsh"
+    fused: bool = Field(True, description="rotate the residual stream and value heads by Walsh-Hadamard matrices, "
+                                          "absorbed into the weights (zero run-time cost)")
+    mode: Literal["no_rotation", "spectral", "none"] = Field(
+        "no_rotation", description="no_rotation: published norm-absorbed BBT energy scaling (deployable); "
+                                   "spectral: published per-linear input WHT + scaling (in memory only, not exportable); "
+                                   "none: rotation only")
+    alpha: float = Field(0.5, ge=0, le=2, description="energy exponent: s = (1 + n rho) ** alpha")
+    influence_basis: Optional[Literal["wht", "channel"]] = Field(
+        None, description="energy basis without fusion: wht (paper code, default) or channel; fused: channel")
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.fused and self.influence_basis == "wht":
+            raise ValueError("fused: true measures energy in the rotated (Walsh) stream; use influence_basis: channel "
+                             "or leave it unset")
+        if self.mode == "spectral" and (self.fused or self.influence_basis == "channel"):
+            raise ValueError("mode: spectral is the unfused per-linear Walsh transform: set fused: false and leave "
+                             "influence_basis unset (it is always the Walsh basis)")
+        if self.mode == "none" and not self.fused:
+            raise ValueError("mode: none with fused: false changes nothing")
+        return self
+
+    @property
+    def basis(self) -> str:
+        return "channel" if self.fused else (self.influence_basis or "wht")
+
+
+# -- checks ------------------------------------------------------------------------------------------
+def check(adapter, cfg: WalshConfig, recipe=None) -> None:
+    """Refuse what the rotation cannot handle exactly, before anything is changed."""
+    if cfg.mode == "spectral" and recipe is not None and recipe.export.formats:
+        raise BadInput("rotate/walsh `mode: spectral` needs a run-time input transform (pad + Walsh-Hadamard + 1/s) "
+                       "that no exporter writes; remove `export.formats` (evaluation only), or use the deployable "
+                       "`fused: true` or `mode: no_rotation`")
+    if adapter.kind != "causal":
+        raise BadInput(f"rotate/walsh needs a pre-norm decoder with RMSNorm; `{adapter.model_type}` is an encoder "
+                       "(post-LayerNorm) and is not supported")
+    norms = [adapter.final_norm()] + [adapter.role(i, r) for i in range(len(adapter.blocks))
+                                     for r in ("input_norm", "post_attn_norm")]
+    for n in norms:
+        if n is None or getattr(n, "bias", None) is not None or "RMSNorm" not in type(n).__name__:
+            raise BadInput(f"rotate/walsh needs RMSNorm layers without bias; found {type(n).__name__}")
+    if cfg.fused:
+        factor(adapter.model.config.hidden_size)  # BadInput naming the supported sizes
+        factor(adapter.attention_shape()[2])
+
+
+# -- weight surgery (float64, written back in the weight's dtype) -----------------------------------
+def _set(p: nn.Parameter, value: torch.Tensor) -> None:
+    with torch.no_grad():
+        p.copy_(value.to(p.dtype))
+
+
+def _cols(m: nn.Module, fn) -> None:
+    """W <- fn(W) acting on the input (last) dimension."""
+    _set(m.weight, fn(m.weight.double()))
+
+
+def _rows(m: nn.Module, fn) -> None:
+    """W <- fn(W^T)^T and b <- fn(b): acting on the output dimension."""
+    _set(m.weight, fn(m.weight.double().T).T)
+    if getattr(m, "bias", None) is not None:
+        _set(m.bias, fn(m.bias.double()))
+
+
+def untie_embeddings(adapter) -> bool:
+    _, head = adapter.lm_head()
+    emb = adapter.embeddings()
+    if head is None or head.weight is not emb.weight:
+        return False
+    head.weight = nn.Parameter(emb.weight.detach().clone(), requires_grad=emb.weight.requires_grad)
+    adapter.model.config.tie_word_embeddings = False
+    return True
+
+
+def _norm_groups(adapter):
+    """(norm, readers) for every RMSNorm of the residual stream, final norm last."""
+    for i in range(len(adapter.blocks)):
+        for role in ("input_norm", "post_attn_norm"):
+            yield adapter.role(i, role), adapter.norm_readers(i, role)
+    yield adapter.final_norm(), [adapter.lm_head()[1]]
+
+
+def fuse_norms(adapter) -> None:
+    for norm, readers in _norm_groups(adapter):
+        g = norm.weight.double()
+        for m in readers:
+            _cols(m, lambda W: W * g)
+        _set(norm.weight, torch.ones_like(g))
+
+
+def rotate_residual(adapter) -> None:
+    _cols(adapter.embeddings(), hadamard_transform)
+    for norm, readers in _norm_groups(adapter):
+        for m in readers:
+            _cols(m, hadamard_transform)
+    for i in range(len(adapter.blocks)):
+        for m in adapter.residual_writers(i):
+            _rows(m, hadamard_transform)
+
+
+def rotate_value_heads(adapter) -> None:
+    heads, kv, hd = adapter.attention_shape()
+
+    def per_head(x):  # x (..., n * hd): rotate each head's hd-slice
+        return hadamard_transform(x.reshape(*x.shape[:-1], -1, hd)).reshape(x.shape)
+
+    for i in range(len(adapter.blocks)):
+        _rows(adapter.role(i, "v"), per_head)
+        _cols(adapter.role(i, "o"), per_head)
+
+
+# -- energy statistics and scaling ------------------------------------------------------------------
+def _pad_pow2(x: torch.Tensor) -> torch.Tensor:
+    n = x.shape[-1]
+    p = 1 << (n - 1).bit_length()
+    return torch.nn.functional.pad(x, (0, p - n)) if p > n else x
+
+
+def scales(energy: torch.Tensor, alpha: float) -> torch.Tensor:
+    """s = (1 + n rho)^alpha with rho = e / sum(e) over the n coordinates; uniform energy -> 2^alpha."""
+    rho = energy / energy.sum()
+    return ((1 + energy.numel() * rho) ** alpha).clamp(min=1e-2)
+
+
+def measure(adapter, tokens: torch.Tensor, basis: str) -> dict:
+    """Energy of every scaling group's input on the calibration tokens (driver.collect_energy)."""
+    taps = {}
+    for i in range(len(adapter.blocks)):
+        for role in ("input_norm", "post_attn_norm"):
+            taps[(i, role)] = (adapter.role(i, role), "output")
+        taps[(i, "o")] = (adapter.role(i, "o"), "input")
+        for j, (_, down) in enumerate(adapter.up_down_pairs(i)):
+            taps[(i, "down", j)] = (down, "input")
+    transform = (lambda x: hadamard_transform(_pad_pow2(x))) if basis == "wht" else None
+    return collect_energy(adapter.model, tokens, taps, transform)
+
+
+def _first(energy: dict, key, d: int) -> torch.Tensor | None:
+    """The first d coordinates (tail of a zero-padded WHT dropped), or None when nothing reached the tap."""
+    e = energy.get(key)
+    return None if e is None or float(e[:d].sum()) == 0.0 else e[:d]
+
+
+def apply_scaling(adapter, energy: dict, alpha: float) -> dict:
+    """Groups 1-4 of ALGORITHMS 3.2; returns how many scale vectors were applied per group."""
+    heads, kv, hd = adapter.attention_shape()
+    done = {"norm": 0, "up_down": 0, "v_o": 0}
+    hidden = adapter.model.config.hidden_size
+    for i in range(len(adapter.blocks)):
+        for role in ("input_norm", "post_attn_norm"):
+            e = _first(energy, (i, role), hidden)
+            if e is None:
+                continue
+            s = scales(e, alpha)
+            norm = adapter.role(i, role)
+            _set(norm.weight, norm.weight.double() / s)
+            for m in adapter.norm_readers(i, role):
+                _cols(m, lambda W: W * s)
+            done["norm"] += 1
+        for j, (up, down) in enumerate(adapter.up_down_pairs(i)):
+            e = _first(energy, (i, "down", j), down.in_features)
+            if e is None:  # an expert no calibration token was routed to
+                continue
+            s = scales(e, alpha)
+            _rows(up, lambda W: W / s)
+            _cols(down, lambda W: W * s)
+            done["up_down"] += 1
+        e = _first(energy, (i, "o"), heads * hd)
+        if e is not None:  # tie across the query heads sharing one KV head, then spread back
+            s_kv = scales(e.reshape(kv, heads // kv, hd).mean(1).reshape(-1), alpha)
+            s_o = s_kv.reshape(kv, 1, hd).expand(kv, heads // kv, hd).reshape(-1)
+            _rows(adapter.role(i, "v"), lambda W: W / s_kv)
+            _cols(adapter.role(i, "o"), lambda W: W * s_o)
+            done["v_o"] += 1
+    return done
+
+
+# -- mode spectral: run-time input transform per linear (not exportable) ----------------------------
+class WalshInput(nn.Module):
+    """x (..., d_in) -> pad(x) Q / s (..., d_pad): the input side of a `spectral` linear."""
+
+    def __init__(self, d_in: int, s: torch.Tensor):
+        super().__init__()
+        self.d_in = d_in
+        self.register_buffer("inv_s", 1.0 / s)
+
+    def forward(self, x):
+        return hadamard_transform(_pad_pow2(x)) * self.inv_s.to(x.dtype)
+
+
+def spectral_targets(adapter) -> dict[str, nn.Linear]:
+    """Block linears transformed in mode spectral: all quantizable ones, minus attention when q_norm exists."""
+    out = {}
+    for i in range(len(adapter.blocks)):
+        attn = {id(adapter.role(i, r)) for r in ("q", "k", "v", "o")} if "q_norm" in adapter.arch.roles else set()
+        out.update({n: m for n, m in adapter.block_linears(i).items() if id(m) not in attn})
+    return out
+
+
+def apply_spectral(adapter, tokens: torch.Tensor, alpha: float) -> dict:
+    targets = spectral_targets(adapter)
+    energy = collect_energy(adapter.model, tokens, {n: (m, "input") for n, m in targets.items()},
+                            lambda x: hadamard_transform(_pad_pow2(x)))
+    for name, lin in targets.items():
+        e = energy.get(name)
+        d_pad = 1 << (lin.in_features - 1).bit_length()
+        s = scales(e, alpha) if e is not None and float(e.sum()) > 0 else torch.ones(d_pad, dtype=torch.float64)
+        new = nn.Linear(d_pad, lin.out_features, bias=lin.bias is not None, dtype=lin.weight.dtype,
+                        device=lin.weight.device)
+        _set(new.weight, hadamard_transform(_pad_pow2(lin.weight.double())) * s)
+        if lin.bias is not None:
+            _set(new.bias, lin.bias.double())
+        parent, _, leaf = name.rpartition(".")
+        setattr(adapter.model.get_submodule(parent), leaf,
+                nn.Sequential(WalshInput(lin.in_features, s.to(lin.weight.dtype)), new))
+    return {"spectral_linears": len(targets)}
+
+
+@register("rotate", "walsh", WalshConfig,
+          "Walsh-Hadamard rotation + BBT-spectral energy scaling, absorbed into the weights", check=check)
+def apply(ctx, cfg: WalshConfig) -> dict:
+    adapter = ctx.adapter
+    check(adapter, cfg)
+    metrics = {"fused": cfg.fused, "mode": cfg.mode, "untied_embeddings": False}
+    if cfg.fused:
+        metrics["untied_embeddings"] = untie_embeddings(adapter)
+        fuse_norms(adapter)
+        rotate_residual(adapter)
+        rotate_value_heads(adapter)
+    if cfg.mode == "no_rotation":
+        tokens = ctx.calibration_tokens()
+        metrics.update(apply_scaling(adapter, measure(adapter, tokens, cfg.basis), cfg.alpha))
+        metrics["calibration_tokens"] = tokens.numel()
+    elif cfg.mode == "spectral":
+        tokens = ctx.calibration_tokens()
+        metrics.update(apply_spectral(adapter, tokens, cfg.alpha))
+        metrics["calibration_tokens"] = tokens.numel()
+    return metrics
