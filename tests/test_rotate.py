@@ -3,7 +3,6 @@ checkpoints, broken when a reader of the rotated stream is left out, exportable 
 
 from __future__ import annotations
 
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
