@@ -1,7 +1,7 @@
 """W2 perplexity of AutoRound with and without the walsh rotate stage, same calibration and AutoRound
 settings in every cell (the `eval/bench_quality.py` cells with one `rotate` stage put in front).
 
-    /work/venv3/bin/python eval/bench_walsh.py [iters] [model ...]
+    python eval/bench_walsh.py [iters] [model ...]   (prints one JSON row per cell)
 """
 
 from __future__ import annotations
