@@ -50,8 +50,7 @@ class OnnxExportConfig(StrictModel):
 def export_onnx_stage(ctx, cfg: OnnxExportConfig) -> dict:
     from compress.export.onnx import export_onnx
 
-    meta = {"recipe_sha256": ctx.loaded.sha256, "model": ctx.loaded.recipe.model.path}
-    return export_onnx(ctx.model, ctx.qweights, ctx.workspace.path(cfg.directory), meta=meta)
+    return export_onnx(ctx.model, ctx.qweights, ctx.workspace.path(cfg.directory), meta=_meta(ctx))
 
 
 class OpenVINOExportConfig(StrictModel):
@@ -63,5 +62,9 @@ class OpenVINOExportConfig(StrictModel):
 def export_openvino_stage(ctx, cfg: OpenVINOExportConfig) -> dict:
     from compress.export.openvino import export_openvino
 
-    meta = {"recipe_sha256": ctx.loaded.sha256, "model": ctx.loaded.recipe.model.path}
-    return export_openvino(ctx.model, ctx.qweights, ctx.workspace.path(cfg.directory), meta=meta)
+    return export_openvino(ctx.model, ctx.qweights, ctx.workspace.path(cfg.directory), meta=_meta(ctx))
+
+
+def _meta(ctx) -> dict:
+    """Provenance written into graph-format exports."""
+    return {"recipe_sha256": ctx.loaded.sha256, "model": ctx.loaded.recipe.model.path}
