@@ -287,8 +287,7 @@ def evaluate_encoder(ctx: StageContext, r, fp_model) -> dict:
 
 def evaluate_causal(ctx: StageContext, r, fp_model) -> dict:
     from compress.eval.data import read_text, text_slice, token_stream
-    from compress.eval.generation import compare_generation
-    from compress.eval.metrics import compare_lm
+    from compress.eval.generation import compare_causal
 
     g, bos = r.eval.generation, bos_id(ctx.tokenizer, ctx.adapter)
     out = {}
@@ -297,11 +296,9 @@ def evaluate_causal(ctx: StageContext, r, fp_model) -> dict:
         if r.eval.text_slice:
             text = text_slice(text, *r.eval.text_slice)
         ids = token_stream(ctx.tokenizer, text)
-        res = compare_lm(fp_model, ctx.model, ids, window=r.eval.window, bos_id=bos,
-                         max_tokens=r.eval.max_tokens, progress=not ctx.quiet)
-        if g.prompts:
-            res.update(compare_generation(fp_model, ctx.model, ids, prompts=g.prompts, prompt_tokens=g.prompt_tokens,
-                                          new_tokens=g.new_tokens, bos_id=bos))
+        res = compare_causal(fp_model, ctx.model, ids, window=r.eval.window, bos_id=bos, max_tokens=r.eval.max_tokens,
+                             prompts=g.prompts, prompt_tokens=g.prompt_tokens, new_tokens=g.new_tokens,
+                             progress=not ctx.quiet)
         out[Path(path).name] = {k: (round(v, 6) if isinstance(v, float) else v) for k, v in res.items()}
     return out
 

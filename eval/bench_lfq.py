@@ -45,13 +45,10 @@ def group_for(bench: bq.Bench, bits: int, hidden: int) -> int:
     return 128 if hidden >= 128 else -1
 
 
-def cell(bench, path, calib, bits, variant, seed, s: LfqSettings, tmp: Path) -> dict:
+def cell(bench, path, calib, bits, group_size, variant, seed, s: LfqSettings, tmp: Path) -> dict:
     base = replace(s.base, seed=seed)
     rec = bq.recipe(bench, path, calib, "autoround", bits, base)
-    from compress.models.loading import load_config
-
-    hidden = load_config(path, None).hidden_size
-    rec["stages"][0].update(group_size=group_for(bench, bits, hidden), final_block=variant)
+    rec["stages"][0].update(group_size=group_size, final_block=variant)
     rec["eval"]["generation"] = {"prompts": s.prompts, "prompt_tokens": s.prompt_tokens, "new_tokens": s.new_tokens}
     rec["description"] += f" final_block={variant} seed={seed}"
     report = bq.run_cell(rec, tmp)
@@ -100,6 +97,8 @@ def targets(summary: list[dict]) -> list[dict]:
 
 
 def run_lfq(quick: bool = False, only: list[str] | None = None) -> tuple[dict, str]:
+    from compress.models.loading import load_config
+
     s = QUICK if quick else FULL
     t0 = time.time()
     meta = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"), "quick": quick,
@@ -110,10 +109,12 @@ def run_lfq(quick: bool = False, only: list[str] | None = None) -> tuple[dict, s
         tmp = Path(tmp_dir)
         for bench in benches:
             path, calib = bq.model_path(bench), bq.calibration_file(bench, tmp)
+            hidden = load_config(path, None).hidden_size
             for bits in s.widths:
+                group_size = group_for(bench, bits, hidden)
                 for seed in s.seeds:
                     for variant in VARIANTS:
-                        cells.append(cell(bench, path, calib, bits, variant, seed, s, tmp))
+                        cells.append(cell(bench, path, calib, bits, group_size, variant, seed, s, tmp))
                         bq.log.info("lfq %s W%d seed %d %s: ppl %.4f kl %.4f prefix %.1f", bench.name, bits, seed,
                                     variant, cells[-1]["ppl"], cells[-1]["kl"], cells[-1]["gen_prefix"])
     meta["wall_seconds"] = round(time.time() - t0, 1)
@@ -151,7 +152,4 @@ def markdown(result: dict) -> str:
         lines.append(f"| {r['model']} | W{r['bits']} | {r['group_size']} | {r['variant']} | {pm('ppl')} | "
                      f"{pm('kl')} | {pm('top1', 3)} | {pm('gen_prefix', 2)} | {pm('gen_agree', 3)} | "
                      f"{pm('gen_kl')} | {pm('gen_top1', 3)} | {f(r['seconds'], 1)} |")
-    if result["targets"]:
-        lines += ["", "## Expected outcomes", "", "| target | value | met |", "|---|---|---|"]
-        lines += [f"| {t['target']} | {t['value']} | {'yes' if t['met'] else 'NO'} |" for t in result["targets"]]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + bq.outcomes(result["targets"])) + "\n"

@@ -268,11 +268,15 @@ def markdown(rows: list[dict], meta: dict) -> str:
             r["model"], r["method"], bits, _fmt(r["group_size"]), _fmt(r["effective_bits"], 3), r["metric"],
             _fmt(r["value"]), _fmt(r["fp_value"]), _fmt(r["ratio"]), _fmt(r["kl"]), _fmt(r["top1"]),
             _fmt(r["probe_acc"]), _fmt(r["seconds"], 1), _fmt(r["cell_seconds"], 1)]) + " |")
-    checks = targets(rows)
-    if checks:
-        lines += ["", "## Expected outcomes", "", "| target | value | met |", "|---|---|---|"]
-        lines += [f"| {c['target']} | {c['value']} | {'yes' if c['met'] else 'NO'} |" for c in checks]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + outcomes(targets(rows))) + "\n"
+
+
+def outcomes(checks: list[dict]) -> list[str]:
+    """Markdown lines of the expected-outcomes table (none without checks)."""
+    if not checks:
+        return []
+    return ["", "## Expected outcomes", "", "| target | value | met |", "|---|---|---|"] + [
+        f"| {c['target']} | {c['value']} | {'yes' if c['met'] else 'NO'} |" for c in checks]
 
 
 # -- entry point ----------------------------------------------------------------------------------------

@@ -35,8 +35,8 @@ def evaluate_checkpoint(model_path: str, *, reference: str | None, data: list[st
     """Perplexity of `model_path` on each file; with `reference`, also KL/top-1 and greedy-continuation
     agreement (`gen_prompts` prompts, 0 = off) against it on the same tokens."""
     from compress.eval.data import read_text, token_stream
-    from compress.eval.generation import compare_generation
-    from compress.eval.metrics import compare_lm, perplexity
+    from compress.eval.generation import compare_causal
+    from compress.eval.metrics import perplexity
 
     if not data:
         raise BadInput("give at least one --data FILE to evaluate on")
@@ -50,11 +50,9 @@ def evaluate_checkpoint(model_path: str, *, reference: str | None, data: list[st
         ids = token_stream(tok, read_text(path))
         bos = getattr(tok, "bos_token_id", None)
         if ref:
-            res = compare_lm(ref[0], model, ids, window=window, bos_id=bos, max_tokens=max_tokens)
-            if gen_prompts:
-                res.update(compare_generation(ref[0], model, ids, prompts=gen_prompts, prompt_tokens=prompt_tokens,
-                                              new_tokens=new_tokens, bos_id=bos))
-            out[Path(path).name] = res
+            out[Path(path).name] = compare_causal(ref[0], model, ids, window=window, bos_id=bos, max_tokens=max_tokens,
+                                                  prompts=gen_prompts, prompt_tokens=prompt_tokens,
+                                                  new_tokens=new_tokens)
         else:
             out[Path(path).name] = {"ppl": perplexity(model, ids, window=window, bos_id=bos, max_tokens=max_tokens)}
     return out

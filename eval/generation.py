@@ -16,7 +16,7 @@ import inspect
 import torch
 
 from compress.errors import BadInput
-from compress.eval.metrics import token_kl
+from compress.eval.metrics import compare_lm, token_kl
 
 
 def prompts_from(ids: torch.Tensor, k: int, length: int, bos_id: int | None = None) -> torch.Tensor:
@@ -73,3 +73,15 @@ def compare_generation(fp_model, q_model, ids: torch.Tensor, *, prompts: int = 1
             "gen_kl": float(token_kl(fp_logits, q_logits.to(fp_logits.device)).mean()),
             "gen_top1": float((fp_logits.argmax(-1).cpu() == q_logits.argmax(-1).cpu()).double().mean()),
             "gen_prompts": p.shape[0], "gen_new_tokens": new_tokens}
+
+
+def compare_causal(fp_model, q_model, ids: torch.Tensor, *, window: int, bos_id: int | None,
+                   max_tokens: int | None, prompts: int, prompt_tokens: int, new_tokens: int,
+                   progress: bool = False) -> dict:
+    """`compare_lm` on the token stream plus, when `prompts` > 0, `compare_generation` on prompts from it:
+    the one FP-vs-compressed comparison of a causal model used by runs and by `compress eval`."""
+    res = compare_lm(fp_model, q_model, ids, window=window, bos_id=bos_id, max_tokens=max_tokens, progress=progress)
+    if prompts:
+        res.update(compare_generation(fp_model, q_model, ids, prompts=prompts, prompt_tokens=prompt_tokens,
+                                      new_tokens=new_tokens, bos_id=bos_id))
+    return res
