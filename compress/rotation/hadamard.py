@@ -6,10 +6,14 @@ and `H_K` a Paley matrix built from a prime `q`:
 * Paley I, `q = 3 (mod 4)`, order `K = q + 1` (4, 8, 12, 20, 24, 32, 44, 48, 60, ...);
 * Paley II, `q = 1 (mod 4)`, order `K = 2 (q + 1)` (12, 28, 36, 60, 76, 84, 108, ...).
 
-K = 1 (pure powers of two) needs no Paley matrix. Orders with no such construction, e.g. 40 = 20*2
-is fine (K = 20, m = 1) but 172 (Williamson, order 4*43) and any n with an odd factor that is not
-covered (e.g. 3*2^m) raise `BadInput` naming the supported K. Only prime `q` are used, so orders
-needing a prime-power field (52 = 2*(25+1)) are not built.
+* Williamson, order `K = 4 n` from four symmetric circulant +-1 matrices `A, B, C, D` of order `n`
+  with `A A^T + B B^T + C C^T + D D^T = 4 n I`, laid out in the Williamson array. Only n = 43
+  (K = 172, the order QuaRot hard-codes for e.g. 11008 = 172 * 64 intermediate sizes) is stored:
+  its four first rows are published data (M. Hall, *Combinatorial Theory*, 2nd ed. 1986, table of
+  Williamson matrices, from Baumert and Hall 1965), checked to give `H H^T = K I` when built.
+
+K = 1 (pure powers of two) needs no base matrix. Any n with an odd factor not covered (e.g. 3*2^m,
+or 52 = 2*(25+1), which needs a prime-power field) raises `BadInput` naming the supported K.
 
 `hadamard_transform(x)` computes `x @ hadamard_matrix(n) / sqrt(n)` over the last dimension in
 O(n log n + n K) without building the matrix: butterflies on the 2^m axis, a K x K matmul on the
@@ -60,12 +64,36 @@ def _paley(K: int) -> torch.Tensor | None:
     return None
 
 
+# first rows of the Williamson circulants A, B, C, D, keyed by their order n (K = 4 n)
+WILLIAMSON = {
+    43: ("++---++++-+--+--++--------++--+--+-++++---+", "+++-+-++--+-+-++++-+----+-++++-+-+--++-+-++",
+         "++-++++++----+-+--++-++-++--+-+----++++++-+", "+---++--++++-+-+++-++--++-+++-+-++++--++---"),
+}
+
+
+def _circulant(row: str) -> torch.Tensor:
+    r = torch.tensor([1.0 if c == "+" else -1.0 for c in row], dtype=torch.float64)
+    n = r.numel()
+    return r[(torch.arange(n)[None, :] - torch.arange(n)[:, None]) % n]
+
+
+def _williamson(K: int) -> torch.Tensor | None:
+    if K % 4 or K // 4 not in WILLIAMSON:
+        return None
+    A, B, C, D = (_circulant(r) for r in WILLIAMSON[K // 4])
+    H = torch.cat([torch.cat(row, 1) for row in ([A, B, C, D], [-B, A, -D, C], [-C, D, A, -B], [-D, -C, B, A])], 0)
+    if not torch.equal(H @ H.T, K * torch.eye(K, dtype=torch.float64)):  # guards the stored table
+        raise AssertionError(f"Williamson table for K = {K} does not give a Hadamard matrix")
+    return H
+
+
 @functools.lru_cache(maxsize=None)
 def _base(K: int) -> torch.Tensor | None:
     """A +-1 Hadamard matrix of order K (float64), or None when not constructible here."""
     if K == 1:
         return torch.ones(1, 1, dtype=torch.float64)
-    return _paley(K)
+    H = _paley(K)
+    return H if H is not None else _williamson(K)
 
 
 def supported_orders(limit: int = MAX_K) -> list[int]:
@@ -85,8 +113,7 @@ def factor(n: int) -> tuple[int, int]:
         p //= 2
     raise BadInput(
         f"no Walsh-Hadamard matrix of size {n} (= {n // (n & -n)} * {n & -n}): supported sizes are K * 2^m "
-        f"with K in {supported_orders()} (Paley constructions; e.g. 172 = 4*43 is a Williamson order and "
-        "is not built)")
+        f"with K in {supported_orders()} (Paley constructions and the Williamson order 172)")
 
 
 def is_supported(n: int) -> bool:
