@@ -55,6 +55,7 @@ class StageContext:
     streamer: object | None = None  # BlockStreamer when model.stream is set
     block_stage: str | None = None  # key of the stage whose block checkpoints hold the codes
     key: str = ""
+    fp_bytes: int = 0  # the loaded model's parameter bytes, before any stage (a rotation may untie the head)
     qweights: dict[str, QuantizedWeight] = field(default_factory=dict)
     _tokens: torch.Tensor | None = None
 
@@ -181,7 +182,8 @@ def _run(loaded, ws: Workspace, quiet: bool) -> dict:
         else:
             model, tok = load_model(r.model.path, r.model.dtype, r.model.gguf_file)
         adapter = ModelAdapter(model)
-    ctx = StageContext(loaded, model, tok, adapter, ws, r.calibration.seed, progress, quiet)
+    ctx = StageContext(loaded, model, tok, adapter, ws, r.calibration.seed, progress, quiet,
+                       fp_bytes=_param_bytes(model))
     if r.model.stream:
         ctx.streamer = BlockStreamer(model, adapter, source, r.model.dtype)
     prefix: list = [loaded.resolved.get("model"), loaded.resolved.get("calibration")]
@@ -303,16 +305,20 @@ def evaluate_causal(ctx: StageContext, r, fp_model) -> dict:
     return out
 
 
+def _param_bytes(model: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())  # tied tensors counted once
+
+
 def size_report(ctx: StageContext, exports: dict) -> dict:
+    """Sizes against the model as loaded: an untied LM head (fused rotation) is a real cost of the result."""
     model = ctx.model
-    fp_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     qnumel = sum(q.codes.numel() for q in ctx.qweights.values())
     qbits = sum(q.storage_bits() for q in ctx.qweights.values())
     names = set(ctx.qweights)
     other = sum(m.weight.numel() * m.weight.element_size() for n, m in model.named_modules()
                 if n in names)  # the FP bytes those layers replace
-    packed = fp_bytes - other + math.ceil(qbits / 8)
+    packed = _param_bytes(model) - other + math.ceil(qbits / 8)
     on_disk = next((v["bytes"] for v in exports.values() if v.get("bytes")), None)
-    return {"fp_bytes": fp_bytes, "bytes": on_disk if on_disk is not None else packed, "packed_bytes": packed,
+    return {"fp_bytes": ctx.fp_bytes, "bytes": on_disk if on_disk is not None else packed, "packed_bytes": packed,
             "effective_bits": round(qbits / qnumel, 4) if qnumel else None,
             "quantized_params": qnumel, "quantized_layers": len(ctx.qweights)}

@@ -272,3 +272,26 @@ def test_spectral_mode_runs_in_memory_and_refuses_export(tmp_path):
     assert report["size"]["quantized_layers"] == 5 * 7
     ev = next(iter(report["eval"].values()))
     assert ev["tokens"] == 256 and 1.0 < ev["ppl_ratio"] < float("inf")
+
+
+def test_size_report_compares_against_the_model_as_loaded(tmp_path):
+    """A fused rotation unties stories260K's head: the untied copy is a cost of the result (packed
+    bytes), not part of the full-precision baseline."""
+    import json
+
+    from tests.conftest import REPO, invoke
+
+    fp = AutoModelForCausalLM.from_pretrained(MODELS / "stories260K")
+    fp_bytes = sum(p.numel() * p.element_size() for p in fp.parameters())
+    head = fp.lm_head.weight
+    rc, stdout, err = invoke("run", REPO / "recipes" / "w2-walsh-fused-autoround.yaml", "--model", MODELS / "stories260K",
+                             "--output", tmp_path / "o", "--json", "--set", "calibration.nsamples=4",
+                             "--set", "calibration.seqlen=32", "--set", "eval.enabled=false", "--set", "export.formats=[]",
+                             "--set", "stages.1={stage: quantize, method: rtn, bits: 4, group_size: 32}")
+    assert rc == 0, err
+    size = json.loads(stdout)["size"]
+    assert size["fp_bytes"] == fp_bytes
+    replaced = sum(m.weight.numel() * 4 for n, m in fp.named_modules() if n.startswith("model.layers.")
+                   and isinstance(m, torch.nn.Linear))
+    qbytes = -(-size["effective_bits"] * size["quantized_params"] // 8)
+    assert abs(size["packed_bytes"] - (fp_bytes + head.numel() * 4 - replaced + qbytes)) <= 4  # effective_bits is rounded
