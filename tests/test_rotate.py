@@ -170,9 +170,9 @@ def test_unsupported_hidden_size_is_refused_before_changing_anything():
     from compress.errors import BadInput
 
     model = tiny_llama()
-    model.config.hidden_size = 172  # what check() reads
+    model.config.hidden_size = 3 * 172  # what check() reads
     w = model.model.embed_tokens.weight.clone()
-    with pytest.raises(BadInput, match="172"):
+    with pytest.raises(BadInput, match="516"):
         rotate(model, 128)
     assert torch.equal(model.model.embed_tokens.weight, w)
 
