@@ -214,10 +214,11 @@ def bench_quality(
     quick: bool = typer.Option(False, "--quick", help="tiny settings, for a smoke test"),
     only: Optional[List[str]] = typer.Option(None, "--only", help="run only these models (repeatable)"),
     suite: str = typer.Option("ptq", "--suite", help="`ptq`: FP/RTN/GPTQ/AutoRound matrix; `lfq`: AutoRound "
-                              "with and without LFQ and hard-label CE, three seeds, with greedy-continuation scores"),
+                              "with and without LFQ and hard-label CE, three seeds, with greedy-continuation scores; "
+                              "`walsh`: AutoRound after no rotation, auto-round's Hadamard and the walsh modes"),
 ):
     """FP, RTN, GPTQ and AutoRound at W4/W3/W2 on the real small models and MiniLM (`--suite ptq`),
-    or the LFQ comparison (`--suite lfq`).
+    the LFQ comparison (`--suite lfq`) or the rotation comparison (`--suite walsh`).
 
     Example: compress bench quality --json bench/quality.json --markdown bench/quality.md
     """
@@ -232,8 +233,12 @@ def bench_quality(
         from compress.eval.bench_lfq import run_lfq
 
         rows, md = run_lfq(quick=quick, only=only or None)
+    elif suite == "walsh":
+        from compress.eval.bench_walsh import run_walsh
+
+        rows, md = run_walsh(quick=quick, only=only or None)
     else:
-        raise BadInput(f"unknown --suite `{suite}` (known: ptq, lfq)")
+        raise BadInput(f"unknown --suite `{suite}` (known: ptq, lfq, walsh)")
     typer.echo(md)
     if json_out:
         json_out.write_text(json.dumps(rows, indent=2) + "\n")

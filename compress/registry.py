@@ -24,6 +24,7 @@ METHOD_MODULES = (
     "compress.methods.gptq",
     "compress.methods.autoround",
     "compress.rotation.walsh",
+    "compress.rotation.autoround_hadamard",
     "compress.export.stage",
 )
 

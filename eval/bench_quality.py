@@ -145,7 +145,8 @@ def run_cell(rec: dict, tmp: Path) -> dict:
     from compress import pipeline
     from compress.recipe import load_recipe
 
-    name = f"{Path(rec['model']['path']).name}-{rec['stages'][0]['method']}-w{rec['stages'][0]['bits']}"
+    q = rec["stages"][-1]  # the quantize stage (a rotate stage may come first)
+    name = f"{Path(rec['model']['path']).name}-{q['method']}-w{q['bits']}"
     path = tmp / f"{name}.yaml"
     path.write_text(yaml.safe_dump(rec, sort_keys=False))
     out = tmp / name

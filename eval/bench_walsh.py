@@ -1,70 +1,183 @@
-"""W2 perplexity of AutoRound with and without the walsh rotate stage, same calibration and AutoRound
-settings in every cell (the `eval/bench_quality.py` cells with one `rotate` stage put in front).
+"""`compress bench quality --suite walsh`: AutoRound with and without a rotation in front of it.
 
-    python eval/bench_walsh.py [iters] [model ...]   (prints one JSON row per cell)
+On the models that are sensitive at low bits (stories260K, stories-llama-1m), every cell is one real
+pipeline run with the same calibration, AutoRound settings and seed; only the `rotate` stage differs:
+
+* `autoround`: no rotation (vanilla AutoRound);
+* `autoround_hadamard`: auto-round's own QuaRot-style Hadamard rotation (`rotate/autoround_hadamard`,
+  its `inplace` backend with online hooks; runs on CPU);
+* `walsh-spectral`: the published BBT-spectral mode (per-linear Walsh transform of the input + energy
+  scaling, a run-time operator: evaluation only);
+* `walsh`: the published deployable mode (`fused: false, mode: no_rotation`: Walsh-basis energy scaling
+  absorbed into the norms), as in `recipes/w2-walsh-autoround.yaml`;
+* `walsh-fused`: our fused variant (residual + value-head Walsh rotation absorbed into the weights,
+  then channel-energy scaling), as in `recipes/w2-walsh-fused-autoround.yaml`.
+
+W2 g64 over three seeds (the seed picks the calibration windows and AutoRound's minibatch order),
+W3 g64 and W4 g128 (stories260K's hidden size 64 cannot hold a 128-group: per-channel) over one.
+The all-MiniLM-L6-v2 encoder (post-LayerNorm, where only the spectral mode applies) is scored by
+embedding cosine and probe accuracy at W2 and W3.
 """
 
 from __future__ import annotations
 
 import copy
-import json
-import shutil
-import sys
+import datetime
+import statistics
 import tempfile
 import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-import torch
-import yaml
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_quality as bq  # noqa: E402
+from compress.eval import bench_quality as bq
 
 VARIANTS = {
     "autoround": None,
-    "walsh+autoround": {"stage": "rotate", "method": "walsh", "fused": False},
-    "walsh-spectral+autoround": {"stage": "rotate", "method": "walsh", "fused": False, "mode": "spectral"},
-    "walsh-fused+autoround": {"stage": "rotate", "method": "walsh", "fused": True},
-    "walsh-fused-rotation-only+autoround": {"stage": "rotate", "method": "walsh", "fused": True, "mode": "none"},
+    "autoround_hadamard": {"stage": "rotate", "method": "autoround_hadamard"},
+    "walsh-spectral": {"stage": "rotate", "method": "walsh", "fused": False, "mode": "spectral"},
+    "walsh": {"stage": "rotate", "method": "walsh", "fused": False, "mode": "no_rotation", "influence_basis": "wht"},
+    "walsh-fused": {"stage": "rotate", "method": "walsh", "fused": True},
 }
+ENCODER_VARIANTS = ("autoround", "walsh-spectral")
+CAUSAL_METRICS = ("ppl", "kl", "top1")
+ENCODER_METRICS = ("cosine", "probe_acc")
 
 
-def main(iters: int, names: list[str], bits: int = 2, seeds=(0,)) -> list[dict]:
-    torch.set_num_threads(1)
-    rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        tmp = Path(tmp)
-        for bench in [b for b in bq.benches() if b.name in names]:
+@dataclass(frozen=True)
+class WalshSettings:
+    base: bq.Settings = replace(bq.FULL, iters=100)  # half auto-round's default: 2-core budget (as --suite lfq)
+    seeds: tuple[int, ...] = (0, 1, 2)  # for W2; W3 and W4 run seed 0 only
+    widths: tuple[int, ...] = (2, 3, 4)
+    encoder_widths: tuple[int, ...] = (2, 3)
+
+
+FULL = WalshSettings()
+QUICK = WalshSettings(base=replace(bq.QUICK, iters=4), seeds=(0,), widths=(2,), encoder_widths=())
+
+
+def group_for(bench: bq.Bench, bits: int, hidden: int) -> int:
+    if bits < 4:
+        return 64
+    return 128 if hidden >= 128 else -1
+
+
+def cell(bench, path, calib, bits, group_size, variant, seed, s: WalshSettings, tmp: Path) -> dict:
+    rec = bq.recipe(bench, path, calib, "autoround", bits, replace(s.base, seed=seed))
+    rec["stages"][0]["group_size"] = group_size
+    if VARIANTS[variant]:
+        rec["stages"].insert(0, copy.deepcopy(VARIANTS[variant]))
+    rec["description"] += f" rotate={variant} seed={seed}"
+    report = bq.run_cell(rec, tmp)
+    ev = next(iter(report["eval"].values()))
+    metrics = ENCODER_METRICS if bench.kind == "encoder" else CAUSAL_METRICS
+    row = {"model": bench.name, "bits": bits, "group_size": group_size, "variant": variant, "seed": seed,
+           **{k: ev[k] for k in metrics}, "effective_bits": report["size"]["effective_bits"],
+           "seconds": round(sum(st["seconds"] for st in report["stages"] if st["name"] in ("rotate", "quantize")), 2)}
+    row.update(fp_ppl=ev["fp_ppl"]) if bench.kind == "causal" else row.update(fp_probe_acc=ev["fp_probe_acc"])
+    return row
+
+
+def summarize(cells: list[dict]) -> list[dict]:
+    """Mean and sample standard deviation (0 for one seed) per (model, bits, variant)."""
+    order = list(VARIANTS)
+    keys = sorted({(c["model"], c["bits"], c["variant"]) for c in cells}, key=lambda k: (k[0], k[1], order.index(k[2])))
+    out = []
+    for model, bits, variant in keys:
+        cs = [c for c in cells if (c["model"], c["bits"], c["variant"]) == (model, bits, variant)]
+        row = {k: cs[0][k] for k in ("model", "bits", "group_size", "variant") + ("fp_ppl", "fp_probe_acc")
+               if k in cs[0]}
+        row.update(seeds=len(cs), seconds=statistics.mean(c["seconds"] for c in cs))
+        for m in CAUSAL_METRICS + ENCODER_METRICS:
+            if m in cs[0]:
+                vals = [c[m] for c in cs]
+                row[m], row[m + "_sd"] = statistics.mean(vals), statistics.stdev(vals) if len(vals) > 1 else 0.0
+        out.append(row)
+    return out
+
+
+def targets(summary: list[dict]) -> list[dict]:
+    """Issue targets on the causal models: at W2, walsh-spectral (published) ppl <= 0.75 x vanilla AutoRound
+    and <= auto-round's Hadamard; the fused variant within 10% of the published mode; at W4 every
+    rotation within noise of vanilla (|ppl difference| <= 2% here, one seed)."""
+    by = {(r["model"], r["bits"], r["variant"]): r for r in summary if "ppl" in r}
+    out = []
+    for model in sorted({k[0] for k in by}):
+        get = lambda bits, v: by.get((model, bits, v))  # noqa: E731
+        ar, pub, had, fused = get(2, "autoround"), get(2, "walsh-spectral"), get(2, "autoround_hadamard"), get(2, "walsh-fused")
+        if ar and pub:
+            out.append({"target": f"{model} W2: walsh-spectral ppl <= 0.75 x AutoRound", "met": pub["ppl"] <= 0.75 * ar["ppl"],
+                        "value": f"{pub['ppl']:.3f} vs {ar['ppl']:.3f} (x{pub['ppl'] / ar['ppl']:.3f})"})
+        if had and pub:
+            out.append({"target": f"{model} W2: walsh-spectral ppl <= auto-round Hadamard", "met": pub["ppl"] <= had["ppl"],
+                        "value": f"{pub['ppl']:.3f} vs {had['ppl']:.3f}"})
+        if fused and pub:
+            out.append({"target": f"{model} W2: fused within 10% of walsh-spectral", "met": fused["ppl"] <= 1.1 * pub["ppl"],
+                        "value": f"{fused['ppl']:.3f} vs {pub['ppl']:.3f} (x{fused['ppl'] / pub['ppl']:.3f})"})
+        ar4 = get(4, "autoround")
+        for v in VARIANTS:
+            r4 = get(4, v)
+            if ar4 and r4 and v != "autoround":
+                d = r4["ppl"] / ar4["ppl"] - 1
+                out.append({"target": f"{model} W4: {v} within noise of AutoRound (|diff| <= 2%)", "met": abs(d) <= 0.02,
+                            "value": f"{r4['ppl']:.4f} vs {ar4['ppl']:.4f} ({d:+.2%})"})
+    return out
+
+
+def run_walsh(quick: bool = False, only: list[str] | None = None) -> tuple[dict, str]:
+    from compress.models.loading import load_config
+
+    s = QUICK if quick else FULL
+    t0 = time.time()
+    meta = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"), "quick": quick,
+            "machine": bq.machine()}
+    cells = []
+    benches = [b for b in bq.selected(quick, only) if b.name in bq.SENSITIVE or b.kind == "encoder"]
+    with tempfile.TemporaryDirectory(prefix="compress-bench-walsh-") as tmp_dir:
+        tmp = Path(tmp_dir)
+        for bench in benches:
             path, calib = bq.model_path(bench), bq.calibration_file(bench, tmp)
-            for seed in seeds:
-                for variant, rot in VARIANTS.items():
-                    rec = bq.recipe(bench, path, calib, "autoround", bits, bq.Settings(iters=iters, seed=seed))
-                    if rot:
-                        rec["stages"].insert(0, copy.deepcopy(rot))
-                    t = time.time()
-                    report = run(rec, tmp / variant)
-                    ev = next(iter(report["eval"].values()))
-                    row = {"model": bench.name, "variant": variant, "bits": bits, "group_size": bench.group_size,
-                           "iters": iters, "seed": seed, "ppl": round(ev["ppl"], 4), "fp_ppl": round(ev["fp_ppl"], 4),
-                           "kl": round(ev["kl"], 4), "top1": round(ev["top1"], 4), "tokens": ev["tokens"],
-                           "seconds": round(time.time() - t, 1)}
-                    print(json.dumps(row), flush=True)
-                    rows.append(row)
-    return rows
+            encoder = bench.kind == "encoder"
+            hidden = load_config(path, None).hidden_size
+            for bits in s.encoder_widths if encoder else s.widths:
+                for seed in s.seeds if bits == 2 else s.seeds[:1]:
+                    for variant in ENCODER_VARIANTS if encoder else VARIANTS:
+                        group = bench.group_size if encoder else group_for(bench, bits, hidden)
+                        cells.append(cell(bench, path, calib, bits, group, variant, seed, s, tmp))
+                        bq.log.info("walsh %s W%d seed %d %s: %s", bench.name, bits, seed, variant,
+                                    {k: cells[-1][k] for k in ("ppl", "cosine") if k in cells[-1]})
+    meta["wall_seconds"] = round(time.time() - t0, 1)
+    summary = summarize(cells)
+    result = {"meta": meta, "settings": {**s.base.__dict__, "widths": list(s.widths), "seeds": list(s.seeds),
+                                         "encoder_widths": list(s.encoder_widths)},
+              "summary": summary, "cells": cells, "targets": targets(summary)}
+    return result, markdown(result)
 
 
-def run(rec: dict, out: Path) -> dict:
-    """bench_quality.run_cell, with the scratch directory named by the caller (stage 0 may be `rotate`)."""
-    from compress import pipeline
-    from compress.recipe import load_recipe
-
-    path = out.with_suffix(".yaml")
-    path.write_text(yaml.safe_dump(rec, sort_keys=False))
-    try:
-        return pipeline.run(load_recipe(path), out, force=True, quiet=True)
-    finally:
-        shutil.rmtree(out, ignore_errors=True)
-
-
-if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 200, sys.argv[2:] or ["stories-llama-1m"])
+def markdown(result: dict) -> str:
+    m, s = result["meta"], result["settings"]
+    f = bq._fmt
+    lines = [
+        "# Walsh benchmark: AutoRound after no rotation, auto-round's Hadamard, and the walsh modes\n",
+        f"- date: {m['date']}; machine: {m['machine']['nproc']} CPUs ({m['machine']['cpu']}), load average at "
+        f"start {m['machine']['load_average']}; total wall time {m['wall_seconds']:.0f} s"
+        f"{' (quick mode)' if m['quick'] else ''}",
+        f"- every cell: AutoRound asymmetric, {s['iters']} iterations per block (batch {s['ar_batch_size']}), "
+        f"calibration {s['nsamples']} x {s['seqlen']} tokens (causal: first 80% of TinyStories val; MiniLM: SST-2 "
+        f"held-out train sentences, {s['encoder_seqlen']} tokens); W2 over seeds {s['seeds']}, W3/W4 seed "
+        f"{s['seeds'][0]}; seconds = rotate + quantize stages",
+        f"- causal: perplexity/KL/top-1 on {s['window']}-token windows over the first {s['eval_tokens']} tokens of "
+        "the last 20% of TinyStories val; MiniLM: mean-pooled embedding cosine to FP and a logistic probe's SST-2 "
+        "dev accuracy",
+        "- values: mean ± sample standard deviation over seeds\n",
+        "| model | bits | group | rotation | ppl | KL | top-1 | cosine | probe acc | s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in result["summary"]:
+        def pm(k, d=4):
+            return f"{f(r[k], d)} ± {f(r[k + '_sd'], d)}" if k in r else "-"
+        lines.append(f"| {r['model']} | W{r['bits']} | {r['group_size']} | {r['variant']} | {pm('ppl')} | "
+                     f"{pm('kl')} | {pm('top1', 3)} | {pm('cosine')} | {pm('probe_acc', 3)} | {f(r['seconds'], 1)} |")
+    fp = {(r["model"], r.get("fp_ppl", r.get("fp_probe_acc"))) for r in result["summary"]}
+    lines.append("\nFull precision: " + "; ".join(f"{mdl} {'ppl' if v > 1 else 'probe acc'} {f(v, 4)}"
+                                                 for mdl, v in sorted(fp)))
+    return "\n".join(lines + bq.outcomes(result["targets"])) + "\n"

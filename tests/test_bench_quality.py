@@ -55,3 +55,20 @@ def test_quick_lfq_suite_on_stories260k():
         "stories260K W2: LFQ KL <= 0.85 x plain", "stories260K W2: LFQ greedy prefix > plain",
         "stories260K W2: LFQ ppl <= 1.01 x plain"]
     assert md.startswith("# LFQ benchmark") and md.count("\n| stories260K | W2 |") == 3
+
+
+@pytest.mark.skipif(not (MODELS / "stories260K").is_dir(), reason="shared/data is not available")
+def test_quick_walsh_suite_on_stories260k():
+    from compress.eval.bench_walsh import VARIANTS, run_walsh
+
+    result, md = run_walsh(quick=True, only=["stories260K"])
+    assert [(c["variant"], c["bits"], c["group_size"]) for c in result["cells"]] == [(v, 2, 64) for v in VARIANTS]
+    first = result["cells"][0]
+    for c in result["cells"]:
+        assert c["fp_ppl"] == first["fp_ppl"] and math.isfinite(c["ppl"]) and c["kl"] > 0
+    # same calibration and AutoRound settings: only the rotation differs, so every variant scores differently
+    assert len({round(c["kl"], 9) for c in result["cells"]}) == len(VARIANTS)
+    assert [t["target"] for t in result["targets"]] == [
+        "stories260K W2: walsh-spectral ppl <= 0.75 x AutoRound", "stories260K W2: walsh-spectral ppl <= auto-round Hadamard",
+        "stories260K W2: fused within 10% of walsh-spectral"]
+    assert md.startswith("# Walsh benchmark") and md.count("\n| stories260K | W2 |") == len(VARIANTS)

@@ -295,3 +295,23 @@ def test_size_report_compares_against_the_model_as_loaded(tmp_path):
                    and isinstance(m, torch.nn.Linear))
     qbytes = -(-size["effective_bits"] * size["quantized_params"] // 8)
     assert abs(size["packed_bytes"] - (fp_bytes + head.numel() * 4 - replaced + qbytes)) <= 4  # effective_bits is rounded
+
+
+def test_spectral_mode_is_exact_on_the_minilm_encoder(tmp_path_factory):
+    """mode spectral touches no norm, so it also runs on the post-LayerNorm MiniLM encoder (float64);
+    the norm-absorbing modes refuse it with a pointer to spectral."""
+    from transformers import AutoModel
+
+    from compress.errors import BadInput
+    from compress.eval.bench_quality import CACHE
+    from compress.eval.encoder import ensure_minilm
+
+    model = AutoModel.from_pretrained(ensure_minilm(CACHE), dtype=torch.float64).eval()
+    x = ids(model.config.vocab_size, 32)
+    with torch.no_grad():
+        before = model(input_ids=x).last_hidden_state
+        metrics = rotate(model, model.config.vocab_size, **CONFIGS["spectral"])
+        after = model(input_ids=x).last_hidden_state
+    assert metrics["spectral_linears"] == 6 * 6 and rel(after, before) < 1e-10
+    with pytest.raises(BadInput, match="mode: spectral"):
+        walsh.check(ModelAdapter(model), WalshConfig(fused=False))

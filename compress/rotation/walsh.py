@@ -37,6 +37,7 @@ compression); `spectral` adds a run-time transform and is evaluation-only:
   in memory, but **not exportable**: no exporter here writes the run-time transform, so a recipe with
   `mode: spectral` and any `export.formats` is refused at plan time. As in the published code, models
   with q_norm/k_norm (Qwen3) keep their attention linears untransformed in this mode (pitfall 3.7.5).
+  It is the one mode that also runs on post-LayerNorm encoders (BERT/MiniLM): it touches no norm.
 
 Not implemented: `spectral_pca` (Qwen3 matrix-gamma norm) and `spectral_pca_2d` (pair-PCA for RoPE).
 """
@@ -93,9 +94,12 @@ def check(adapter, cfg: WalshConfig, recipe=None) -> None:
         raise BadInput("rotate/walsh `mode: spectral` needs a run-time input transform (pad + Walsh-Hadamard + 1/s) "
                        "that no exporter writes; remove `export.formats` (evaluation only), or use the deployable "
                        "`fused: true` or `mode: no_rotation`")
+    if cfg.mode == "spectral":
+        return  # a per-linear input transform: exact for any linear layer, no norm surgery (encoders too)
     if adapter.kind != "causal":
-        raise BadInput(f"rotate/walsh needs a pre-norm decoder with RMSNorm; `{adapter.model_type}` is an encoder "
-                       "(post-LayerNorm) and is not supported")
+        raise BadInput(f"rotate/walsh `mode: {cfg.mode}` absorbs scales and rotations into pre-norm RMSNorm layers; "
+                       f"`{adapter.model_type}` is a post-LayerNorm encoder: use `fused: false, mode: spectral` "
+                       "(per-linear transform, evaluation only)")
     norms = [adapter.final_norm()] + [adapter.role(i, r) for i in range(len(adapter.blocks))
                                      for r in ("input_norm", "post_attn_norm")]
     for n in norms:
