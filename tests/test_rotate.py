@@ -315,3 +315,27 @@ def test_spectral_mode_is_exact_on_the_minilm_encoder(tmp_path_factory):
     assert metrics["spectral_linears"] == 6 * 6 and rel(after, before) < 1e-10
     with pytest.raises(BadInput, match="mode: spectral"):
         walsh.check(ModelAdapter(model), WalshConfig(fused=False))
+
+
+@pytest.mark.parametrize("name", ["stories260K", "stories-llama-1m"])
+def test_fused_rotated_quantized_model_runs_in_onnxruntime_and_openvino(name, tmp_path):
+    """The fused variant is an ordinary Llama at full compression: the ONNX (MatMulNBits) and OpenVINO
+    (compressed constants) exports of the rotated, quantized model reproduce its logits."""
+    from compress.export.onnx import export_onnx
+    from compress.export.openvino import export_openvino
+    from tests.test_export_onnx import load, op_types, ort_logits, quantized, rel_err
+    from tests.test_export_openvino import run_ir
+
+    model = load(name)
+    with torch.no_grad():
+        rotate(model, model.config.vocab_size, fused=True)
+    qweights = quantized(model, 4, 32, False)
+    ids_ = torch.randint(0, model.config.vocab_size, (2, 19), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref = model(ids_).logits.numpy()
+    onnx_res = export_onnx(model, qweights, tmp_path / "onnx")
+    assert onnx_res["dense_layers"] == 0 and op_types(onnx_res["path"])["MatMulNBits"] == len(qweights)
+    assert rel_err(ort_logits(onnx_res["path"], ids_), ref) < 1e-3
+    ov_res = export_openvino(model, qweights, tmp_path / "ov")
+    out, fc = run_ir(ov_res["path"], ids_)
+    assert fc.get("u4", 0) >= 6 * model.config.num_hidden_layers and rel_err(out, ref) < 1e-3
