@@ -10,6 +10,8 @@ pipeline run with the same calibration, AutoRound settings and seed; only the `r
   scaling, a run-time operator: evaluation only);
 * `walsh`: the published deployable mode (`fused: false, mode: no_rotation`: Walsh-basis energy scaling
   absorbed into the norms), as in `recipes/w2-walsh-autoround.yaml`;
+* `walsh-pair_pca`: `walsh` plus the SO(2) pair-PCA of q/k inside each RoPE plane (the paper's
+  `spectral_pca_2d`; deployable);
 * `walsh-fused`: our fused variant (residual + value-head Walsh rotation absorbed into the weights,
   then channel-energy scaling), as in `recipes/w2-walsh-fused-autoround.yaml`.
 
@@ -36,6 +38,8 @@ VARIANTS = {
     "autoround_hadamard": {"stage": "rotate", "method": "autoround_hadamard"},
     "walsh-spectral": {"stage": "rotate", "method": "walsh", "fused": False, "mode": "spectral"},
     "walsh": {"stage": "rotate", "method": "walsh", "fused": False, "mode": "no_rotation", "influence_basis": "wht"},
+    "walsh-pair_pca": {"stage": "rotate", "method": "walsh", "fused": False, "mode": "no_rotation",
+                       "influence_basis": "wht", "pair_pca": True},
     "walsh-fused": {"stage": "rotate", "method": "walsh", "fused": True},
 }
 ENCODER_VARIANTS = ("autoround", "walsh-spectral")

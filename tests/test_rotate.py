@@ -27,6 +27,8 @@ CONFIGS = {
     "no_rotation-wht": dict(fused=False),
     "no_rotation-channel": dict(fused=False, influence_basis="channel"),
     "spectral": dict(fused=False, mode="spectral"),
+    "pair_pca": dict(fused=False, pair_pca=True),
+    "fused-pair_pca": dict(fused=True, pair_pca=True),
 }
 
 
@@ -67,11 +69,19 @@ def test_tiny_models_are_invariant_in_float64(model_type, name):
     ModelAdapter(model)  # per-expert linears (exact) before the reference: fused experts refuse float64
     x = ids(128)
     state = {k: v.clone() for k, v in model.state_dict().items()}
+    if model_type == "qwen3" and CONFIGS[name].get("pair_pca"):
+        from compress.errors import BadInput
+
+        with pytest.raises(BadInput, match="q_norm"):
+            rotate(model, 128, **CONFIGS[name])
+        return
     with torch.no_grad():
         before = model(x).logits
         metrics = rotate(model, 128, **CONFIGS[name])
         after = model(x).logits
     assert rel(after, before) < 1e-10
+    if CONFIGS[name].get("pair_pca"):
+        assert metrics["pair_pca_layers"] == 2
     now = model.state_dict()
     assert set(now) != set(state) or any(not torch.equal(now[k], v) for k, v in state.items())  # it did something
     if name == "spectral":  # every quantizable linear, but attention stays plain under q_norm (Qwen3)
@@ -126,7 +136,7 @@ def test_tied_embeddings_are_untied_when_fused():
 
 
 @pytest.mark.parametrize("name", ["stories260K", "stories-llama-1m", "ref-llama-7m"])
-@pytest.mark.parametrize("cfg", ["fused", "no_rotation-wht", "spectral"])
+@pytest.mark.parametrize("cfg", ["fused", "no_rotation-wht", "spectral", "pair_pca"])
 def test_real_models_are_invariant_in_float64(name, cfg):
     model = AutoModelForCausalLM.from_pretrained(MODELS / name, dtype=torch.float64).eval()
     vocab = model.config.vocab_size
@@ -339,3 +349,28 @@ def test_fused_rotated_quantized_model_runs_in_onnxruntime_and_openvino(name, tm
     ov_res = export_openvino(model, qweights, tmp_path / "ov")
     out, fc = run_ir(ov_res["path"], ids_)
     assert fc.get("u4", 0) >= 6 * model.config.num_hidden_layers and rel_err(out, ref) < 1e-3
+
+
+def test_pair_pca_decorrelates_each_rope_plane_and_a_reflection_would_break_rope():
+    """After pair-PCA the k outputs of every RoPE plane are uncorrelated on the calibration tokens; the
+    same transform with one plane reflected (det -1) changes the logits, which is why det is forced to +1."""
+    from compress.driver import collect_energy
+
+    model = exact_rmsnorm(tiny_causal("qwen2", dtype=torch.float64))  # GQA and q/k biases
+    adapter = ModelAdapter(model)
+    heads, kv, hd = adapter.attention_shape()
+    x = ids(128)
+    with torch.no_grad():
+        before = model(x).logits
+        rotate(model, 128, fused=False, mode="none", pair_pca=True)
+        assert rel(model(x).logits, before) < 1e-10
+        tokens = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(1))  # rotate()'s tokens
+        e = collect_energy(model, tokens, {0: (adapter.role(0, "k"), "output")}, walsh._plane_stats(kv, hd))[0]
+        aa, bb, cc = e.reshape(3, kv, hd // 2)
+        assert ((cc - (aa + bb) / 2).abs() <= 1e-9 * (aa + bb)).all()  # E[ab] = 0: principal axes
+        assert (aa >= bb - 1e-12).all()  # principal axis first
+        for m in (adapter.role(0, "k"), adapter.role(0, "q")):  # reflect plane 0 of every q and k head alike
+            rows = torch.arange(m.weight.shape[0] // hd) * hd + hd // 2
+            m.weight[rows] *= -1
+            m.bias[rows] *= -1
+        assert rel(model(x).logits, before) > 1e-6  # F R(t) = R(-t) F: q.k after RoPE changes

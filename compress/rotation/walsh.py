@@ -39,7 +39,14 @@ compression); `spectral` adds a run-time transform and is evaluation-only:
   with q_norm/k_norm (Qwen3) keep their attention linears untransformed in this mode (pitfall 3.7.5).
   It is the one mode that also runs on post-LayerNorm encoders (BERT/MiniLM): it touches no norm.
 
-Not implemented: `spectral_pca` (Qwen3 matrix-gamma norm) and `spectral_pca_2d` (pair-PCA for RoPE).
+* `pair_pca: true` (ALGORITHMS 3.4, the paper's `spectral_pca_2d` when layered on `no_rotation`): per
+  KV head and RoPE plane `(c, c + hd/2)` (transformers' `rotate_half` layout), the 2x2 covariance of
+  `k_proj`'s output on the calibration data gives principal axes `U` (det forced to +1); the plane's
+  rows of `k_proj` and of every query head of that KV group (weights and biases) become `U^T rows`.
+  RoPE rotates each plane and plane rotations commute, so `q.k` after RoPE is unchanged: deployable as
+  plain weights. Refused with q_norm/k_norm (their per-channel weights do not commute) and partial RoPE.
+
+Not implemented: `spectral_pca` (Qwen3 per-head PCA with a matrix-gamma RMSNorm, ALGORITHMS 3.3).
 """
 
 from __future__ import annotations
@@ -69,6 +76,8 @@ class WalshConfig(StrictModel):
     alpha: float = Field(0.5, ge=0, le=2, description="energy exponent: s = (1 + n rho) ** alpha")
     influence_basis: Optional[Literal["wht", "channel"]] = Field(
         None, description="energy basis without fusion: wht (paper code, default) or channel; fused: channel")
+    pair_pca: bool = Field(False, description="also rotate each RoPE plane of q/k by the SO(2) principal axes of k "
+                                              "(ALGORITHMS 3.4; the paper's spectral_pca_2d layers it on no_rotation)")
 
     @model_validator(mode="after")
     def _check(self):
@@ -78,8 +87,10 @@ class WalshConfig(StrictModel):
         if self.mode == "spectral" and (self.fused or self.influence_basis == "channel"):
             raise ValueError("mode: spectral is the unfused per-linear Walsh transform: set fused: false and leave "
                              "influence_basis unset (it is always the Walsh basis)")
-        if self.mode == "none" and not self.fused:
+        if self.mode == "none" and not self.fused and not self.pair_pca:
             raise ValueError("mode: none with fused: false changes nothing")
+        if self.pair_pca and self.mode == "spectral":
+            raise ValueError("pair_pca rotates q/k output rows of plain linears: use it with mode no_rotation or none")
         return self
 
     @property
@@ -108,6 +119,13 @@ def check(adapter, cfg: WalshConfig, recipe=None) -> None:
     if cfg.fused:
         factor(adapter.model.config.hidden_size)  # BadInput naming the supported sizes
         factor(adapter.attention_shape()[2])
+    if cfg.pair_pca:
+        c = adapter.model.config
+        if "q_norm" in adapter.arch.roles:
+            raise BadInput("pair_pca: per-head q_norm/k_norm weights do not commute with rotations inside RoPE planes "
+                           f"(`{adapter.model_type}`); set `pair_pca: false`")
+        if getattr(c, "partial_rotary_factor", 1.0) != 1.0 or adapter.attention_shape()[2] % 2:
+            raise BadInput("pair_pca needs RoPE over the whole (even) head dimension; set `pair_pca: false`")
 
 
 # -- weight surgery (float64, written back in the weight's dtype) -----------------------------------
@@ -241,6 +259,51 @@ def apply_scaling(adapter, energy: dict, alpha: float) -> dict:
     return done
 
 
+# -- pair-PCA: SO(2) rotations inside RoPE planes (ALGORITHMS 3.4) ----------------------------------
+def _plane_stats(kv: int, hd: int):
+    """collect_energy transform: per RoPE plane (c, c + hd/2) of each KV head, [a, b, (a + b)/sqrt 2], whose
+    mean squares give E[a^2], E[b^2] and E[ab] = E[((a + b)/sqrt 2)^2] - (E[a^2] + E[b^2]) / 2."""
+    def transform(x):
+        y = x.reshape(x.shape[0], kv, 2, hd // 2)
+        a, b = y[:, :, 0], y[:, :, 1]
+        return torch.stack([a, b, (a + b) / 2 ** 0.5], 1).reshape(x.shape[0], -1)
+    return transform
+
+
+def plane_rotations(e: torch.Tensor, kv: int, hd: int) -> torch.Tensor:
+    """(kv, hd/2, 2, 2) rotations U (det +1) whose columns are the principal axes of each plane's covariance."""
+    aa, bb, cc = e.reshape(3, kv, hd // 2)
+    ab = cc - (aa + bb) / 2
+    cov = torch.stack([torch.stack([aa, ab], -1), torch.stack([ab, bb], -1)], -2)
+    _, U = torch.linalg.eigh(cov)  # ascending eigenvalues: put the principal axis first
+    U = U.flip(-1)
+    U[..., :, 1] *= torch.linalg.det(U).sign().unsqueeze(-1)  # a reflection would not commute with RoPE
+    return U
+
+
+def apply_pair_pca(adapter, tokens: torch.Tensor) -> dict:
+    """Rows of every q/k head: y <- U^T y on each RoPE plane, with the query heads of one KV group sharing
+    their KV head's U; RoPE rotates each plane, rotations of one plane commute, so q.k after RoPE is unchanged."""
+    heads, kv, hd = adapter.attention_shape()
+    half = hd // 2
+    taps = {i: (adapter.role(i, "k"), "output") for i in range(len(adapter.blocks))}
+    energy = collect_energy(adapter.model, tokens, taps, _plane_stats(kv, hd))
+    done = 0
+    for i, e in energy.items():
+        U = plane_rotations(e, kv, hd)
+
+        def rotate(x, n):  # x (..., n * hd), head h uses U[h // (n // kv)]
+            y = x.reshape(*x.shape[:-1], n, 2, half)
+            Ut = U.repeat_interleave(n // kv, 0).transpose(-1, -2)  # (n, half, 2, 2)
+            y = torch.einsum("nhij,...njh->...nih", Ut, y)
+            return y.reshape(x.shape)
+
+        _rows(adapter.role(i, "k"), lambda W: rotate(W, kv))
+        _rows(adapter.role(i, "q"), lambda W: rotate(W, heads))
+        done += 1
+    return {"pair_pca_layers": done}
+
+
 # -- mode spectral: run-time input transform per linear (not exportable) ----------------------------
 class WalshInput(nn.Module):
     """x (..., d_in) -> pad(x) Q / s (..., d_pad): the input side of a `spectral` linear."""
@@ -301,4 +364,6 @@ def apply(ctx, cfg: WalshConfig) -> dict:
         tokens = ctx.calibration_tokens()
         metrics.update(apply_spectral(adapter, tokens, cfg.alpha))
         metrics["calibration_tokens"] = tokens.numel()
+    if cfg.pair_pca:
+        metrics.update(apply_pair_pca(adapter, ctx.calibration_tokens()))
     return metrics
