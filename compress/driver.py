@@ -128,11 +128,11 @@ def collect_hessians(block, linears: dict[str, nn.Linear], inputs, kwargs) -> di
 
 
 @torch.no_grad()
-def collect_energy(model: nn.Module, tokens: torch.Tensor, taps: dict, transform: Callable | None = None,
-                   batch_size: int = 8) -> dict:
-    """Per-coordinate mean of `transform(x)**2` (float64) over every calibration row reaching each tap.
+def collect_moments(model: nn.Module, tokens: torch.Tensor, taps: dict, stat: Callable, batch_size: int = 8) -> dict:
+    """Mean over every calibration row reaching each tap of `stat`: `stat(rows)` gets the rows (float64,
+    shape (n, d)) and returns their sum of some per-row statistic (e.g. `(rows**2).sum(0)`).
 
-    taps: key -> (module, "input" | "output"); returns key -> energy vector, for taps that saw rows.
+    taps: key -> (module, "input" | "output"); returns key -> mean statistic, for taps that saw rows.
     One forward pass of the whole model per batch of `tokens`.
     """
     sums, count = {}, {}
@@ -140,8 +140,7 @@ def collect_energy(model: nn.Module, tokens: torch.Tensor, taps: dict, transform
     def add(key, x):
         x = x.detach().reshape(-1, x.shape[-1]).double()
         if x.shape[0]:
-            h = transform(x) if transform else x
-            sums[key] = sums.get(key, 0) + (h * h).sum(0)
+            sums[key] = sums.get(key, 0) + stat(x)
             count[key] = count.get(key, 0) + x.shape[0]
 
     handles = []
@@ -157,6 +156,24 @@ def collect_energy(model: nn.Module, tokens: torch.Tensor, taps: dict, transform
         for h in handles:
             h.remove()
     return {k: sums[k] / count[k] for k in sums}
+
+
+def collect_energy(model: nn.Module, tokens: torch.Tensor, taps: dict, transform: Callable | None = None,
+                   batch_size: int = 8) -> dict:
+    """Per-coordinate mean of `transform(x)**2` (float64) over every calibration row reaching each tap."""
+    def stat(x):
+        h = transform(x) if transform else x
+        return (h * h).sum(0)
+
+    return collect_moments(model, tokens, taps, stat, batch_size)
+
+
+def head_covariance(n_heads: int) -> Callable:
+    """`collect_moments` statistic: per head, the (head_dim x head_dim) second moment of its output slice."""
+    def stat(x):
+        y = x.reshape(x.shape[0], n_heads, -1)
+        return torch.einsum("rni,rnj->nij", y, y)
+    return stat
 
 
 def set_weight(linear: nn.Linear, qw: QuantizedWeight) -> None:

@@ -11,6 +11,7 @@ from pydantic import ValidationError
 from transformers import AutoModelForCausalLM
 
 from compress import registry
+from compress.errors import BadInput as BadInputErr
 from compress.export.hf import export_hf
 from compress.models.adapters import ModelAdapter
 from compress.rotation import walsh
@@ -29,6 +30,7 @@ CONFIGS = {
     "spectral": dict(fused=False, mode="spectral"),
     "pair_pca": dict(fused=False, pair_pca=True),
     "fused-pair_pca": dict(fused=True, pair_pca=True),
+    "head_pca": dict(fused=False, head_pca=True),
 }
 
 
@@ -69,7 +71,8 @@ def test_tiny_models_are_invariant_in_float64(model_type, name):
     ModelAdapter(model)  # per-expert linears (exact) before the reference: fused experts refuse float64
     x = ids(128)
     state = {k: v.clone() for k, v in model.state_dict().items()}
-    if model_type == "qwen3" and CONFIGS[name].get("pair_pca"):
+    qk_norm = model_type == "qwen3"
+    if CONFIGS[name].get("pair_pca") and qk_norm or CONFIGS[name].get("head_pca") and not qk_norm:
         from compress.errors import BadInput
 
         with pytest.raises(BadInput, match="q_norm"):
@@ -82,6 +85,9 @@ def test_tiny_models_are_invariant_in_float64(model_type, name):
     assert rel(after, before) < 1e-10
     if CONFIGS[name].get("pair_pca"):
         assert metrics["pair_pca_layers"] == 2
+    if CONFIGS[name].get("head_pca"):
+        assert metrics["head_pca_layers"] == 2
+        assert type(model.model.layers[0].self_attn.q_norm).__name__ == "MatrixGammaRMSNorm"
     now = model.state_dict()
     assert set(now) != set(state) or any(not torch.equal(now[k], v) for k, v in state.items())  # it did something
     if name == "spectral":  # every quantizable linear, but attention stays plain under q_norm (Qwen3)
@@ -92,15 +98,16 @@ def test_tiny_models_are_invariant_in_float64(model_type, name):
         assert metrics["norm"] == 4 and metrics["v_o"] == 2 and metrics["up_down"] == n_up
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen3", "qwen2_moe"])
-def test_transformers_norms_within_1e6(model_type):
+@pytest.mark.parametrize("model_type,cfg", [("llama", "fused"), ("qwen3", "fused"), ("qwen2_moe", "fused"),
+                                            ("llama", "pair_pca"), ("qwen3", "head_pca")])
+def test_transformers_norms_within_1e6(model_type, cfg):
     """The same with transformers' own (float32-internal) RMSNorm: the requirement is 1e-6 relative."""
     model = tiny_causal(model_type, dtype=torch.float64)
     ModelAdapter(model)
     x = ids(128)
     with torch.no_grad():
         before = model(x).logits
-        rotate(model, 128)
+        rotate(model, 128, **CONFIGS[cfg])
         assert rel(model(x).logits, before) < 1e-6
 
 
@@ -161,6 +168,14 @@ def test_scales_formula():
 
 
 def test_config_validation():
+    with pytest.raises(ValidationError, match="choose one"):
+        WalshConfig(pair_pca=True, head_pca=True)
+    with pytest.raises(ValidationError, match="pair_pca"):
+        WalshConfig(fused=False, mode="spectral", pair_pca=True)
+    qwen3 = ModelAdapter(tiny_causal("qwen3"))
+    with pytest.raises(BadInputErr, match="head_pca.*export"):
+        walsh.check(qwen3, WalshConfig(head_pca=True), SimpleNamespace(export=SimpleNamespace(formats=["hf"])))
+    walsh.check(qwen3, WalshConfig(head_pca=True), SimpleNamespace(export=SimpleNamespace(formats=[])))
     with pytest.raises(ValidationError, match="influence_basis"):
         WalshConfig(fused=True, influence_basis="wht")
     with pytest.raises(ValidationError, match="changes nothing"):
@@ -354,7 +369,7 @@ def test_fused_rotated_quantized_model_runs_in_onnxruntime_and_openvino(name, tm
 def test_pair_pca_decorrelates_each_rope_plane_and_a_reflection_would_break_rope():
     """After pair-PCA the k outputs of every RoPE plane are uncorrelated on the calibration tokens; the
     same transform with one plane reflected (det -1) changes the logits, which is why det is forced to +1."""
-    from compress.driver import collect_energy
+    from compress.driver import collect_moments, head_covariance
 
     model = exact_rmsnorm(tiny_causal("qwen2", dtype=torch.float64))  # GQA and q/k biases
     adapter = ModelAdapter(model)
@@ -365,9 +380,10 @@ def test_pair_pca_decorrelates_each_rope_plane_and_a_reflection_would_break_rope
         rotate(model, 128, fused=False, mode="none", pair_pca=True)
         assert rel(model(x).logits, before) < 1e-10
         tokens = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(1))  # rotate()'s tokens
-        e = collect_energy(model, tokens, {0: (adapter.role(0, "k"), "output")}, walsh._plane_stats(kv, hd))[0]
-        aa, bb, cc = e.reshape(3, kv, hd // 2)
-        assert ((cc - (aa + bb) / 2).abs() <= 1e-9 * (aa + bb)).all()  # E[ab] = 0: principal axes
+        cov = collect_moments(model, tokens, {0: (adapter.role(0, "k"), "output")}, head_covariance(kv))[0]
+        c = torch.arange(hd // 2)
+        aa, bb, ab = cov[:, c, c], cov[:, c + hd // 2, c + hd // 2], cov[:, c, c + hd // 2]
+        assert (ab.abs() <= 1e-9 * (aa + bb)).all()  # E[ab] = 0 in every plane: principal axes
         assert (aa >= bb - 1e-12).all()  # principal axis first
         for m in (adapter.role(0, "k"), adapter.role(0, "q")):  # reflect plane 0 of every q and k head alike
             rows = torch.arange(m.weight.shape[0] // hd) * hd + hd // 2

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from typing import Literal
 
-import torch
 from pydantic import Field
 
 from compress.config import StrictModel

@@ -46,7 +46,12 @@ compression); `spectral` adds a run-time transform and is evaluation-only:
   RoPE rotates each plane and plane rotations commute, so `q.k` after RoPE is unchanged: deployable as
   plain weights. Refused with q_norm/k_norm (their per-channel weights do not commute) and partial RoPE.
 
-Not implemented: `spectral_pca` (Qwen3 per-head PCA with a matrix-gamma RMSNorm, ALGORITHMS 3.3).
+* `head_pca: true` (ALGORITHMS 3.3, the paper's `spectral_pca` when layered on `no_rotation`; Qwen3's
+  q_norm/k_norm): per q (and k) head, the eigenvectors `U_h` of the head's output covariance on the
+  calibration data (det +1, largest first) rotate its rows `W_h <- U_h^T W_h`, and q_norm/k_norm become
+  `MatrixGammaRMSNorm` with `Gamma_h = diag(gamma) U_h` (the asymmetric form: RoPE then sees vanilla
+  q/k). The matrix norm is a run-time module no exporter writes: evaluation only, refused with export
+  formats at plan time (the paper de-rotates to FP16 for deployment, which saves nothing).
 """
 
 from __future__ import annotations
@@ -58,8 +63,9 @@ from pydantic import Field, model_validator
 from torch import nn
 
 from compress.config import StrictModel
-from compress.driver import collect_energy
+from compress.driver import collect_energy, collect_moments, head_covariance
 from compress.errors import BadInput
+from compress.models.adapters import get_module
 from compress.registry import register
 from compress.rotation.hadamard import factor, hadamard_transform
 
@@ -78,6 +84,8 @@ class WalshConfig(StrictModel):
         None, description="energy basis without fusion: wht (paper code, default) or channel; fused: channel")
     pair_pca: bool = Field(False, description="also rotate each RoPE plane of q/k by the SO(2) principal axes of k "
                                               "(ALGORITHMS 3.4; the paper's spectral_pca_2d layers it on no_rotation)")
+    head_pca: bool = Field(False, description="Qwen3 (q_norm/k_norm): rotate each q/k head onto its principal axes and "
+                                              "make q_norm/k_norm matrix-gamma norms (ALGORITHMS 3.3; evaluation only)")
 
     @model_validator(mode="after")
     def _check(self):
@@ -89,6 +97,8 @@ class WalshConfig(StrictModel):
                              "influence_basis unset (it is always the Walsh basis)")
         if self.mode == "none" and not self.fused and not self.pair_pca:
             raise ValueError("mode: none with fused: false changes nothing")
+        if self.pair_pca and self.head_pca:
+            raise ValueError("pair_pca is for RoPE models without q_norm, head_pca for those with it: choose one")
         if self.pair_pca and self.mode == "spectral":
             raise ValueError("pair_pca rotates q/k output rows of plain linears: use it with mode no_rotation or none")
         return self
@@ -119,6 +129,13 @@ def check(adapter, cfg: WalshConfig, recipe=None) -> None:
     if cfg.fused:
         factor(adapter.model.config.hidden_size)  # BadInput naming the supported sizes
         factor(adapter.attention_shape()[2])
+    if cfg.head_pca:
+        if "q_norm" not in adapter.arch.roles:
+            raise BadInput(f"head_pca replaces q_norm/k_norm, which `{adapter.model_type}` does not have; use "
+                           "`pair_pca: true` for RoPE models without them")
+        if recipe is not None and recipe.export.formats:
+            raise BadInput("rotate/walsh `head_pca: true` makes q_norm/k_norm matrix-gamma norms that no exporter "
+                           "writes; remove `export.formats` (evaluation only) or set `head_pca: false`")
     if cfg.pair_pca:
         c = adapter.model.config
         if "q_norm" in adapter.arch.roles:
@@ -259,49 +276,85 @@ def apply_scaling(adapter, energy: dict, alpha: float) -> dict:
     return done
 
 
-# -- pair-PCA: SO(2) rotations inside RoPE planes (ALGORITHMS 3.4) ----------------------------------
-def _plane_stats(kv: int, hd: int):
-    """collect_energy transform: per RoPE plane (c, c + hd/2) of each KV head, [a, b, (a + b)/sqrt 2], whose
-    mean squares give E[a^2], E[b^2] and E[ab] = E[((a + b)/sqrt 2)^2] - (E[a^2] + E[b^2]) / 2."""
-    def transform(x):
-        y = x.reshape(x.shape[0], kv, 2, hd // 2)
-        a, b = y[:, :, 0], y[:, :, 1]
-        return torch.stack([a, b, (a + b) / 2 ** 0.5], 1).reshape(x.shape[0], -1)
-    return transform
-
-
-def plane_rotations(e: torch.Tensor, kv: int, hd: int) -> torch.Tensor:
-    """(kv, hd/2, 2, 2) rotations U (det +1) whose columns are the principal axes of each plane's covariance."""
-    aa, bb, cc = e.reshape(3, kv, hd // 2)
-    ab = cc - (aa + bb) / 2
-    cov = torch.stack([torch.stack([aa, ab], -1), torch.stack([ab, bb], -1)], -2)
-    _, U = torch.linalg.eigh(cov)  # ascending eigenvalues: put the principal axis first
-    U = U.flip(-1)
-    U[..., :, 1] *= torch.linalg.det(U).sign().unsqueeze(-1)  # a reflection would not commute with RoPE
+# -- pair-PCA and per-head PCA: output-side rotations of q/k (ALGORITHMS 3.3, 3.4) -------------------
+def _principal_axes(cov: torch.Tensor) -> torch.Tensor:
+    """Eigenvectors of (..., d, d) covariances as columns, largest eigenvalue first, det forced to +1."""
+    _, U = torch.linalg.eigh(cov)
+    U = U.flip(-1).clone()
+    U[..., :, -1] *= torch.linalg.det(U).sign().unsqueeze(-1)
     return U
 
 
-def apply_pair_pca(adapter, tokens: torch.Tensor) -> dict:
-    """Rows of every q/k head: y <- U^T y on each RoPE plane, with the query heads of one KV group sharing
-    their KV head's U; RoPE rotates each plane, rotations of one plane commute, so q.k after RoPE is unchanged."""
-    heads, kv, hd = adapter.attention_shape()
+def _qk_covariances(adapter, tokens: torch.Tensor, role: str) -> dict:
+    heads, kv, _ = adapter.attention_shape()
+    n = kv if role == "k" else heads
+    taps = {i: (adapter.role(i, role), "output") for i in range(len(adapter.blocks))}
+    return collect_moments(adapter.model, tokens, taps, head_covariance(n))
+
+
+def _rotate_head_rows(m: nn.Module, R: torch.Tensor) -> None:
+    """Rows of head h of `m` (and bias) <- R[h]^T rows: the head's output y_h becomes R[h]^T y_h."""
+    n, hd, _ = R.shape
+    _rows(m, lambda x: torch.einsum("nji,...nj->...ni", R, x.reshape(*x.shape[:-1], n, hd)).reshape(x.shape))
+
+
+def plane_rotations(cov: torch.Tensor) -> torch.Tensor:
+    """(n, hd, hd) block rotations: inside each RoPE plane (c, c + hd/2) (transformers' rotate_half layout),
+    the 2x2 principal axes of the head's covariance `cov` (n, hd, hd), det +1."""
+    n, hd, _ = cov.shape
     half = hd // 2
-    taps = {i: (adapter.role(i, "k"), "output") for i in range(len(adapter.blocks))}
-    energy = collect_energy(adapter.model, tokens, taps, _plane_stats(kv, hd))
-    done = 0
-    for i, e in energy.items():
-        U = plane_rotations(e, kv, hd)
+    c = torch.arange(half)
+    idx = torch.stack([c, c + half], -1)  # (half, 2)
+    planes = cov[:, idx[:, :, None], idx[:, None, :]]  # (n, half, 2, 2)
+    U = _principal_axes(planes)
+    R = torch.zeros(n, hd, hd, dtype=cov.dtype)
+    R[:, idx[:, :, None], idx[:, None, :]] = U
+    return R
 
-        def rotate(x, n):  # x (..., n * hd), head h uses U[h // (n // kv)]
-            y = x.reshape(*x.shape[:-1], n, 2, half)
-            Ut = U.repeat_interleave(n // kv, 0).transpose(-1, -2)  # (n, half, 2, 2)
-            y = torch.einsum("nhij,...njh->...nih", Ut, y)
-            return y.reshape(x.shape)
 
-        _rows(adapter.role(i, "k"), lambda W: rotate(W, kv))
-        _rows(adapter.role(i, "q"), lambda W: rotate(W, heads))
-        done += 1
-    return {"pair_pca_layers": done}
+def apply_pair_pca(adapter, tokens: torch.Tensor) -> dict:
+    """Rows of every q/k head: y <- R^T y with R the plane rotations of its KV head's k covariance (query
+    heads share their KV head's R); RoPE rotates each plane, rotations of one plane commute, so q.k after
+    RoPE is unchanged."""
+    heads, kv, _ = adapter.attention_shape()
+    for i, cov in _qk_covariances(adapter, tokens, "k").items():
+        R = plane_rotations(cov)
+        _rotate_head_rows(adapter.role(i, "k"), R)
+        _rotate_head_rows(adapter.role(i, "q"), R.repeat_interleave(heads // kv, 0))
+    return {"pair_pca_layers": len(adapter.blocks)}
+
+
+class MatrixGammaRMSNorm(nn.Module):
+    """Per-head RMSNorm whose weight is a matrix: out_h = Gamma_h x_h / RMS(x_h), Gamma_h = diag(gamma) U_h.
+
+    Replaces Qwen3's q_norm/k_norm after the head's rows were rotated by U_h^T, so that
+    Gamma_h (U_h^T y_h) / RMS(U_h^T y_h) = gamma * y_h / RMS(y_h) exactly (ALGORITHMS 3.3)."""
+
+    def __init__(self, gamma: torch.Tensor, U: torch.Tensor, eps: float):
+        super().__init__()
+        self.register_buffer("gamma", (gamma[None, :, None] * U).to(gamma.dtype))  # (n, hd, hd)
+        self.eps = eps
+
+    def forward(self, x):  # x (..., n, hd)
+        y = x.double() if x.dtype == torch.float64 else x.float()
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+        return torch.einsum("nij,...nj->...ni", self.gamma.to(y.dtype), y).to(x.dtype)
+
+
+def apply_head_pca(adapter, tokens: torch.Tensor) -> dict:
+    """Qwen3: per head, rotate q/k rows onto the principal axes of the head's output covariance and turn
+    q_norm/k_norm into a MatrixGammaRMSNorm (a run-time module: evaluation only)."""
+    for role, norm_role in (("q", "q_norm"), ("k", "k_norm")):
+        covs = _qk_covariances(adapter, tokens, role)
+        for i, cov in covs.items():
+            U = _principal_axes(cov)
+            _rotate_head_rows(adapter.role(i, role), U)
+            norm = adapter.role(i, norm_role)
+            eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))
+            new = MatrixGammaRMSNorm(norm.weight.detach().double(), U, eps).to(norm.weight.dtype)
+            parent, _, leaf = adapter.arch.roles[norm_role].rpartition(".")
+            setattr(get_module(adapter.blocks[i], parent) if parent else adapter.blocks[i], leaf, new)
+    return {"head_pca_layers": len(adapter.blocks)}
 
 
 # -- mode spectral: run-time input transform per linear (not exportable) ----------------------------
@@ -366,4 +419,6 @@ def apply(ctx, cfg: WalshConfig) -> dict:
         metrics["calibration_tokens"] = tokens.numel()
     if cfg.pair_pca:
         metrics.update(apply_pair_pca(adapter, ctx.calibration_tokens()))
+    if cfg.head_pca:
+        metrics.update(apply_head_pca(adapter, ctx.calibration_tokens()))
     return metrics
