@@ -390,3 +390,26 @@ def test_pair_pca_decorrelates_each_rope_plane_and_a_reflection_would_break_rope
             m.weight[rows] *= -1
             m.bias[rows] *= -1
         assert rel(model(x).logits, before) > 1e-6  # F R(t) = R(-t) F: q.k after RoPE changes
+
+
+def test_autoround_hadamard_baseline_is_exact_in_fp_and_refuses_export(tmp_path):
+    """rotate/autoround_hadamard (auto-round's QuaRot inplace rotation, online hooks kept): an 8-bit RTN
+    after it stays at the FP perplexity, so the rotation (hooks included) is an exact re-parametrisation;
+    with an export format the plan refuses it before loading the model."""
+    import json
+
+    from tests.conftest import REPO, invoke
+
+    base = ["run", REPO / "recipes" / "w2-walsh-autoround.yaml", "--model", MODELS / "stories-llama-1m",
+            "--set", "stages.0={stage: rotate, method: autoround_hadamard}", "--set", "calibration.nsamples=4",
+            "--set", "calibration.seqlen=32", "--set", "eval.max_tokens=1024", "--set", "eval.generation.prompts=0"]
+    rc, stdout, err = invoke(*base, "--output", tmp_path / "a", "--json", "--set", "export.formats=[]",
+                             "--set", "stages.1={stage: quantize, method: rtn, bits: 8, group_size: 64}")
+    assert rc == 0, err
+    report = json.loads(stdout)
+    ev = next(iter(report["eval"].values()))
+    assert abs(ev["ppl_ratio"] - 1) < 0.01 and ev["top1"] > 0.97
+    manifest = json.loads((tmp_path / "a" / "manifest.json").read_text())
+    assert manifest["stages"]["00-rotate-autoround_hadamard"]["metrics"]["online_hooks"] > 0
+    rc, _, err = invoke(*base, "--output", tmp_path / "b", "--dry-run")
+    assert rc != 0 and "no exporter writes" in err
