@@ -205,6 +205,9 @@ def _run(loaded, ws: Workspace, quiet: bool) -> dict:
         timings.append({"name": cfg.stage, "method": cfg.method, "seconds": st["seconds"],
                         "peak_rss_mb": st["peak_rss_mb"], "resumed": resumed})
     report = {"model": r.model.path, "recipe_sha256": loaded.sha256, "stages": timings}
+    figures = {t: p for st in ws.manifest["stages"].values() for t, p in (st.get("metrics") or {}).get("figures", {}).items()}
+    if figures:
+        report["figures"] = figures
     if r.eval.enabled and r.eval.data and r.model.stream:
         log.warning("model.stream: the in-run evaluation needs the whole model in memory and is skipped; "
                     "run `compress eval OUTPUT/hf --reference MODEL --data FILE` where memory allows")

@@ -29,6 +29,8 @@ def render_markdown(report: dict) -> str:
     size = report.get("size") or {}
     if size:
         out.append("\n## Size\n\n" + _table([size], list(size)))
+    if report.get("figures"):
+        out.append("\n## Figures\n\n" + "".join(f"![{t}]({p})\n\n" for t, p in report["figures"].items()))
     if report.get("exports"):
         out.append("\n## Exports\n\n" + _table([{"format": k, "path": v} for k, v in report["exports"].items()],
                                                ["format", "path"]))

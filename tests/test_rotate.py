@@ -243,6 +243,8 @@ def test_walsh_recipes_run_on_stories_llama_1m(recipe, tmp_path):
     manifest = json.loads((out / "manifest.json").read_text())
     rot = manifest["stages"]["00-rotate-walsh"]
     assert rot["status"] == "done" and rot["metrics"]["norm"] == 8 and rot["metrics"]["up_down"] == 4
+    (title, png), = report["figures"].items()  # the energy spectrum before/after, linked from report.md
+    assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"![{title}]({png})" in (out / "report.md").read_text()
     loaded = AutoModelForCausalLM.from_pretrained(out / "hf")
     loaded = torch.nn.Module.float(loaded).eval()
     with torch.no_grad():

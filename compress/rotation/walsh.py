@@ -398,11 +398,35 @@ def apply_spectral(adapter, tokens: torch.Tensor, alpha: float) -> dict:
     return {"spectral_linears": len(targets)}
 
 
+def _spectrum_taps(adapter) -> dict:
+    """(layer, kind) -> the linear whose input the quantizer rounds against: attention (q) and MLP down."""
+    taps = {}
+    for i in range(len(adapter.blocks)):
+        for kind, m in (("attention", adapter.role(i, "q")), ("mlp down", (adapter.up_down_pairs(i) or [(0, None)])[0][1])):
+            if m is not None:
+                taps[(i, kind)] = (m[-1] if isinstance(m, nn.Sequential) else m, "input")
+    return taps
+
+
 @register("rotate", "walsh", WalshConfig,
           "Walsh-Hadamard rotation + BBT-spectral energy scaling, absorbed into the weights", check=check)
 def apply(ctx, cfg: WalshConfig) -> dict:
     adapter = ctx.adapter
     check(adapter, cfg)
+    workspace = getattr(ctx, "workspace", None)
+    before = collect_energy(adapter.model, ctx.calibration_tokens(), _spectrum_taps(adapter)) if workspace else None
+    metrics = _apply(ctx, adapter, cfg)
+    if workspace is not None:  # the per-layer energy spectrum the quantizer sees, before and after (report.md)
+        from compress.eval.figures import energy_spectrum, save_png
+
+        after = collect_energy(adapter.model, ctx.calibration_tokens(), _spectrum_taps(adapter))
+        title = f"rotate/walsh fused={cfg.fused} mode={cfg.mode}: input energy of the rounded weights"
+        rel = save_png(energy_spectrum(before, after, title), workspace, f"figures/{ctx.key}-energy.png")
+        metrics["figures"] = {"activation energy spectrum before/after rotation": rel}
+    return metrics
+
+
+def _apply(ctx, adapter, cfg: WalshConfig) -> dict:
     metrics = {"fused": cfg.fused, "mode": cfg.mode, "untied_embeddings": False}
     if cfg.fused:
         metrics["untied_embeddings"] = untie_embeddings(adapter)
