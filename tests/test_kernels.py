@@ -9,22 +9,8 @@ from compress.kernels import cpu
 from compress.kernels.backends import CPU, QuantLinear, Reference, quantize_model, select
 from compress.qweight import QuantizedWeight
 
+from kernel_cases import assert_close_to_reference, rand_qw
 from tiny import tiny_causal
-
-
-def rand_qw(n, k, bits, group, sym, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    ng = -(-k // (k if group == -1 else group))
-    scales = (torch.randn(n, ng, generator=g) * 0.02).half().float()  # negative too (full-range sym)
-    zeros = (torch.full((n, ng), 2 ** (bits - 1), dtype=torch.uint8) if sym
-             else torch.randint(0, 2**bits, (n, ng), dtype=torch.uint8, generator=g))
-    codes = torch.randint(0, 2**bits, (n, k), dtype=torch.uint8, generator=g)
-    return QuantizedWeight(codes=codes, scales=scales, zeros=zeros, bits=bits, group_size=group, sym=sym)
-
-
-def assert_close_to_reference(y, ref):
-    err = (y - ref).abs().max().item()
-    assert err <= 2e-5 * ref.abs().max().item() + 1e-7, f"max error {err} vs range {ref.abs().max().item()}"
 
 
 @pytest.fixture(scope="module")
