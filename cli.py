@@ -294,6 +294,40 @@ def bench_kernels(
         md_out.write_text(md)
 
 
+@bench_app.command("decode")
+def bench_decode(
+    json_out: Optional[Path] = typer.Option(None, "--json", help="also write the result as JSON here"),
+    md_out: Optional[Path] = typer.Option(None, "--markdown", help="also write the markdown table here"),
+    size: str = typer.Option("0.5b", "--size", help="model size: 0.5b (0.49B parameters) or tiny"),
+    quick: bool = typer.Option(False, "--quick", help="tiny model, 8 new tokens, 1 repeat: a smoke test"),
+    new_tokens: int = typer.Option(64, "--new-tokens", help="greedy tokens per run"),
+    repeats: int = typer.Option(3, "--repeats", help="runs per backend (the fastest is reported)"),
+    threads: Optional[int] = typer.Option(None, "--threads", help="threads for every backend (default: torch's)"),
+    openvino: bool = typer.Option(True, "--openvino/--no-openvino", help="also run the OpenVINO int4 export"),
+):
+    """Greedy decoding tokens/s of a random Llama (speed only): torch fp32 vs our int4 CPU kernel vs OpenVINO int4.
+
+    Example: compress bench decode --threads 2 --json bench/decode.json --markdown bench/decode.md
+    """
+    from compress.errors import BadInput
+    from compress.eval.bench_decode import SIZES, markdown, run as run_decode
+
+    _setup_logging(False)
+    if quick:
+        size, new_tokens, repeats = "tiny", 8, 1
+    if size not in SIZES:
+        raise BadInput(f"unknown --size `{size}` (known: {', '.join(SIZES)})")
+    if new_tokens < 2:
+        raise BadInput("--new-tokens must be at least 2 (tokens/s counts the steps after the first)")
+    result = run_decode(size, new_tokens=new_tokens, repeats=repeats, threads=threads, openvino=openvino)
+    md = markdown(result)
+    typer.echo(md)
+    if json_out:
+        json_out.write_text(json.dumps(result, indent=2) + "\n")
+    if md_out:
+        md_out.write_text(md)
+
+
 def main(argv=None) -> int:
     """Console entry point with the documented exit codes."""
     from compress.errors import CompressError
