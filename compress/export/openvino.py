@@ -15,8 +15,10 @@ OpenVINO offers (`compiled_on`) and lists the others as `not_compiled`. NPU runs
 symmetric int4, grouped by 128 or per-channel: OpenVINO's "GenAI on NPU" guide (2024.6 / 2025 docs)
 exports NPU models with `--weight-format int4 --sym --group-size 128` (or `-1`, channel-wise, for
 models above ~1B parameters), and its MatMulNBits NPU pattern (openvino PR 29671) is sym int4
-channel-wise. `npu_problems` checks a recipe's layer settings against that before calibration; the
-symmetric IR carries u4 codes with a constant u4 zero point of 8, NNCF's INT4_SYM pattern.
+channel-wise. `npu_problems` checks a recipe's layer settings against that before calibration. The
+symmetric IR carries u4 codes with a constant u4 zero point of 8 (NNCF's INT4_SYM form when it was
+introduced; current NNCF writes i4 codes without a zero point): that an NPU compiles this form is
+not verified here (no NPU).
 """
 
 from __future__ import annotations
