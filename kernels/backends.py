@@ -109,7 +109,7 @@ class QuantLinear(nn.Module):
         return cls(qw, linear.bias, backend)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.backend.matmul(x, self.state)
+        y = self.backend.matmul(x, self.state).to(x.device)  # triton's state may sit on the GPU, the model not
         if self.bias is not None:
             y = y + self.bias
         return y.to(x.dtype)
