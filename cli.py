@@ -155,6 +155,8 @@ def eval_(
                                     "(common prefix, agreement, KL and top-1 along them); 0 = off"),
     prompt_tokens: int = typer.Option(32, "--prompt-tokens", help="tokens per generation prompt"),
     new_tokens: int = typer.Option(64, "--new-tokens", help="greedy tokens generated per prompt"),
+    backend: str = typer.Option("auto", "--backend", help="kernels for a packed `hf` export: auto, cpu, cpu-a8, "
+                                "triton, reference, or `transformers` (auto-round's loader, fp16 on CPU)"),
     as_json: bool = typer.Option(False, "--json", help="print JSON on stdout"),
 ):
     """Perplexity and logit fidelity (KL, top-1 vs --reference) of any checkpoint, and how long its
@@ -166,13 +168,39 @@ def eval_(
 
     _setup_logging(as_json)
     res = evaluate_checkpoint(model, reference=reference, data=data or [], window=window, max_tokens=max_tokens,
-                              gen_prompts=gen_prompts, prompt_tokens=prompt_tokens, new_tokens=new_tokens)
+                              gen_prompts=gen_prompts, prompt_tokens=prompt_tokens, new_tokens=new_tokens,
+                              backend=backend)
     if as_json:
         _emit_json(res)
     else:
         for name, r in res.items():
             typer.echo(f"{name}: " + ", ".join(f"{k} {v:.5g}" if isinstance(v, float) else f"{k} {v}"
                                                for k, v in r.items()))
+
+
+@app.command()
+def generate(
+    model: str = typer.Argument(..., help="checkpoint directory (a packed `hf` export runs on our kernels)"),
+    prompt: str = typer.Option(..., "--prompt", help="text to continue"),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens", help="greedy tokens to generate"),
+    backend: str = typer.Option("auto", "--backend", help="auto, cpu, cpu-a8, triton, reference, or transformers"),
+    as_json: bool = typer.Option(False, "--json", help="print JSON on stdout"),
+):
+    """Greedy continuation of a prompt, and the decoding speed (tokens/s) on this machine.
+
+    Example: compress generate out/hf --prompt "Once upon a time" --max-new-tokens 64 --backend cpu
+    """
+    from compress.eval.cli import generate_text
+
+    _setup_logging(as_json)
+    res = generate_text(model, prompt, max_new_tokens=max_new_tokens, backend=backend)
+    if as_json:
+        _emit_json(res)
+        return
+    typer.echo(res["prompt"] + res["continuation"])
+    speed = f"{res['tokens_per_s']} tokens/s" if res["tokens_per_s"] is not None else "-"
+    typer.echo(f"[{res['new_tokens']} tokens, prefill {res['prefill_s']:.3f} s, decode {speed}, "
+               f"backend {res['backend'] or 'dense'}]", err=True)
 
 
 @app.command()
@@ -263,6 +291,40 @@ def bench_kernels(
 
     _setup_logging(False)
     result = run_kernels(quick=quick, repeats=repeats, threads=threads)
+    md = markdown(result)
+    typer.echo(md)
+    if json_out:
+        json_out.write_text(json.dumps(result, indent=2) + "\n")
+    if md_out:
+        md_out.write_text(md)
+
+
+@bench_app.command("decode")
+def bench_decode(
+    json_out: Optional[Path] = typer.Option(None, "--json", help="also write the result as JSON here"),
+    md_out: Optional[Path] = typer.Option(None, "--markdown", help="also write the markdown table here"),
+    size: str = typer.Option("0.5b", "--size", help="model size: 0.5b (0.49B parameters) or tiny"),
+    quick: bool = typer.Option(False, "--quick", help="tiny model, 8 new tokens, 1 repeat: a smoke test"),
+    new_tokens: int = typer.Option(64, "--new-tokens", help="greedy tokens per run"),
+    repeats: int = typer.Option(3, "--repeats", help="runs per backend (the fastest is reported)"),
+    threads: Optional[int] = typer.Option(None, "--threads", help="threads for every backend (default: torch's)"),
+    openvino: bool = typer.Option(True, "--openvino/--no-openvino", help="also run the OpenVINO int4 export"),
+):
+    """Greedy decoding tokens/s of a random Llama (speed only): torch fp32 vs our int4 CPU kernel vs OpenVINO int4.
+
+    Example: compress bench decode --threads 2 --json bench/decode.json --markdown bench/decode.md
+    """
+    from compress.errors import BadInput
+    from compress.eval.bench_decode import SIZES, markdown, run as run_decode
+
+    _setup_logging(False)
+    if quick:
+        size, new_tokens, repeats = "tiny", 8, 1
+    if size not in SIZES:
+        raise BadInput(f"unknown --size `{size}` (known: {', '.join(SIZES)})")
+    if new_tokens < 2:
+        raise BadInput("--new-tokens must be at least 2 (tokens/s counts the steps after the first)")
+    result = run_decode(size, new_tokens=new_tokens, repeats=repeats, threads=threads, openvino=openvino)
     md = markdown(result)
     typer.echo(md)
     if json_out:

@@ -131,6 +131,10 @@ def plan(loaded) -> dict:
         layers = planned_layers(adapter, cfg) if cfg.stage == "quantize" else {}
         stages.append({"key": stage_key(i, cfg), "stage": cfg.stage, "method": cfg.method,
                        "layers": len(layers), "config": cfg.model_dump()})
+    for fmt in r.export.formats:  # export formats with a plan-time check (e.g. OpenVINO's NPU target)
+        entry = registry.get("export", fmt if isinstance(fmt, str) else fmt.format)
+        if entry.check is not None:
+            entry.check(adapter, entry.config() if isinstance(fmt, str) else fmt, r)
     if r.model.stream:
         _check_streamable(r)
         per_block = sum(p.numel() for p in adapter.blocks[0].parameters())
@@ -223,6 +227,8 @@ def _run(loaded, ws: Workspace, quiet: bool) -> dict:
     report["seconds"] = round(time.time() - t0, 2)
     report["peak_rss_mb"] = round(peak_rss_mb(), 1)
     ws.manifest["report"] = "report.json"
+    # what each export wrote (the openvino one: target devices, compiled here or not); file lists stay in report
+    ws.manifest["exports"] = {k: {f: x for f, x in v.items() if f != "files"} for k, v in exports.items()}
     ws.save_manifest()
     ws.write_json("report.json", report)
     from compress.eval.report import render_markdown

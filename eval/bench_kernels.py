@@ -1,6 +1,6 @@
 """`compress bench kernels`: packed GEMM speed on this machine, side by side in one process.
 
-For each weight shape (N x K), batch and format (int4 g128, int2 g64) it times, repeated (min and
+For each weight shape (N x K), batch and format (int4 g128, int2 g64, int3 g128) it times, repeated (min and
 median): our C++ kernel with fp32 activations (`ours-cpu`, exact up to float rounding) and with
 int8 activations (`ours-cpu-a8`, one scale per 128 or group columns), the reference path
 (`reference`: dequantize, then matmul), torch's int4 CPU kernel (`torch-int4`, int4 only, bf16
@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 
 SHAPES = ((4096, 4096), (11008, 4096), (8192, 8192))  # (out, in)
 BATCHES = (1, 8, 32)
-FORMATS = ((4, 128), (2, 64))
+FORMATS = ((4, 128), (2, 64), (3, 128))  # int3: ours (two planes) and the reference only
 EVICT_MIB = 512  # > the last-level cache (300 MiB L3 on the 2-core VMs used here)
 QUICK = dict(shapes=((1024, 1024),), batches=(1, 8), repeats=3)
 
@@ -153,9 +153,10 @@ def bench_shape(n: int, k: int, batches, repeats: int, bw: float, evict) -> list
             if bits == 4:
                 fn4, nbytes4 = torch_int4(qw)
                 cases.append(("torch-int4", lambda: fn4(x), nbytes4))
-            fno, nbyteso = openvino_matmul(qw, b)
-            xn = x.numpy()
-            cases.append((f"openvino-int{bits}", lambda: fno(xn)[0], nbyteso))
+            if bits in (2, 4):
+                fno, nbyteso = openvino_matmul(qw, b)
+                xn = x.numpy()
+                cases.append((f"openvino-int{bits}", lambda: fno(xn)[0], nbyteso))
             for name, fn, nbytes in cases:
                 reps = max(1, repeats // 4) if name == "reference" else repeats
                 rows.append(_row(shape, b, fmt, name, timed(fn, reps, evict), nbytes, bw, rel_err(fn(), ref)))

@@ -7,19 +7,31 @@ from pathlib import Path
 from compress.errors import BadInput
 
 
-def _load(path: str):
+BACKENDS = ("auto", "cpu", "cpu-a8", "triton", "reference", "transformers")
+
+
+def _load(path: str, backend: str = "auto"):
+    """(model, tokenizer). A packed `hf` export runs on our kernels (`backend`: auto, cpu, cpu-a8, triton,
+    reference; compress/export/runtime.py) unless `backend` is `transformers` (auto-round's loader);
+    any other checkpoint loads through transformers."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from compress.export.runtime import is_packed, load_packed
     from compress.models.loading import resolve_source
 
+    if backend not in BACKENDS:
+        raise BadInput(f"unknown --backend `{backend}` (known: {', '.join(BACKENDS)})")
     src, gguf = resolve_source(path)
     kw = {"gguf_file": gguf} if gguf else {}
     try:
-        model = AutoModelForCausalLM.from_pretrained(src, dtype="auto", **kw)
-        # auto-round casts a packed model to fp16 on CPU and its `.float()` refuses quantized models;
-        # nn.Module.float restores fp32 compute (see compress/export/hf.py).
-        model = torch.nn.Module.float(model).eval()
+        if backend != "transformers" and not gguf and is_packed(src):
+            model, _ = load_packed(src, backend)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(src, dtype="auto", **kw)
+            # auto-round casts a packed model to fp16 on CPU and its `.float()` refuses quantized models;
+            # nn.Module.float restores fp32 compute (see compress/export/hf.py).
+            model = torch.nn.Module.float(model).eval()
     except (OSError, ValueError) as e:
         raise BadInput(f"cannot load `{path}`: {e}") from e
     try:
@@ -31,16 +43,17 @@ def _load(path: str):
 
 def evaluate_checkpoint(model_path: str, *, reference: str | None, data: list[str], window: int = 256,
                         max_tokens: int | None = None, gen_prompts: int = 16, prompt_tokens: int = 32,
-                        new_tokens: int = 64) -> dict:
+                        new_tokens: int = 64, backend: str = "auto") -> dict:
     """Perplexity of `model_path` on each file; with `reference`, also KL/top-1 and greedy-continuation
-    agreement (`gen_prompts` prompts, 0 = off) against it on the same tokens."""
+    agreement (`gen_prompts` prompts, 0 = off) against it on the same tokens. A packed checkpoint runs
+    on `backend` (see `_load`)."""
     from compress.eval.data import read_text, token_stream
     from compress.eval.generation import compare_causal
     from compress.eval.metrics import perplexity
 
     if not data:
         raise BadInput("give at least one --data FILE to evaluate on")
-    model, tok = _load(model_path)
+    model, tok = _load(model_path, backend)
     ref = _load(reference) if reference else None
     tok = tok or (ref[1] if ref else None)
     if tok is None:
@@ -56,3 +69,38 @@ def evaluate_checkpoint(model_path: str, *, reference: str | None, data: list[st
         else:
             out[Path(path).name] = {"ppl": perplexity(model, ids, window=window, bos_id=bos, max_tokens=max_tokens)}
     return out
+
+
+def generate_text(model_path: str, prompt: str, *, max_new_tokens: int = 64, backend: str = "auto") -> dict:
+    """Greedy continuation of `prompt` (KV cache, exactly max_new_tokens steps) and its speed: decode
+    tokens/s counts the steps after the first token (prefill_s covers the prompt and the first token)."""
+    from compress.eval.generation import greedy
+
+    if max_new_tokens < 1:
+        raise BadInput("--max-new-tokens must be at least 1")
+    model, tok = _load(model_path, backend)
+    if tok is None:
+        raise BadInput(f"no tokenizer found in `{model_path}`")
+    ids = tok(prompt, return_tensors="pt").input_ids
+    if ids.numel() == 0:
+        raise BadInput("the prompt encodes to no tokens")
+    timings = {}
+    new = greedy(model, ids, max_new_tokens, timings)[0]
+    eos = getattr(tok, "eos_token_id", None)
+    shown = new.tolist()
+    if eos is not None and eos in shown:
+        shown = shown[: shown.index(eos)]
+    steps = max_new_tokens - 1
+    return {"prompt": prompt, "continuation": tok.decode(shown, skip_special_tokens=True),
+            "prompt_tokens": ids.shape[1], "new_tokens": max_new_tokens, "backend": _backends(model),
+            "prefill_s": round(timings["prefill_s"], 4), "decode_s": round(timings["decode_s"], 4),
+            "tokens_per_s": round(steps / timings["decode_s"], 2) if steps else None}
+
+
+def _backends(model) -> dict[str, int]:
+    """Packed layers per kernel backend ({} for a model without QuantLinear layers)."""
+    from collections import Counter
+
+    from compress.kernels.backends import QuantLinear
+
+    return dict(Counter(m.backend.name for m in model.modules() if isinstance(m, QuantLinear)))

@@ -12,6 +12,7 @@ both models generate N tokens greedily (same code path, KV cache, no stopping at
 from __future__ import annotations
 
 import inspect
+import time
 
 import torch
 
@@ -38,18 +39,25 @@ def _cache_key(model) -> str:
 
 
 @torch.inference_mode()
-def greedy(model, prompts: torch.Tensor, new_tokens: int) -> torch.Tensor:
-    """(k, new_tokens) greedy continuations, one batched forward per step with the KV cache."""
+def greedy(model, prompts: torch.Tensor, new_tokens: int, timings: dict | None = None) -> torch.Tensor:
+    """(k, new_tokens) greedy continuations, one batched forward per step with the KV cache.
+    `timings`, if given, receives `prefill_s` (the prompt's forward and first token) and `decode_s`
+    (the other new_tokens - 1 steps), wall-clock seconds."""
     device, key = next(model.parameters()).device, _cache_key(model)
+    t0 = time.perf_counter()
     out = model(input_ids=prompts.to(device), use_cache=True)
     tokens = []
     nxt = out.logits[:, -1].argmax(-1)
+    t1 = time.perf_counter()
     for _ in range(new_tokens - 1):
         tokens.append(nxt)
         out = model(input_ids=nxt[:, None], use_cache=True, **{key: getattr(out, key)})
         nxt = out.logits[:, -1].argmax(-1)
     tokens.append(nxt)
-    return torch.stack(tokens, 1).cpu()
+    result = torch.stack(tokens, 1).cpu()  # waits for the device
+    if timings is not None:
+        timings.update(prefill_s=t1 - t0, decode_s=time.perf_counter() - t1)
+    return result
 
 
 def common_prefix(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -4,8 +4,11 @@ A backend turns a QuantizedWeight into its own packed state once (`prepare`) and
 activations by it (`matmul(x, state) -> x @ W_hat.T` in fp32). `reference` (dequantize, then matmul)
 is the oracle every other backend is tested against; `cpu` is the C++ kernel of `kernels/cpu.py` with
 fp32 activations (the reference up to float rounding), `cpu-a8` the same kernel with activations
-rounded to int8 per block (faster; 8-bit weights keep fp32 activations).
-`select("auto", qw)` picks `cpu` when it supports the weight and its build succeeded, else `reference`.
+rounded to int8 per block (faster; 8-bit weights keep fp32 activations), `triton` the Triton kernel of
+`kernels/gpu.py` (on a CUDA device; without one, or with TRITON_INTERPRET=1, in Triton's CPU interpreter,
+which only tests use).
+`select("auto", qw)` picks `triton` when a CUDA device and triton are present and it supports the weight,
+else `cpu` when it supports the weight and its build succeeded, else `reference`.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from compress.kernels import cpu
+from compress.kernels import cpu, gpu
 from compress.qweight import QuantizedWeight
 
 logger = logging.getLogger(__name__)
@@ -52,17 +55,34 @@ class CPU:
         return cpu.matmul(x, state, act=self.act, scalar=self.scalar)
 
 
-BACKENDS = {"reference": Reference, "cpu": CPU, "cpu-a8": lambda: CPU(act="int8")}
+class Triton:
+    name = "triton"
+
+    def prepare(self, qw: QuantizedWeight) -> gpu.PackedGPU:
+        return gpu.pack(qw)
+
+    def matmul(self, x: torch.Tensor, state: gpu.PackedGPU) -> torch.Tensor:
+        return gpu.matmul(x, state)
+
+
+BACKENDS = {"reference": Reference, "cpu": CPU, "cpu-a8": lambda: CPU(act="int8"), "triton": Triton}
 
 
 def select(name: str, qw: QuantizedWeight) -> Backend:
-    """`auto`, `cpu`, `cpu-a8` or `reference`. `auto` (= `cpu` when possible) falls back to the reference
-    path (logged at debug level per layer; a missing compiler is logged once by `cpu.extension`). An
-    explicit `cpu` / `cpu-a8` that cannot run raises."""
+    """`auto`, `cpu`, `cpu-a8`, `triton` or `reference`. `auto` (= `triton` on a CUDA device, else `cpu` when
+    possible) falls back to the reference path (logged at debug level per layer; a missing compiler is
+    logged once by `cpu.extension`). An explicit backend that cannot run raises."""
     if name not in ("auto", *BACKENDS):
         raise ValueError(f"unknown kernel backend `{name}` (known: auto, {', '.join(BACKENDS)})")
     if name == "reference":
         return Reference()
+    if name == "triton" or (name == "auto" and torch.cuda.is_available()):
+        reason = gpu.supports(qw) or gpu.available()
+        if reason is None:
+            return Triton()
+        if name == "triton":
+            raise ValueError(f"the triton backend cannot run this weight: {reason}; use backend `auto` or "
+                             "`reference`")
     reason = cpu.supports(qw) or (None if cpu.extension() is not None else "no compiled cpu kernel")
     if reason is None:
         return BACKENDS["cpu" if name == "auto" else name]()
@@ -89,7 +109,7 @@ class QuantLinear(nn.Module):
         return cls(qw, linear.bias, backend)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.backend.matmul(x, self.state)
+        y = self.backend.matmul(x, self.state).to(x.device)  # triton's state may sit on the GPU, the model not
         if self.bias is not None:
             y = y + self.bias
         return y.to(x.dtype)

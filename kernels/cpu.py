@@ -1,6 +1,6 @@
 """The `cpu-rows` packed layout and its C++ kernel (AVX2/FMA with a scalar fallback), compiled on first use.
 
-Layout, for a QuantizedWeight of shape (N, K) with b bits (b in 2, 4, 8; P = 8/b codes per byte)
+Layout, for a QuantizedWeight of shape (N, K) with b bits (b in 1, 2, 4, 8; P = 8/b codes per byte)
 -------------------------------------------------------------------------------------------------
 K is zero padded to `kpad` (a multiple of 128, of the chunk and of the group). Each row is a run of
 chunks; a chunk is 8 int32 words (one AVX2 register) = 32 bytes holding 32*P codes. Byte t (0..3)
@@ -17,7 +17,8 @@ so `(chunk >> b*s) & 0x0F0F..` is columns 32s..32s+31 as 32 bytes in order, read
 dot product with int8 activations (`matmul(..., act="int8")`), and `(chunk >> b*(t*P+s)) & 0xF` is 8
 columns (32s+t, 32s+4+t, ...) as int32 lanes for the fp32 path (one shift, and, convert, FMA per 8
 weights, no shuffles; x is permuted once per call to match, `permute_x`). b = 2 packs 4 fields per
-byte (128 columns per chunk), b = 8 one (32 columns).
+byte (128 columns per chunk), b = 8 one (32 columns), b = 1 eight (256 columns). 3-bit weights are two
+planes (`Packed3`): their low 2 bits and their high bit, so they still read 3 bits per weight.
 
 Per (row, group): `scales` fp32 and `sz = scales * zeros` fp32; padded groups are zero. The kernel
 computes `y = sum_g scale_g * dot(q_g, x_g) - sum_g sz_g * sum(x_g)`: with fp32 activations the
@@ -44,8 +45,8 @@ from compress.qweight import QuantizedWeight
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernel.cpp")
-KERNEL_BITS = (2, 4, 8)
-A8_BITS = (2, 4)  # int8 activations: u8 x s8 products of 8-bit weights could saturate without VNNI
+KERNEL_BITS = (2, 3, 4, 8)  # 3 bits run as two planes (Packed3); the C++ kernel itself runs 1, 2, 4, 8
+A8_BITS = (1, 2, 3, 4)  # int8 activations: u8 x s8 products of 8-bit weights could saturate without VNNI
 PER_CHANNEL_SHIFT = 60  # group of a 32-column block = block >> shift: always 0
 XBLOCK = 128  # int8 activations: at most this many columns per activation scale
 _EXT: dict[str, object] = {}
@@ -69,6 +70,35 @@ class PackedCPU:
         return sum(t.numel() * t.element_size() for t in (self.words, self.scales, self.sz))
 
 
+@dataclass(frozen=True)
+class Packed3:
+    """A 3-bit weight as two cpu-rows planes: `lo` = codes & 3 (2 bits, the weight's scales and zero
+    points) and `hi` = codes >> 2 (1 bit, scales * 4, zero 0); y = x @ lo.T + x @ hi.T, 3 bits read per
+    weight. (3-bit fields do not tile a byte, which the single-plane layout needs.)"""
+    lo: PackedCPU
+    hi: PackedCPU
+    bits = 3
+
+    @property
+    def in_features(self) -> int:
+        return self.lo.in_features
+
+    @property
+    def out_features(self) -> int:
+        return self.lo.out_features
+
+    @property
+    def kpad(self) -> int:
+        return self.lo.kpad
+
+    @property
+    def gshift(self) -> int:
+        return self.lo.gshift
+
+    def nbytes(self) -> int:
+        return self.lo.nbytes() + self.hi.nbytes()
+
+
 def supports(qw: QuantizedWeight) -> str | None:
     """None if the kernel can run `qw`, else the reason it cannot."""
     if qw.bits not in KERNEL_BITS:
@@ -79,31 +109,39 @@ def supports(qw: QuantizedWeight) -> str | None:
     return None
 
 
-def pack(qw: QuantizedWeight) -> PackedCPU:
-    """QuantizedWeight -> cpu-rows layout (module docstring)."""
+def pack(qw: QuantizedWeight) -> PackedCPU | Packed3:
+    """QuantizedWeight -> cpu-rows layout (module docstring); 3 bits -> a 2-bit and a 1-bit plane."""
     reason = supports(qw)
     if reason:
         raise ValueError(f"the cpu kernel cannot hold {reason}")
-    bits, (N, K) = qw.bits, qw.codes.shape
-    P = 8 // bits
-    step = max(128, 32 * P, qw.group_size)  # whole groups, whole chunk pairs and XBLOCKs
+    codes, scales, zeros = qw.codes.cpu(), qw.scales.cpu().float(), qw.zeros.cpu().float()
+    if qw.bits == 3:  # W = s (lo + 4 hi - z) = s (lo - z) + 4s (hi - 0)
+        return Packed3(pack_plane(codes & 3, scales, zeros, 2, qw.group_size),
+                       pack_plane(codes >> 2, 4 * scales, torch.zeros_like(zeros), 1, qw.group_size))
+    return pack_plane(codes, scales, zeros, qw.bits, qw.group_size)
+
+
+def pack_plane(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int, group_size: int) -> PackedCPU:
+    """Codes (N, K) in [0, 2^bits) with per-group fp32 scales and zero points (N, n_groups) -> cpu-rows."""
+    N, K = codes.shape
+    P, n_groups = 8 // bits, scales.shape[1]
+    step = max(128, 32 * P, group_size)  # whole groups, whole chunk pairs and XBLOCKs
     kpad = math.ceil(K / step) * step
-    codes = torch.zeros(N, kpad, dtype=torch.int64)
-    codes[:, :K] = qw.codes.cpu()
+    padded = torch.zeros(N, kpad, dtype=torch.int64)
+    padded[:, :K] = codes
     # codes[n, chunk, s, i, t] -> bits 8t + b*s of word i
-    fields = codes.view(N, kpad // (32 * P), P, 8, 4)
+    fields = padded.view(N, kpad // (32 * P), P, 8, 4)
     shift = (8 * torch.arange(4).view(1, 1, 1, 1, 4) + bits * torch.arange(P).view(1, 1, P, 1, 1))
     words = (fields << shift).sum((2, 4))  # disjoint bit ranges: sum == or
     words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).reshape(N, -1).contiguous()
-    if qw.group_size == -1:
+    if group_size == -1:
         gp, gshift = 1, PER_CHANNEL_SHIFT
     else:
-        gp, gshift = kpad // qw.group_size, int(math.log2(qw.group_size // 32))
-    scales = torch.zeros(N, gp)
-    scales[:, : qw.n_groups] = qw.scales.cpu().float()
-    sz = torch.zeros(N, gp)
-    sz[:, : qw.n_groups] = qw.scales.cpu().float() * qw.zeros.cpu().float()
-    return PackedCPU(words, scales.contiguous(), sz.contiguous(), bits, K, kpad, gshift)
+        gp, gshift = kpad // group_size, int(math.log2(group_size // 32))
+    s, sz = torch.zeros(N, gp), torch.zeros(N, gp)
+    s[:, :n_groups] = scales
+    sz[:, :n_groups] = scales * zeros
+    return PackedCPU(words, s.contiguous(), sz.contiguous(), bits, K, kpad, gshift)
 
 
 def permute_x(x: torch.Tensor, bits: int) -> torch.Tensor:
@@ -126,9 +164,11 @@ def xblock(p: PackedCPU) -> int:
     return XBLOCK if p.gshift == PER_CHANNEL_SHIFT else min(XBLOCK, 32 << p.gshift)
 
 
-def matmul(x: torch.Tensor, p: PackedCPU, act: str = "fp32", scalar: bool = False) -> torch.Tensor:
+def matmul(x: torch.Tensor, p: PackedCPU | Packed3, act: str = "fp32", scalar: bool = False) -> torch.Tensor:
     """x (..., K) -> (..., N) fp32 through the compiled kernel (`extension()` must not be None).
     act="fp32": exact up to float rounding; act="int8": activations rounded per block (module docstring)."""
+    if isinstance(p, Packed3):  # both planes round x alike: same blocks (group or 128 columns)
+        return matmul(x, p.lo, act, scalar) + matmul(x, p.hi, act, scalar)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]).float()
     if p.kpad != p.in_features:

@@ -232,10 +232,11 @@ void run(const Args& a, bool scalar) {
 
 void dispatch(const Args& a, int64_t bits, bool scalar) {
   switch (bits) {
+    case 1: run<1>(a, scalar); break;  // the high-bit plane of 3-bit weights (kernels/cpu.py::Packed3)
     case 2: run<2>(a, scalar); break;
     case 4: run<4>(a, scalar); break;
     case 8: run<8>(a, scalar); break;
-    default: TORCH_CHECK(false, "cpu kernel supports bits 2, 4, 8; got ", bits);
+    default: TORCH_CHECK(false, "cpu kernel supports bits 1, 2, 4, 8; got ", bits);
   }
 }
 

@@ -18,9 +18,11 @@ def test_bench_kernels_quick_json_and_markdown(tmp_path):
     assert got == {("dense", "torch-fp32"), ("dense", "torch-bf16"), ("int4-g128", "ours-cpu"),
                    ("int4-g128", "ours-cpu-a8"), ("int2-g64", "ours-cpu-a8"),
                    ("int4-g128", "reference"), ("int4-g128", "torch-int4"), ("int4-g128", "openvino-int4"),
-                   ("int2-g64", "ours-cpu"), ("int2-g64", "reference"), ("int2-g64", "openvino-int2")}
+                   ("int2-g64", "ours-cpu"), ("int2-g64", "reference"), ("int2-g64", "openvino-int2"),
+                   ("int3-g128", "ours-cpu"), ("int3-g128", "ours-cpu-a8"), ("int3-g128", "reference")}
     assert {r["batch"] for r in rows} == {1, 8}
     err = {(r["format"], r["backend"]): r["rel_err"] for r in rows if r["batch"] == 8}
     assert err[("int4-g128", "ours-cpu")] < 1e-5 and err[("int2-g64", "ours-cpu")] < 1e-5
+    assert err[("int3-g128", "ours-cpu")] < 1e-5 and err[("int3-g128", "ours-cpu-a8")] < 3e-2
     assert err[("int4-g128", "ours-cpu-a8")] < 3e-2 and err[("int4-g128", "openvino-int4")] < 3e-2
     assert "| 1024x1024 | 1 | int4-g128 | ours-cpu |" in md.read_text() and "| ours-cpu |" in stdout

@@ -122,3 +122,42 @@ export:
     ids = torch.randint(0, 512, (1, 20))
     with torch.no_grad():
         assert rel_err(ort_logits(onnx_path, ids), fake(ids).logits.numpy()) < 1e-3
+
+
+def ort_decode_inputs(model, ids, mask, past=None):
+    cfg = model.config
+    hd = cfg.hidden_size // cfg.num_attention_heads
+    feed = {"input_ids": ids.numpy(), "attention_mask": mask.numpy()}
+    for i in range(cfg.num_hidden_layers):
+        for j, kv in enumerate(("key", "value")):
+            feed[f"past_key_values.{i}.{kv}"] = (past[2 * i + j] if past is not None else
+                                                 np.zeros((ids.shape[0], cfg.num_key_value_heads, 0, hd), np.float32))
+    return feed
+
+
+@pytest.mark.parametrize("name,bits,group", [("stories260K", 4, 32), ("ref-llama-7m", 2, 64)])
+def test_onnx_kv_cache_decodes_incrementally(name, bits, group, tmp_path):
+    """Prefill, then one token per call with the returned present key values: each step's logits equal
+    the full forward's at that position; a padded (attention_mask 0) tail changes nothing before it."""
+    model = load(name)
+    qweights = quantized(model, bits, group, True)
+    res = export_onnx(model, qweights, tmp_path, kv_cache=True)
+    sess = ort.InferenceSession(res["path"], providers=["CPUExecutionProvider"])
+    outputs = [o.name for o in sess.get_outputs()]
+    assert outputs[0] == "logits" and len(outputs) == 1 + 2 * model.config.num_hidden_layers
+    ids = torch.randint(0, model.config.vocab_size, (2, 14), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        full = model(ids).logits.numpy()
+    out = sess.run(None, ort_decode_inputs(model, ids[:, :9], torch.ones(2, 9, dtype=torch.int64)))
+    assert rel_err(out[0], full[:, :9]) < 1e-4
+    for t in range(9, 14):
+        out = sess.run(None, ort_decode_inputs(model, ids[:, t : t + 1], torch.ones(2, t + 1, dtype=torch.int64),
+                                               out[1:]))
+        assert out[1].shape[2] == t + 1
+        assert rel_err(out[0][:, 0], full[:, t]) < 1e-4, t
+    mask = torch.ones(2, 14, dtype=torch.int64)
+    mask[1, 10:] = 0  # row 1: 10 real tokens, then padding
+    padded = sess.run(["logits"], ort_decode_inputs(model, ids, mask))[0]
+    with torch.no_grad():
+        short = model(ids[1:, :10]).logits.numpy()
+    assert rel_err(padded[1:, :10], short) < 1e-4 and rel_err(padded[:1], full[:1]) < 1e-4

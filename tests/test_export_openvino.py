@@ -74,3 +74,59 @@ export:
     with torch.no_grad():
         assert rel_err(out, fake(ids).logits.numpy()) < 1e-3
     assert np.isfinite(out).all() and fc.get("u4", 0) >= 30
+
+
+NPU_RECIPE = """version: 1
+model: {{path: {model}, dtype: float32}}
+calibration: {{sources: [{text}], nsamples: 4, seqlen: 32}}
+stages:
+  - {{stage: quantize, method: autoround, bits: {bits}, group_size: {group}, sym: {sym}, iters: 2{extra}}}
+export:
+  formats: [{{format: openvino, device: {device}}}]
+"""
+
+
+@pytest.mark.parametrize("bits,group,sym,extra,device,message", [
+    (2, 128, "true", "", "[CPU, NPU]", "Change in stages.0: bits: 2 -> 4"),
+    (4, 64, "true", "", "NPU", "Change in stages.0: group_size: 64 -> 128 or -1 (per-channel)"),
+    (4, 128, "false", "", "[NPU]", "Change in stages.0: sym: false -> true"),
+    (4, 128, "true", ", overrides: [{pattern: down_proj, bits: 8}]", "[NPU, CPU]",
+     "Change in its `overrides`: bits: 8 -> 4"),
+])
+def test_npu_target_is_checked_before_calibration(tmp_path, bits, group, sym, extra, device, message):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(NPU_RECIPE.format(model=MODELS / "ref-llama-7m", text=TEXT / "wikitext-2" / "valid.txt",
+                                        bits=bits, group=group, sym=sym, extra=extra, device=device))
+    rc, _, err = invoke("run", recipe, "--output", tmp_path / "out")
+    assert rc == 1, err
+    assert "targets NPU" in err and message in err and "drop NPU from the openvino `device` list" in err
+    assert not (tmp_path / "out").exists()  # nothing calibrated, nothing written
+    rc, _, err = invoke("run", recipe, "--output", tmp_path / "out", "--dry-run")
+    assert rc == 1 and message in err
+
+
+def test_npu_target_accepts_sym_int4_g128_and_per_channel(tmp_path):
+    for group in (128, -1):
+        recipe = tmp_path / f"r{group}.yaml"
+        recipe.write_text(NPU_RECIPE.format(model=MODELS / "ref-llama-7m", text=TEXT / "wikitext-2" / "valid.txt",
+                                            bits=4, group=group, sym="true", extra="", device="[CPU, NPU]"))
+        rc, stdout, err = invoke("run", recipe, "--output", tmp_path / f"out{group}", "--dry-run", "--json")
+        assert rc == 0, err
+        assert json.loads(stdout)["export"] == ["openvino"]
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(NPU_RECIPE.format(model=MODELS / "ref-llama-7m", text=TEXT / "wikitext-2" / "valid.txt", bits=4,
+                                     group=128, sym="true", extra="", device="[CPU, TPU]"))
+    rc, _, err = invoke("validate", bad)
+    assert rc == 1 and "`device[1]`" in err and "should be 'CPU', 'GPU' or 'NPU'" in err
+
+
+def test_export_records_targets_and_compiles_where_it_can(tmp_path):
+    model = load("stories260K")
+    qweights = quantized(model, 4, -1, True)
+    res = export_openvino(model, qweights, tmp_path, devices=("CPU", "NPU"))
+    assert res["devices"] == ["CPU", "NPU"] and res["compiled_on"] == ["CPU"] and res["not_compiled"] == ["NPU"]
+    ir = ov.Core().read_model(res["path"])
+    assert ir.get_rt_info(["compress", "devices"]).astype(str) == "CPU,NPU"
+    assert json.loads(ir.get_rt_info(["compress", "meta"]).astype(str))["devices"] == ["CPU", "NPU"]
+    with pytest.raises(ValueError, match=r"NPU target: 35 layers .*bits: 2 -> 4; group_size: 32 -> 128"):
+        export_openvino(model, quantized(load("stories260K"), 2, 32, True), tmp_path / "x", devices=("NPU",))

@@ -9,22 +9,8 @@ from compress.kernels import cpu
 from compress.kernels.backends import CPU, QuantLinear, Reference, quantize_model, select
 from compress.qweight import QuantizedWeight
 
+from kernel_cases import assert_close_to_reference, rand_qw
 from tiny import tiny_causal
-
-
-def rand_qw(n, k, bits, group, sym, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    ng = -(-k // (k if group == -1 else group))
-    scales = (torch.randn(n, ng, generator=g) * 0.02).half().float()  # negative too (full-range sym)
-    zeros = (torch.full((n, ng), 2 ** (bits - 1), dtype=torch.uint8) if sym
-             else torch.randint(0, 2**bits, (n, ng), dtype=torch.uint8, generator=g))
-    codes = torch.randint(0, 2**bits, (n, k), dtype=torch.uint8, generator=g)
-    return QuantizedWeight(codes=codes, scales=scales, zeros=zeros, bits=bits, group_size=group, sym=sym)
-
-
-def assert_close_to_reference(y, ref):
-    err = (y - ref).abs().max().item()
-    assert err <= 2e-5 * ref.abs().max().item() + 1e-7, f"max error {err} vs range {ref.abs().max().item()}"
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +24,7 @@ def ext():
 CASES = [  # bits, group, (out, in): in not a multiple of the group -> short last group
     (4, 128, (48, 256)), (4, 128, (40, 300)), (2, 64, (48, 256)), (2, 64, (33, 200)),
     (8, 128, (24, 200)), (4, -1, (32, 100)), (2, -1, (16, 72)), (4, 32, (16, 96)), (2, 32, (16, 160)),
+    (3, 128, (40, 300)), (3, 32, (16, 96)), (3, -1, (16, 100)),
 ]
 
 
@@ -80,12 +67,10 @@ def test_avx2_compiled_here(ext):
 
 def test_layout_known_answer():
     """Byte t of word i holds column 32*s + 4*i + t in field s (module docstring of kernels/cpu.py)."""
-    for bits in (2, 4, 8):
+    for bits in (1, 2, 4, 8):
         P, k = 8 // bits, 32 * (8 // bits)
         codes = (torch.arange(k) % 2**bits).to(torch.uint8).view(1, k)
-        qw = QuantizedWeight(codes=codes, scales=torch.ones(1, 1), zeros=torch.zeros(1, 1, dtype=torch.uint8),
-                             bits=bits, group_size=-1, sym=False)
-        p = cpu.pack(qw)
+        p = cpu.pack_plane(codes, torch.ones(1, 1), torch.zeros(1, 1), bits, -1)  # 1 bit: a plane of int3
         words = p.words.view(-1).to(torch.int64) & 0xFFFFFFFF
         for i in range(8):
             for t in range(4):
@@ -121,14 +106,27 @@ def test_quant_linear_bias_dtype_and_shape(ext):
 
 
 def test_unsupported_weights_use_reference(ext):
-    qw3 = rand_qw(16, 96, 3, 32, False)
-    assert select("auto", qw3).name == "reference"
-    with pytest.raises(ValueError, match="3-bit"):
-        select("cpu", qw3)
+    qw5 = rand_qw(16, 96, 5, 32, False)
+    assert select("auto", qw5).name == "reference"
+    with pytest.raises(ValueError, match="5-bit"):
+        select("cpu", qw5)
     assert select("cpu-a8", rand_qw(16, 96, 4, 32, False)).name == "cpu-a8"
     assert select("auto", rand_qw(16, 96, 4, 48, False)).name == "reference"  # group not a power of two
     with pytest.raises(ValueError, match="unknown kernel backend"):
-        select("cuda", qw3)
+        select("cuda", qw5)
+
+
+def test_int3_runs_as_two_planes(ext):
+    """3-bit codes = low 2-bit plane + 4 x high 1-bit plane, 3 bits of storage per weight."""
+    qw = rand_qw(32, 256, 3, 64, False)
+    p = cpu.pack(qw)
+    assert isinstance(p, cpu.Packed3) and (p.lo.bits, p.hi.bits) == (2, 1)
+    assert p.lo.words.numel() * 32 == 32 * p.lo.kpad * 2 and p.hi.words.numel() * 32 == 32 * p.hi.kpad
+    assert torch.equal(p.hi.scales, 4 * p.lo.scales) and not p.hi.sz.any()
+    one = QuantizedWeight(codes=torch.full((1, 256), 7, dtype=torch.uint8), scales=torch.ones(1, 1),
+                          zeros=torch.zeros(1, 1, dtype=torch.uint8), bits=3, group_size=-1, sym=False)
+    assert cpu.matmul(torch.ones(1, 256), cpu.pack(one)).item() == 7 * 256
+    assert select("auto", qw).name == "cpu"
 
 
 def test_no_compiler_falls_back_and_logs_once(monkeypatch, caplog):

@@ -34,7 +34,7 @@ def shrink(recipe: dict) -> list[str]:
 def test_bundled_recipes():
     """The recipes the issues ask for are bundled (every bundled recipe runs in the test below)."""
     required = {"quickstart.yaml", "w4-gptq.yaml", "w3-autoround.yaml", "w2-autoround.yaml", "w2-autoround-lfq.yaml",
-                "w4-onnx.yaml", "w2-walsh-autoround.yaml", "w2-walsh-fused-autoround.yaml"}
+                "w4-onnx.yaml", "w4-openvino.yaml", "w2-walsh-autoround.yaml", "w2-walsh-fused-autoround.yaml"}
     assert required <= {p.name for p in RECIPES}
 
 
@@ -75,6 +75,21 @@ def test_bundled_recipe_runs_and_exports(recipe: Path, tmp_path):
         sess = ort.InferenceSession(str(out / "onnx" / "model.onnx"), providers=["CPUExecutionProvider"])
         onnx_logits = torch.from_numpy(sess.run(["logits"], {"input_ids": ids.numpy()})[0])
         assert (onnx_logits - logits).abs().max() < 1e-2 * (logits.max() - logits.min())
+    ov_formats = [f for f in spec["export"]["formats"] if isinstance(f, dict) and f["format"] == "openvino"]
+    if ov_formats:  # the IR on OpenVINO's CPU plugin vs the reloaded checkpoint; other targets recorded, not run
+        import openvino as ov
+
+        from compress.export.openvino import EXACT_CPU_CONFIG
+
+        path = out / "openvino" / "openvino_model.xml"
+        core = ov.Core()
+        ir = core.read_model(str(path))
+        assert ir.get_rt_info(["compress", "devices"]).astype(str) == ",".join(ov_formats[0]["device"])
+        ov_logits = torch.from_numpy(core.compile_model(ir, "CPU", EXACT_CPU_CONFIG)([ids.numpy()])[0])
+        assert (ov_logits - logits).abs().max() < 1e-2 * (logits.max() - logits.min())
+        recorded = manifest["exports"]["openvino"]
+        assert recorded["devices"] == ov_formats[0]["device"] and "CPU" in recorded["compiled_on"]
+        assert sorted(recorded["compiled_on"] + recorded["not_compiled"]) == sorted(recorded["devices"])
 
     rc, stdout, err = invoke("inspect", out / "hf", "--json")
     assert rc == 0, err

@@ -116,8 +116,9 @@ def export_hf(model, qweights: dict[str, QuantizedWeight], tokenizer, out_dir, *
     return {"files": [str(p) for p in files], "bytes": sum(p.stat().st_size for p in files)}
 
 
-def read_quantized(out_dir) -> tuple[dict, dict[str, QuantizedWeight]]:
-    """(config.json as a dict, {layer name: QuantizedWeight}) of an auto-round checkpoint."""
+def read_quantized(out_dir, tensors: dict[str, torch.Tensor] | None = None) -> tuple[dict, dict[str, QuantizedWeight]]:
+    """(config.json as a dict, {layer name: QuantizedWeight}) of an auto-round checkpoint (`tensors`:
+    its tensors when the caller has read them already)."""
     out_dir = Path(out_dir)
     config = json.loads((out_dir / "config.json").read_text())
     info = config.get("compress")
@@ -131,7 +132,7 @@ def read_quantized(out_dir) -> tuple[dict, dict[str, QuantizedWeight]]:
     if qc.get("quant_method") != "auto-round" or packing not in (*V1_PACKINGS, ASYM_PACKING):
         raise ValueError(f"{out_dir}: cannot read quant_method {qc.get('quant_method')!r} with packing_format "
                          f"{packing!r}; supported: auto-round with {SYM_PACKING!r} or {ASYM_PACKING!r}")
-    tensors = _load_tensors(out_dir)
+    tensors = load_tensors(out_dir) if tensors is None else tensors
     names = sorted(k[: -len(".qweight")] for k in tensors if k.endswith(".qweight"))
     extra = qc.get("extra_config") or {}
     qweights = {}
@@ -262,7 +263,7 @@ def _patch_config(directory: Path, updates: dict) -> None:
     path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
-def _load_tensors(directory: Path) -> dict[str, torch.Tensor]:
+def load_tensors(directory: Path) -> dict[str, torch.Tensor]:
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise ValueError(f"{directory}: no .safetensors files")

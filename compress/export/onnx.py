@@ -1,7 +1,12 @@
 """ONNX export: Llama-architecture decoders with quantized linears as `com.microsoft::MatMulNBits`.
 
 `export_onnx(model, qweights, out_dir)` writes `model.onnx`: input `input_ids` int64 (batch, seq),
-output `logits` fp32 (batch, seq, vocab), full causal attention without a KV cache. The graph is
+output `logits` fp32 (batch, seq, vocab), full causal attention without a KV cache. With
+`kv_cache=True` (incremental decoding, the names optimum uses) it also takes `attention_mask` int64
+(batch, past + seq; 1 = attend, 0 = padding) and `past_key_values.{i}.key` / `.value` fp32
+(batch, kv_heads, past, head_dim) per block (past = 0 on the first call), and returns
+`present.{i}.key` / `.value` (batch, kv_heads, past + seq, head_dim); positions run from past to
+past + seq - 1 (right padding, or none, in a batch). The graph is
 written op by op from the model's config and weights (embedding Gather, RMSNorm, RoPE from the
 model's own cos/sin tables, grouped-query attention, SiLU MLP) rather than traced: torch 2.13's
 TorchScript exporter stops at transformers' mask code (`aten::diff`) and its dynamo exporter needs
@@ -105,8 +110,9 @@ def _f32(t: torch.Tensor) -> np.ndarray:
 class LlamaOnnx:
     """Writes one Llama-style decoder into a Graph; `linear` picks MatMulNBits or a dense MatMul."""
 
-    def __init__(self, model, qweights: dict[str, QuantizedWeight]):
+    def __init__(self, model, qweights: dict[str, QuantizedWeight], kv_cache: bool = False):
         self.model, self.cfg, self.qweights, self.g = model, model.config, qweights, Graph()
+        self.kv_cache, self.presents = kv_cache, []
         self.dense: list[str] = []
         self.hd = getattr(self.cfg, "head_dim", None) or self.cfg.hidden_size // self.cfg.num_attention_heads
 
@@ -149,11 +155,15 @@ class LlamaOnnx:
         return g.op("Transpose", g.op("Reshape", x, g.const(np.array([0, 0, n, self.hd], np.int64))),
                     perm=[0, 2, 1, 3])
 
-    def attention(self, x: str, prefix: str, attn, cos: str, sin: str, mask: str) -> str:
+    def attention(self, x: str, prefix: str, attn, cos: str, sin: str, mask: str, i: int) -> str:
         g, nh, nkv = self.g, self.cfg.num_attention_heads, self.cfg.num_key_value_heads
         q = self.rope(self.heads(self.linear(x, prefix + ".q_proj"), nh), cos, sin)
         k = self.rope(self.heads(self.linear(x, prefix + ".k_proj"), nkv), cos, sin)
         v = self.heads(self.linear(x, prefix + ".v_proj"), nkv)
+        if self.kv_cache:  # keys and values of the earlier positions come first
+            k = g.op("Concat", self.past(i, "key"), k, axis=2)
+            v = g.op("Concat", self.past(i, "value"), v, axis=2)
+            self.presents += [(k, f"present.{i}.key"), (v, f"present.{i}.value")]
         if nh != nkv:  # grouped-query attention: repeat each kv head nh/nkv times
             rep = np.array([1, 1, nh // nkv, 1, 1], np.int64)
             to_heads = g.const(np.array([0, nh, -1, self.hd], np.int64))
@@ -174,21 +184,33 @@ class LlamaOnnx:
         return self.linear(g.op("Mul", act, self.linear(x, prefix + ".up_proj")), prefix + ".down_proj")
 
     def positions(self, ids: str) -> tuple[str, str, str]:
-        """cos, sin (S, D) and the additive causal mask (S, S) for the input's sequence length."""
+        """cos, sin (S, D) and the additive mask (S, T) or (B, 1, S, T) for positions past .. past+S-1
+        attending to keys 0 .. T-1 (T = past + S; past = 0 without a KV cache)."""
         g, inner = self.g, self.model.model
         n_pos = self.cfg.max_position_embeddings
         with torch.no_grad():
             dummy = torch.zeros(1, 1, self.hd)
             cos, sin = inner.rotary_emb(dummy, torch.arange(n_pos).unsqueeze(0))
-        mask = np.triu(np.full((n_pos, n_pos), np.finfo(np.float32).min, np.float32), k=1)
-        seq = g.op("Slice", g.op("Shape", ids), *(g.const(np.array([v], np.int64)) for v in (1, 2, 0)))
-        zero = g.const(np.array([0], np.int64))
-        cos_s = g.op("Slice", g.const(_f32(cos[0]), "rope_cos"), zero, seq, zero)
-        sin_s = g.op("Slice", g.const(_f32(sin[0]), "rope_sin"), zero, seq, zero)
-        axes = g.const(np.array([0, 1], np.int64))
-        mask_s = g.op("Slice", g.const(mask, "causal_mask"), g.const(np.array([0, 0], np.int64)),
-                      g.op("Concat", seq, seq, axis=0), axes)
+        neg = np.finfo(np.float32).min
+        mask = np.triu(np.full((n_pos, n_pos), neg, np.float32), k=1)
+        one, two, zero = (g.const(np.array([v], np.int64)) for v in (1, 2, 0))
+        seq = g.op("Slice", g.op("Shape", ids), one, two, zero)
+        past = g.op("Slice", g.op("Shape", self.past(0, "key")), two, g.const(np.array([3], np.int64)), zero) \
+            if self.kv_cache else zero
+        total = g.op("Add", past, seq)
+        cos_s = g.op("Slice", g.const(_f32(cos[0]), "rope_cos"), past, total, zero)
+        sin_s = g.op("Slice", g.const(_f32(sin[0]), "rope_sin"), past, total, zero)
+        mask_s = g.op("Slice", g.const(mask, "causal_mask"), g.op("Concat", past, zero, axis=0),
+                      g.op("Concat", total, total, axis=0), g.const(np.array([0, 1], np.int64)))
+        if self.kv_cache:  # padding: (1 - attention_mask) * min on the key axis, clamped so sums stay finite
+            keep = g.op("Cast", "attention_mask", to=1)
+            pad = g.op("Mul", g.op("Sub", g.const(np.array(1, np.float32)), keep), g.const(np.array(neg, np.float32)))
+            pad = g.op("Unsqueeze", pad, g.const(np.array([1, 2], np.int64)))
+            mask_s = g.op("Max", g.op("Add", mask_s, pad), g.const(np.array(neg, np.float32)))
         return cos_s, sin_s, mask_s
+
+    def past(self, i: int, kv: str) -> str:
+        return f"past_key_values.{i}.{kv}"
 
     def build(self):
         from onnx import TensorProto, helper
@@ -200,32 +222,44 @@ class LlamaOnnx:
         for i, layer in enumerate(inner.layers):
             p = f"model.layers.{i}"
             h = g.op("Add", h, self.attention(self.rmsnorm(h, layer.input_layernorm), p + ".self_attn",
-                                              layer.self_attn, cos, sin, mask))
+                                              layer.self_attn, cos, sin, mask, i))
             h = g.op("Add", h, self.mlp(self.rmsnorm(h, layer.post_attention_layernorm), p + ".mlp"))
         logits = self.linear(self.rmsnorm(h, inner.norm), "lm_head")
-        g.nodes.append(helper.make_node("Identity", [logits], ["logits"], name="logits"))
-        graph = helper.make_graph(
-            g.nodes, "compress", [helper.make_tensor_value_info(ids, TensorProto.INT64, ["batch", "seq"])],
-            [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", "seq", self.cfg.vocab_size])],
-            g.inits)
+        inputs = [helper.make_tensor_value_info(ids, TensorProto.INT64, ["batch", "seq"])]
+        outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", "seq", self.cfg.vocab_size])]
+        for src, name in [(logits, "logits"), *self.presents]:
+            g.nodes.append(helper.make_node("Identity", [src], [name], name=name))
+        if self.kv_cache:
+            nkv = self.cfg.num_key_value_heads
+            inputs.append(helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["batch", "total"]))
+            for i in range(len(inner.layers)):
+                for kv in ("key", "value"):
+                    inputs.append(helper.make_tensor_value_info(self.past(i, kv), TensorProto.FLOAT,
+                                                                ["batch", nkv, "past", self.hd]))
+                    outputs.append(helper.make_tensor_value_info(f"present.{i}.{kv}", TensorProto.FLOAT,
+                                                                 ["batch", nkv, "total", self.hd]))
+        graph = helper.make_graph(g.nodes, "compress", inputs, outputs, g.inits)
         return helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET),
                                                        helper.make_opsetid("com.microsoft", 1)])
 
 
-def export_onnx(model, qweights: dict[str, QuantizedWeight], out_dir: str | Path, meta: dict | None = None) -> dict:
-    """Write `out_dir/model.onnx` (weights inline, or in `model.onnx.data` above 1.5 GB); returns path, bytes."""
+def export_onnx(model, qweights: dict[str, QuantizedWeight], out_dir: str | Path, meta: dict | None = None,
+                kv_cache: bool = False) -> dict:
+    """Write `out_dir/model.onnx` (weights inline, or in `model.onnx.data` above 1.5 GB); returns path, bytes.
+    `kv_cache`: attention_mask and past/present key-value inputs and outputs (module docstring)."""
     import onnx
 
     model_type = getattr(model.config, "model_type", None)
     if model_type not in MODEL_TYPES:
         raise BadInput(f"the onnx export supports model types {', '.join(MODEL_TYPES)}, not `{model_type}`; "
                        "drop `onnx` from export.formats")
-    builder = LlamaOnnx(model, qweights)
+    builder = LlamaOnnx(model, qweights, kv_cache)
     proto = builder.build()
     if builder.dense:
         logger.warning("onnx: %d quantized layers written as dense MatMuls (not MatMulNBits-expressible): %s",
                        len(builder.dense), ", ".join(builder.dense[:5]))
-    info = {"format": FORMAT, "version": FORMAT_VERSION, "meta": meta or {}, "dense_layers": builder.dense}
+    info = {"format": FORMAT, "version": FORMAT_VERSION, "meta": meta or {}, "dense_layers": builder.dense,
+            "kv_cache": kv_cache}
     onnx.helper.set_model_props(proto, {"compress.format": FORMAT, "compress.version": str(FORMAT_VERSION),
                                         "compress.meta": json.dumps(info)})
     out = Path(out_dir)

@@ -8,19 +8,47 @@ with rt_info `compress/format` = "openvino-ir", `compress/version` and `compress
 
 To reproduce the exported model's numbers on CPU, compile with `EXACT_CPU_CONFIG`: by default the CPU
 plugin quantizes activations to int8 for u4/u8 weights (dynamic quantization) and may run in bf16.
+
+Device targets (`devices`: CPU, GPU, NPU; the recipe's `device:`) are recorded in rt_info
+`compress/devices` and in `compress/meta`; the export compiles the IR on each target this machine's
+OpenVINO offers (`compiled_on`) and lists the others as `not_compiled`. NPU runs LLM weights as
+symmetric int4, grouped by 128 or per-channel: OpenVINO's "GenAI on NPU" guide (2024.6 / 2025 docs)
+exports NPU models with `--weight-format int4 --sym --group-size 128` (or `-1`, channel-wise, for
+models above ~1B parameters), and its MatMulNBits NPU pattern (openvino PR 29671) is sym int4
+channel-wise. `npu_problems` checks a recipe's layer settings against that before calibration. The
+symmetric IR carries u4 codes with a constant u4 zero point of 8 (NNCF's INT4_SYM form when it was
+introduced; current NNCF writes i4 codes without a zero point): that an NPU compiles this form is
+not verified here (no NPU).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import tempfile
 from collections import Counter
 from pathlib import Path
 
 from compress.qweight import QuantizedWeight
 
+logger = logging.getLogger(__name__)
+
 FORMAT, FORMAT_VERSION = "openvino-ir", 1
 EXACT_CPU_CONFIG = {"INFERENCE_PRECISION_HINT": "f32", "DYNAMIC_QUANTIZATION_GROUP_SIZE": 0}
+DEVICES = ("CPU", "GPU", "NPU")
+NPU_BITS, NPU_GROUPS = 4, (128, -1)
+
+
+def npu_problems(bits: int, group_size: int, sym: bool) -> list[str]:
+    """What keeps a layer quantized with these settings off the NPU, each as `option: value -> fix`."""
+    out = []
+    if bits != NPU_BITS:
+        out.append(f"bits: {bits} -> 4")
+    if not sym:
+        out.append("sym: false -> true")
+    if group_size not in NPU_GROUPS:
+        out.append(f"group_size: {group_size} -> 128 or -1 (per-channel)")
+    return out
 
 
 def low_bit_constants(ov_model) -> dict[str, int]:
@@ -30,23 +58,58 @@ def low_bit_constants(ov_model) -> dict[str, int]:
     return {t: n for t, n in types.items() if t in ("u1", "u2", "u3", "u4", "i4", "u8", "i8")}
 
 
-def export_openvino(model, qweights: dict[str, QuantizedWeight], out_dir: str | Path, meta: dict | None = None) -> dict:
-    """Write `out_dir/openvino_model.xml` (+ .bin); returns path, bytes and the low-bit constant counts."""
+def export_openvino(model, qweights: dict[str, QuantizedWeight], out_dir: str | Path, meta: dict | None = None,
+                    devices: tuple[str, ...] | list[str] = ("CPU",), kv_cache: bool = False) -> dict:
+    """Write `out_dir/openvino_model.xml` (+ .bin) for the target `devices`; returns path, bytes, the
+    low-bit constant counts, and the devices it was compiled on here / not compiled on. `kv_cache`: the
+    inputs and outputs of `export_onnx(kv_cache=True)` (attention_mask, past / present key values)."""
     import openvino as ov
+
+    unknown = [d for d in devices if d not in DEVICES]
+    if unknown:
+        raise ValueError(f"unknown OpenVINO device {unknown[0]!r}; choose from {', '.join(DEVICES)}")
+    if "NPU" in devices:
+        bad = {n: p for n, qw in qweights.items() if (p := npu_problems(qw.bits, qw.group_size, qw.sym))}
+        if bad:
+            name, problems = next(iter(bad.items()))
+            raise ValueError(f"NPU target: {len(bad)} layers are not symmetric int4 with group 128 / per-channel, "
+                             f"e.g. {name} ({'; '.join(problems)})")
 
     from compress.export.onnx import export_onnx
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out) as tmp:
-        res = export_onnx(model, qweights, tmp, meta=meta)
+        res = export_onnx(model, qweights, tmp, meta=meta, kv_cache=kv_cache)
         ov_model = ov.convert_model(res["path"])
-    info = {"format": FORMAT, "version": FORMAT_VERSION, "meta": meta or {}, "dense_layers": res["dense_layers"]}
+    info = {"format": FORMAT, "version": FORMAT_VERSION, "meta": meta or {}, "dense_layers": res["dense_layers"],
+            "devices": list(devices), "kv_cache": kv_cache}
     ov_model.set_rt_info(FORMAT, ["compress", "format"])
     ov_model.set_rt_info(str(FORMAT_VERSION), ["compress", "version"])
+    ov_model.set_rt_info(",".join(devices), ["compress", "devices"])
     ov_model.set_rt_info(json.dumps(info), ["compress", "meta"])
     path = out / "openvino_model.xml"
     ov.save_model(ov_model, str(path), compress_to_fp16=False)
     nbytes = path.stat().st_size + path.with_suffix(".bin").stat().st_size
+    compiled, missing = compile_on(path, devices)
     return {"path": str(path), "bytes": nbytes, "low_bit_constants": low_bit_constants(ov_model),
-            "dense_layers": res["dense_layers"]}
+            "dense_layers": res["dense_layers"], "devices": list(devices), "compiled_on": compiled,
+            "not_compiled": missing}
+
+
+def compile_on(path: Path, devices) -> tuple[list[str], list[str]]:
+    """Compile the saved IR on each target device this OpenVINO offers; (compiled, not available here)."""
+    import openvino as ov
+
+    core = ov.Core()
+    here = {d.split(".")[0] for d in core.available_devices}
+    compiled = []
+    for device in devices:
+        if device in here:
+            core.compile_model(str(path), device)
+            compiled.append(device)
+    missing = [d for d in devices if d not in compiled]
+    if missing:
+        logger.warning("openvino export: %s not available on this machine; the IR was not compiled for it",
+                       ", ".join(missing))
+    return compiled, missing

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Literal
 
+from pydantic import Field, field_validator
+
 from compress.config import StrictModel
 from compress.registry import register
 
@@ -44,25 +46,74 @@ def export_fake_stage(ctx, cfg: FakeExportConfig) -> dict:
 class OnnxExportConfig(StrictModel):
     format: Literal["onnx"] = "onnx"
     directory: str = "onnx"
+    kv_cache: bool = Field(False, description="attention_mask and past/present key-value inputs and outputs, for "
+                                              "incremental decoding")
 
 
 @register("export", "onnx", OnnxExportConfig, "ONNX graph with com.microsoft::MatMulNBits linears (onnxruntime)")
 def export_onnx_stage(ctx, cfg: OnnxExportConfig) -> dict:
     from compress.export.onnx import export_onnx
 
-    return export_onnx(ctx.model, ctx.qweights, ctx.workspace.path(cfg.directory), meta=_meta(ctx))
+    return export_onnx(ctx.model, ctx.qweights, ctx.workspace.path(cfg.directory), meta=_meta(ctx),
+                       kv_cache=cfg.kv_cache)
+
+
+Device = Literal["CPU", "GPU", "NPU"]
 
 
 class OpenVINOExportConfig(StrictModel):
     format: Literal["openvino"] = "openvino"
     directory: str = "openvino"
+    device: list[Device] = Field(default_factory=lambda: ["CPU"],
+                                 description="target devices (CPU, GPU, NPU; one name or a list); NPU needs "
+                                             "symmetric int4 weights with group_size 128 or -1")
+    kv_cache: bool = Field(False, description="attention_mask and past/present key-value inputs and outputs, for "
+                                              "incremental decoding")
+
+    @field_validator("device", mode="before")
+    @classmethod
+    def _one_or_many(cls, v):
+        v = [v] if isinstance(v, str) else v
+        if isinstance(v, list) and not v:
+            raise ValueError("give at least one device")
+        if isinstance(v, list) and len(set(v)) != len(v):
+            raise ValueError("a device is listed more than once")
+        return v
 
 
-@register("export", "openvino", OpenVINOExportConfig, "OpenVINO IR with compressed u2/u4/u8 weight constants")
+def check_openvino_targets(adapter, cfg: OpenVINOExportConfig, recipe) -> None:
+    """At plan time: every layer the recipe quantizes must suit each target device (NPU: sym int4, group
+    128 or per-channel), so a run does not calibrate for an export that must fail."""
+    from compress.errors import BadInput
+    from compress.export.openvino import npu_problems
+    from compress.quantize_stage import planned_layers
+
+    if "NPU" not in cfg.device:
+        return
+    for i, stage in enumerate(recipe.stage_configs):
+        if stage.stage == "allocate":
+            raise BadInput(f"export openvino targets NPU, which runs symmetric int4 only: stage {i} (`allocate`) "
+                           "assigns other bit widths; remove it or drop NPU from the openvino `device` list")
+        if stage.stage != "quantize":
+            continue
+        bad = {n: p for n, s in planned_layers(adapter, stage).items()
+               if (p := npu_problems(s.bits, s.group_size, s.sym))}
+        if bad:
+            name, problems = next(iter(bad.items()))
+            where = "its `overrides`" if not npu_problems(stage.bits, stage.group_size, stage.sym) else f"stages.{i}"
+            raise BadInput(f"export openvino targets NPU, which runs symmetric int4 weights with group size 128 or "
+                           f"per-channel: stage {i} (`quantize`/{stage.method}) quantizes {len(bad)} layers otherwise "
+                           f"(e.g. `{name}`). Change in {where}: {'; '.join(problems)}; or drop NPU from the openvino "
+                           "`device` list")
+
+
+@register("export", "openvino", OpenVINOExportConfig, "OpenVINO IR with compressed u2/u4/u8 weight constants",
+          check=check_openvino_targets)
 def export_openvino_stage(ctx, cfg: OpenVINOExportConfig) -> dict:
     from compress.export.openvino import export_openvino
 
-    return export_openvino(ctx.model, ctx.qweights, ctx.workspace.path(cfg.directory), meta=_meta(ctx))
+    return export_openvino(ctx.model, ctx.qweights, ctx.workspace.path(cfg.directory), meta=_meta(ctx),
+                           devices=tuple(cfg.device), kv_cache=cfg.kv_cache)
 
 
 def _meta(ctx) -> dict:

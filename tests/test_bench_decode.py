@@ -1,0 +1,25 @@
+"""`compress bench decode --quick`: every backend decodes the tiny random Llama, JSON and markdown written."""
+
+import json
+
+from conftest import invoke
+
+
+def test_bench_decode_quick(tmp_path):
+    js, md = tmp_path / "d.json", tmp_path / "d.md"
+    rc, stdout, err = invoke("bench", "decode", "--quick", "--threads", "1", "--json", js, "--markdown", md)
+    assert rc == 0, err
+    result = json.loads(js.read_text())
+    assert result["size"] == "tiny" and result["new_tokens"] == 8 and result["threads"] == 1
+    rows = {r["backend"]: r for r in result["rows"]}
+    assert set(rows) == {"torch-fp32", "ours-int4", "ours-int4-a8", "openvino-int4"}
+    assert rows["ours-int4"]["kernel"] == "cpu" and rows["torch-fp32"]["speedup_vs_fp32"] == 1.0
+    for r in rows.values():
+        assert r["tokens_per_s"] > 0 and r["ms_per_token"] > 0 and 0 <= r["agree"] <= 1
+        assert abs(r["tokens_per_s"] * r["ms_per_token"] / 1e3 - 1) < 0.02
+    assert "| ours-int4 |" in md.read_text() and "| openvino-int4 |" in stdout
+
+
+def test_bench_decode_rejects_unknown_size():
+    rc, _, err = invoke("bench", "decode", "--size", "7b")
+    assert rc == 1 and "unknown --size `7b`" in err
