@@ -56,6 +56,8 @@ class StageContext:
     block_stage: str | None = None  # key of the stage whose block checkpoints hold the codes
     key: str = ""
     qweights: dict[str, QuantizedWeight] = field(default_factory=dict)
+    plan: object | None = None  # methods.allocate.Plan from an `allocate` stage, consumed by the next `quantize`
+    allocation: dict | None = None  # summary and file names of the last allocation (report.md links them)
     _tokens: torch.Tensor | None = None
 
     def calibration_tokens(self) -> torch.Tensor:
@@ -203,6 +205,8 @@ def _run(loaded, ws: Workspace, quiet: bool) -> dict:
         timings.append({"name": cfg.stage, "method": cfg.method, "seconds": st["seconds"],
                         "peak_rss_mb": st["peak_rss_mb"], "resumed": resumed})
     report = {"model": r.model.path, "recipe_sha256": loaded.sha256, "stages": timings}
+    if ctx.allocation:
+        report["allocation"] = ctx.allocation
     if r.eval.enabled and r.eval.data and r.model.stream:
         log.warning("model.stream: the in-run evaluation needs the whole model in memory and is skipped; "
                     "run `compress eval OUTPUT/hf --reference MODEL --data FILE` where memory allows")

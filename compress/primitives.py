@@ -74,3 +74,87 @@ def rtn(W: torch.Tensor, bits: int, group_size: int, sym: bool, min_scale=1.0, m
 
 def fake_quantize(W: torch.Tensor, bits: int, group_size: int, sym: bool) -> torch.Tensor:
     return rtn(W, bits, group_size, sym).dequantize(W.dtype)
+
+
+# -- per-unit fitting for mixed precision (ALGORITHMS.md 2) ----------------------------------------
+CLIP_RATIOS = tuple(round(1.0 - 0.05 * i, 2) for i in range(11))  # 1.0, 0.95, ..., 0.5
+TREATMENTS = ("minmax", "clip")
+
+
+def weighted_group_error(W: torch.Tensor, W_hat: torch.Tensor, energy: torch.Tensor | None, group: int) -> torch.Tensor:
+    """sum_k a_k (W - W_hat)[:, k]^2 per (row, group), shape (d_out, n_groups); a_k = 1 without `energy`."""
+    d2 = (W.float() - W_hat.float()) ** 2
+    if energy is not None:
+        d2 = d2 * energy.float().reshape(1, -1)
+    return group_view(d2, group).sum(-1)
+
+
+def clip_search(W: torch.Tensor, bits: int, group_size: int, sym: bool, energy: torch.Tensor | None = None,
+                ratios=CLIP_RATIOS) -> QuantizedWeight:
+    """Per group, the clipping ratio p (range scaled by p, AWQ / auto-round `search_scales` style) whose RTN
+    minimises the activation-weighted error sum_k a_k (w_k - w_hat_k)^2; ratio 1.0 is plain RTN."""
+    group = resolve_group(W.shape[1], group_size)
+    best = best_err = None
+    for p in ratios:
+        qw = rtn(W, bits, group_size, sym, p, p)
+        err = weighted_group_error(W, qw.dequantize(), energy, group)
+        if best is None:
+            best, best_err = qw, err
+            continue
+        better = err < best_err
+        cols = better[:, qw.group_index()]
+        best = QuantizedWeight(codes=torch.where(cols, qw.codes, best.codes),
+                               scales=torch.where(better, qw.scales, best.scales),
+                               zeros=torch.where(better, qw.zeros, best.zeros), bits=bits, group_size=group_size,
+                               sym=sym)
+        best_err = torch.minimum(err, best_err)
+    return best
+
+
+def fit(W: torch.Tensor, bits: int, treatment: str, group_size: int, sym: bool,
+        energy: torch.Tensor | None = None) -> QuantizedWeight:
+    """One option's quantizer fitting: `minmax` (plain RTN) or `clip` (clip_search)."""
+    if treatment == "minmax":
+        return rtn(W, bits, group_size, sym)
+    if treatment == "clip":
+        return clip_search(W, bits, group_size, sym, energy)
+    raise ValueError(f"unknown treatment {treatment!r} (known: {TREATMENTS})")
+
+
+def assemble_mixed(W: torch.Tensor, parts: list, chunk_size: int, group_size: int, sym: bool,
+                   map_bits: int) -> QuantizedWeight:
+    """One mixed-precision QuantizedWeight from per-chunk results, in chunk order: each part is the chunk's
+    QuantizedWeight (same group size and sym), or None for a chunk kept in fp16 (taken from `W`)."""
+    from compress.qweight import KEEP_BITS
+
+    d_out, d_in = W.shape
+    codes, scales, zeros, kept, bits = [], [], [], [], []
+    for j, part in enumerate(parts):
+        s, e = j * chunk_size, min((j + 1) * chunk_size, d_in)
+        n_groups = math.ceil((e - s) / group_size)
+        if part is None:
+            codes.append(torch.zeros(d_out, e - s, dtype=torch.uint8))
+            scales.append(torch.ones(d_out, n_groups))
+            zeros.append(torch.zeros(d_out, n_groups, dtype=torch.uint8))
+            kept.append(W[:, s:e].detach().float().half().float())
+            bits.append(KEEP_BITS)
+        else:
+            codes.append(part.codes)
+            scales.append(part.scales.float())
+            zeros.append(part.zeros)
+            bits.append(part.bits)
+    quantized = [b for b in bits if b != KEEP_BITS]
+    return QuantizedWeight(codes=torch.cat(codes, 1), scales=torch.cat(scales, 1), zeros=torch.cat(zeros, 1),
+                           bits=max(quantized, default=8), group_size=group_size, sym=sym, chunk_size=chunk_size,
+                           chunk_bits=tuple(bits), kept=torch.cat(kept, 1) if kept else None, map_bits=map_bits)
+
+
+def fit_mixed(W: torch.Tensor, options: list[tuple[int, str]], chunk_size: int, group_size: int, sym: bool,
+              energy: torch.Tensor | None, map_bits: int) -> QuantizedWeight:
+    """Fit every chunk with its option (bits, treatment); bits 16 keeps the chunk in fp16."""
+    parts = []
+    for j, (bits, treatment) in enumerate(options):
+        s, e = j * chunk_size, min((j + 1) * chunk_size, W.shape[1])
+        a = None if energy is None else energy[s:e]
+        parts.append(None if bits == 16 else fit(W[:, s:e], bits, treatment, group_size, sym, a))
+    return assemble_mixed(W, parts, chunk_size, group_size, sym, map_bits)
