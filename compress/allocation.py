@@ -191,21 +191,27 @@ def greedy(p: Problem) -> torch.Tensor:
     return fill(p, p.cheapest())
 
 
-def lagrangian(p: Problem, iters: int = 60) -> torch.Tensor:
+def lagrangian(p: Problem) -> torch.Tensor:
     """Multiple-choice knapsack by Lagrangian relaxation: min sum err + lambda * cost, bisect lambda, then fill."""
-    def solve(lam: float) -> torch.Tensor:
-        return (p.err + lam * p.cost.double()).argmin(1)
+    return fill(p, _relaxed(p, bit_price(p)))
 
+
+def _relaxed(p: Problem, lam: float) -> torch.Tensor:
+    return (p.err + lam * p.cost.double()).argmin(1)
+
+
+def bit_price(p: Problem, iters: int = 60) -> float:
+    """The smallest Lagrange multiplier lambda (error per bit) whose relaxed plan fits the budget."""
     scale = float(p.err.max()) / max(float(p.cost.min()), 1.0)
     lo, hi = 0.0, max(scale, 1e-30)
-    while p.bits_of(solve(hi)) > p.budget:
+    while p.bits_of(_relaxed(p, hi)) > p.budget:
         hi *= 4
-    if p.bits_of(solve(lo)) <= p.budget:
-        return fill(p, solve(lo))
+    if p.bits_of(_relaxed(p, lo)) <= p.budget:
+        return lo
     for _ in range(iters):
         mid = (lo + hi) / 2
-        lo, hi = (lo, mid) if p.bits_of(solve(mid)) <= p.budget else (mid, hi)
-    return fill(p, solve(hi))
+        lo, hi = (lo, mid) if p.bits_of(_relaxed(p, mid)) <= p.budget else (mid, hi)
+    return hi
 
 
 def uniform(p: Problem, option: int) -> torch.Tensor:

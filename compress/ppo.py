@@ -5,7 +5,12 @@ static features (depth, layer type, chunk position, energy and weight statistics
 error per option) plus the remaining discretionary budget fraction, the fraction of units left and the
 previous action (one-hot). The action is an option, masked so that the episode can always finish
 within the budget (`allocation.action_mask`). Reward: dense `-err(u, a) / sum_u err(u, cheapest)` per
-step, plus a terminal reward from the real model (`terminal(choice) -> float`, e.g.
+step, plus potential-based budget shaping (Ng, Harada & Russell 1999) with potential
+`Phi(s) = price * slack(s)`, the discretionary bits left times the Lagrangian bit price of the problem
+(`allocation.bit_price`, normalised like the errors), 0 at the end: each action pays `price * extra bits`
+at once and the last step pays for the slack left. The shaping sums to the constant `-Phi(s_0)`, so it
+changes no policy's ranking by return, but with GAE each action sees its bit price immediately instead of
+through the units forced to their cheapest option at the end of the episode. Plus a terminal reward from the real model (`terminal(choice) -> float`, e.g.
 `-kappa * (log ppl_Q - log ppl_FP)` on a calibration slice) at the last step.
 
 PPO: clip 0.2, gamma 1 (episodic), GAE lambda 0.95, Adam, entropy bonus, value loss coefficient,
@@ -24,7 +29,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from compress.allocation import Problem, action_mask, fill, suffix_min
+from compress.allocation import Problem, action_mask, bit_price, fill, suffix_min
 
 log = logging.getLogger(__name__)
 
@@ -42,13 +47,14 @@ class PPOSettings:
     value_coef: float = 0.5
     hidden: int = 256
     seed: int = 0
+    final_samples: int = 32  # plans sampled from the trained policy, besides its argmax plan
 
 
 @dataclass
 class PPOResult:
     choice: torch.Tensor  # final plan (after the budget fill)
-    curve: list[dict] = field(default_factory=list)  # per update: mean return, proxy, terminal
     picked: str = "argmax"  # which candidate became the plan
+    curve: list[dict] = field(default_factory=list)  # per update: mean return, proxy, terminal
     seconds: float = 0.0
 
 
@@ -65,18 +71,24 @@ class Rollout:
         self.n_opt = len(p.options)
         self.dense_norm = float(p.err.gather(1, p.cheapest().view(-1, 1)).sum()) or 1.0
         self.slack0 = max(p.budget - int(self.tail[0]), 1)
+        self.extra = (p.cost - p.cost.min(1, keepdim=True).values).double()  # (U, O) bits above the cheapest
+        self.price = bit_price(p) / self.dense_norm  # shaping potential per discretionary bit
 
     def state(self, u: int, used: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+        """Static features of unit u, discretionary budget left (fraction), units left (fraction), the price
+        of each option in shares of the budget left per remaining unit (log1p), previous action one-hot."""
         E, U = used.shape[0], self.p.n_units
-        slack = (self.p.budget - used - self.tail[u]).double() / self.slack0
+        slack = (self.p.budget - used - self.tail[u]).double()
+        share = slack.clamp_min(0).view(-1, 1) / (U - u) + 1.0
+        price = torch.log1p(self.extra[u].view(1, -1) / share).clamp(max=10)
         prev1 = torch.zeros(E, self.n_opt + 1)
         prev1[torch.arange(E), prev] = 1
-        return torch.cat([self.p.features[u].expand(E, -1), slack.float().view(-1, 1),
-                          torch.full((E, 1), (U - u) / U), prev1], 1)
+        return torch.cat([self.p.features[u].expand(E, -1), (slack / self.slack0).float().view(-1, 1),
+                          torch.full((E, 1), (U - u) / U), price.float(), prev1], 1)
 
     @property
     def n_features(self) -> int:
-        return self.p.features.shape[1] + 2 + self.n_opt + 1
+        return self.p.features.shape[1] + 2 + 2 * self.n_opt + 1
 
     def run(self, policy: nn.Module, E: int, gen: torch.Generator | None, sample: bool = True):
         p, U = self.p, self.p.n_units
@@ -91,7 +103,8 @@ class Rollout:
                 dist = torch.distributions.Categorical(logits=logits)
                 a = torch.multinomial(dist.probs, 1, generator=gen).view(-1) if sample else logits.argmax(1)
                 S.append(s), A.append(a), M.append(mask), LP.append(dist.log_prob(a))
-                R.append(-p.err[u, a].float() / self.dense_norm)
+                shaping = -self.price * (self.extra[u, a] if u + 1 < U else (p.budget - used - self.tail[u]).double())
+                R.append(-p.err[u, a].float() / self.dense_norm + shaping.float())
                 used = used + p.cost[u, a]
                 prev = a
         return torch.stack(S), torch.stack(A), torch.stack(M), torch.stack(LP), torch.stack(R)
@@ -113,7 +126,17 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, lam: float) -> torch.Tensor
 def train(p: Problem, terminal: Callable[[torch.Tensor], float] | None, s: PPOSettings,
           progress: Callable[[int, dict], None] | None = None) -> PPOResult:
     """Train the controller, then return the better (by terminal reward, else proxy) of the argmax plan
-    and the best sampled episode, each filled greedily toward the budget."""
+    and the best sampled episode, each filled greedily toward the budget. The controller's tensors are
+    tiny (E x 256), so it runs on one intra-op thread (several threads only add synchronisation)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _train(p, terminal, s, progress)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train(p: Problem, terminal, s: PPOSettings, progress) -> PPOResult:
     t0 = time.time()
     ro = Rollout(p)
     with torch.random.fork_rng():
@@ -136,16 +159,28 @@ def train(p: Problem, terminal: Callable[[torch.Tensor], float] | None, s: PPOSe
             V = critic(S).squeeze(-1)
         adv = gae(R, V, s.gae_lambda)
         _update(policy, critic, opt, S, A, M, LP, adv, adv + V, s, gen)
-        row = {"update": upd, "return": float(ret.mean()), "proxy": float(-R.sum(0).sub(term).mean()),
+        proxy = torch.stack([torch.tensor(p.err_of(c)) for c in choices]) / ro.dense_norm
+        row = {"update": upd, "return": float(ret.mean()), "proxy": float(proxy.mean()),
                "terminal": float(term.mean()), "best_return": best[0]}
         curve.append(row)
         if progress:
             progress(upd, row)
+    return PPOResult(*_final(p, ro, policy, terminal, best[1], s, gen), curve=curve, seconds=time.time() - t0)
+
+
+def _final(p: Problem, ro: Rollout, policy, terminal, best_seen, s: PPOSettings, gen):
+    """The plan: among the argmax decode, the best training episode and `final_samples` fresh samples of the
+    trained policy, each filled toward the budget, the one with the best proxy error; with a terminal reward,
+    the best by (terminal - normalised proxy) among the argmax, the best seen and the 4 best-proxy samples."""
     _, A, *_ = ro.run(policy, 1, None, sample=False)
-    candidates = {"argmax": fill(p, A[:, 0]), "best-sampled": fill(p, best[1])}
-    score = {k: (terminal(c) if terminal else 0.0) - p.err_of(c) / ro.dense_norm for k, c in candidates.items()}
+    cands = {"argmax": fill(p, A[:, 0]), "best-seen": fill(p, best_seen)}
+    if s.final_samples:
+        _, A, *_ = ro.run(policy, s.final_samples, gen)
+        filled = sorted((fill(p, a) for a in A.T), key=p.err_of)
+        cands.update({f"sample-{k}": c for k, c in enumerate(filled[:4])})
+    score = {k: (terminal(c) if terminal else 0.0) - p.err_of(c) / ro.dense_norm for k, c in cands.items()}
     picked = max(score, key=score.get)
-    return PPOResult(candidates[picked], curve, picked, time.time() - t0)
+    return cands[picked], picked
 
 
 def _update(policy, critic, opt, S, A, M, LP, adv, ret, s: PPOSettings, gen) -> None:

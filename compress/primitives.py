@@ -92,23 +92,40 @@ def weighted_group_error(W: torch.Tensor, W_hat: torch.Tensor, energy: torch.Ten
 def clip_search(W: torch.Tensor, bits: int, group_size: int, sym: bool, energy: torch.Tensor | None = None,
                 ratios=CLIP_RATIOS) -> QuantizedWeight:
     """Per group, the clipping ratio p (range scaled by p, AWQ / auto-round `search_scales` style) whose RTN
-    minimises the activation-weighted error sum_k a_k (w_k - w_hat_k)^2; ratio 1.0 is plain RTN."""
-    group = resolve_group(W.shape[1], group_size)
-    best = best_err = None
+    minimises the activation-weighted error sum_k a_k (w_k - w_hat_k)^2; ratio 1.0 is plain RTN. Each
+    candidate is exactly `rtn(W, bits, group_size, sym, p, p)` on its group."""
+    d_in = W.shape[1]
+    group = resolve_group(d_in, group_size)
+    Wg = group_view(W.float(), group)
+    a = torch.ones_like(Wg[:1]) if energy is None else group_view(energy.float().view(1, -1), group)
+    best_s = best_z = best_err = None
     for p in ratios:
-        qw = rtn(W, bits, group_size, sym, p, p)
-        err = weighted_group_error(W, qw.dequantize(), energy, group)
-        if best is None:
-            best, best_err = qw, err
+        s, z = _group_qparams(Wg, bits, sym, p)
+        q = torch.clamp(torch.round(Wg / s.unsqueeze(-1)) + z.unsqueeze(-1), 0, 2**bits - 1)
+        err = ((Wg - s.unsqueeze(-1) * (q - z.unsqueeze(-1))) ** 2 * a).sum(-1)
+        if best_err is None:
+            best_s, best_z, best_err = s, z, err
             continue
         better = err < best_err
-        cols = better[:, qw.group_index()]
-        best = QuantizedWeight(codes=torch.where(cols, qw.codes, best.codes),
-                               scales=torch.where(better, qw.scales, best.scales),
-                               zeros=torch.where(better, qw.zeros, best.zeros), bits=bits, group_size=group_size,
-                               sym=sym)
+        best_s, best_z = torch.where(better, s, best_s), torch.where(better, z, best_z)
         best_err = torch.minimum(err, best_err)
-    return best
+    codes = quantize_codes(W, best_s, best_z, bits, group_size)
+    return QuantizedWeight(codes=codes, scales=best_s, zeros=best_z.to(torch.uint8), bits=bits,
+                           group_size=group_size, sym=sym)
+
+
+def _group_qparams(Wg: torch.Tensor, bits: int, sym: bool, ratio: float):
+    """choose_qparams on an already grouped (d_out, n_groups, g) weight with min_scale = max_scale = ratio."""
+    wmin = Wg.amin(-1).clamp(max=0) * ratio
+    wmax = Wg.amax(-1).clamp(min=0) * ratio
+    if sym:
+        m = 2 ** (bits - 1)
+        v = torch.where(wmax < -wmin, torch.maximum(wmax, -wmin), -torch.maximum(wmax, -wmin))
+        s = (v / m).half().float()
+        s = torch.where(s < 0, s.clamp(max=-SCALE_EPS), s.clamp(min=SCALE_EPS))
+        return s, torch.full_like(s, m)
+    s = ((wmax - wmin) / (2**bits - 1)).half().float().clamp(min=SCALE_EPS)
+    return s, torch.round(-wmin / s).clamp(0, 2**bits - 1)
 
 
 def fit(W: torch.Tensor, bits: int, treatment: str, group_size: int, sym: bool,
