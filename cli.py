@@ -214,10 +214,12 @@ def bench_quality(
     quick: bool = typer.Option(False, "--quick", help="tiny settings, for a smoke test"),
     only: Optional[List[str]] = typer.Option(None, "--only", help="run only these models (repeatable)"),
     suite: str = typer.Option("ptq", "--suite", help="`ptq`: FP/RTN/GPTQ/AutoRound matrix; `lfq`: AutoRound "
-                              "with and without LFQ and hard-label CE, three seeds, with greedy-continuation scores"),
+                              "with and without LFQ and hard-label CE, three seeds, with greedy-continuation scores; "
+                              "`mixed`: RL vs uniform/greedy/Lagrangian mixed-precision allocation at 2.25/2.5/3.0 "
+                              "effective bits (the RL learning curves go next to --markdown as *-rl-curves.png)"),
 ):
     """FP, RTN, GPTQ and AutoRound at W4/W3/W2 on the real small models and MiniLM (`--suite ptq`),
-    or the LFQ comparison (`--suite lfq`).
+    or the LFQ comparison (`--suite lfq`), or mixed-precision allocation (`--suite mixed`).
 
     Example: compress bench quality --json bench/quality.json --markdown bench/quality.md
     """
@@ -232,8 +234,13 @@ def bench_quality(
         from compress.eval.bench_lfq import run_lfq
 
         rows, md = run_lfq(quick=quick, only=only or None)
+    elif suite == "mixed":
+        from compress.eval.bench_mixed import run_mixed
+
+        curves = md_out.with_name(f"{md_out.stem}-rl-curves.png") if md_out else None
+        rows, md = run_mixed(quick=quick, only=only or None, curve_png=curves)
     else:
-        raise BadInput(f"unknown --suite `{suite}` (known: ptq, lfq)")
+        raise BadInput(f"unknown --suite `{suite}` (known: ptq, lfq, mixed)")
     typer.echo(md)
     if json_out:
         json_out.write_text(json.dumps(rows, indent=2) + "\n")
