@@ -10,8 +10,9 @@ step, plus potential-based budget shaping (Ng, Harada & Russell 1999) with poten
 (`allocation.bit_price`, normalised like the errors), 0 at the end: each action pays `price * extra bits`
 at once and the last step pays for the slack left. The shaping sums to the constant `-Phi(s_0)`, so it
 changes no policy's ranking by return, but with GAE each action sees its bit price immediately instead of
-through the units forced to their cheapest option at the end of the episode. Plus a terminal reward from the real model (`terminal(choice) -> float`, e.g.
-`-kappa * (log ppl_Q - log ppl_FP)` on a calibration slice) at the last step.
+through the units forced to their cheapest option at the end of the episode. Plus a terminal reward from
+the real model (`terminal(choice) -> float`, e.g. `-kappa * (log ppl_Q - log ppl_FP)` on a calibration
+slice) at the last step.
 
 PPO: clip 0.2, gamma 1 (episodic), GAE lambda 0.95, Adam, entropy bonus, value loss coefficient,
 `episodes` parallel episodes per update, `epochs` passes over minibatches of `minibatch` steps.

@@ -93,7 +93,8 @@ def quantize_stage(ctx, cfg: QuantizeConfig, quantizer: BlockQuantizer) -> dict:
     bar = ctx.progress(total=len(adapter.blocks), desc=f"{ctx.key} blocks", unit="block")
     qweights = run_blockwise(
         model=adapter.model, blocks=adapter.blocks, block_linears=adapter.block_linears,
-        specs=lambda name, lin: planned_spec(ctx.plan, name, layer_spec(name, lin, cfg)), quantizer=quantizer, tokens=tokens,
+        specs=lambda name, lin: planned_spec(ctx.plan, name, layer_spec(name, lin, cfg)), quantizer=quantizer,
+        tokens=tokens,
         load_block=lambda i: ctx.workspace.load_block(ctx.key, i),
         save_block=lambda i, q: ctx.workspace.save_block(ctx.key, i, q),
         seed=ctx.seed, progress=lambda done, total: bar.update(1),

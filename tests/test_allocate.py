@@ -8,7 +8,6 @@ import json
 import pytest
 import torch
 import yaml
-from test_export_hf import check_reload
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from compress.allocation import (Option, action_mask, build_problem, fill, greedy, lagrangian, nearest_uniform,
@@ -19,6 +18,7 @@ from compress.kernels.packing import mixed_pack, mixed_unpack
 from compress.primitives import clip_search, fit_mixed, rtn
 from compress.workspace import qweights_to_tensors, tensors_to_qweights
 from conftest import MODELS, TEXT, invoke
+from test_export_hf import check_reload
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 OPTS = [Option(2, "minmax"), Option(3, "minmax"), Option(4, "minmax"), Option(16, "keep")]
@@ -243,3 +243,45 @@ def test_run_plan_artifacts_and_plan_file(tmp_path):
         a, b = load_file(str(blk)), load_file(str(tmp_path / "f" / "stages" / "01-quantize-rtn" / blk.name))
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert json.loads((tmp_path / "f" / "plan.json").read_text())["layers"] == plan["layers"]
+
+
+def mixed_stories260k():
+    """stories260K with every block linear mixed (2/3/4/8 bits and fp16 chunks, g32), W <- W_hat."""
+    from test_export_onnx import load
+
+    model = load("stories260K")
+    qweights = {}
+    for k, (name, m) in enumerate((n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)):
+        if name.startswith("model.layers."):
+            qw = mixed_of(m.weight.data, k, with_keep=(k % 5 == 0))
+            m.weight.data = qw.dequantize()
+            qweights[name] = qw
+    return model, qweights
+
+
+def test_mixed_onnx_and_openvino_reproduce_the_model(tmp_path):
+    import openvino as ov
+    from compress.kernels.backends import quantize_model
+    from test_export_onnx import op_types, ort_logits, rel_err
+
+    from compress.export.onnx import export_onnx
+    from compress.export.openvino import EXACT_CPU_CONFIG, export_openvino
+
+    model, qweights = mixed_stories260k()
+    res = export_onnx(model, qweights, tmp_path / "onnx")
+    ops = op_types(res["path"])
+    widths = {(n, b) for n, q in qweights.items() for b in set(q.chunk_bits)}
+    assert ops["MatMulNBits"] == sum(1 for _, b in widths if b in (2, 4, 8))
+    assert res["dense_layers"] == sum(1 for _, b in widths if b in (3, 16))
+    assert ops["Gather"] >= len(widths)
+    ids = torch.randint(0, 512, (2, 33), generator=torch.Generator().manual_seed(0))
+    out = ort_logits(res["path"], ids)
+    ov_res = export_openvino(model, qweights, tmp_path / "ov")
+    compiled = ov.Core().compile_model(ov_res["path"], "CPU", EXACT_CPU_CONFIG)
+    ov_out = compiled({"input_ids": ids.numpy()})[compiled.output(0)]
+    with torch.no_grad():
+        ref = model(ids).logits.numpy()
+        quantize_model(model, qweights)  # the mixed backend: one matmul per bit-width slice
+        ours = model(ids).logits.numpy()
+    assert rel_err(out, ref) < 1e-3 and rel_err(ours, ref) < 1e-4 and rel_err(ov_out, ref) < 1e-3
+    assert ov_res["low_bit_constants"]

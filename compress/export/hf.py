@@ -339,7 +339,8 @@ def export_hf_streaming(model, source, block_qweights, qweights: dict[str, Quant
 
     from compress.models.adapters import ModelAdapter
 
-    compress_info = {"format": "auto_round", "version": FORMAT_VERSION, "meta": {**(meta or {}), **mixed_meta(qweights)}}
+    compress_info = {"format": "auto_round", "version": FORMAT_VERSION,
+                     "meta": {**(meta or {}), **mixed_meta(qweights)}}
     packed = {n: qw for n, qw in qweights.items() if loadable(qw)}
     qconfig = _quantization_config(model, packed, qweights)
     v1 = qconfig["packing_format"] in V1_PACKINGS
