@@ -134,12 +134,15 @@ def layer_type(name: str) -> int:
 
 
 def build_problem(layers: dict[str, tuple[torch.Tensor, torch.Tensor, int]], n_blocks: int, options: list[Option],
-                  chunk_size: int, group_size: int, sym: bool, budget: float):
-    """Problem and {layer: W_hat stack (O, d_out, d_in)} from {name: (W, energy, block index)}."""
+                  chunk_size: int, group_size: int, sym: bool, budget: float, keep_hats: bool = True):
+    """Problem and {layer: W_hat stack (O, d_out, d_in)} from {name: (W, energy, block index)}; the stacks
+    (|O| fake-quantized copies of every layer, for a real-model reward) only with `keep_hats`, else {}."""
     mbits = map_bits(options)
     names, ul, uc, wts, costs, errs, feats, hats = [], [], [], [], [], [], [], {}
     for li, (name, (W, energy, block)) in enumerate(layers.items()):
-        cost, err, hats[name] = layer_units(W, energy, options, chunk_size, group_size, sym, mbits)
+        cost, err, hat = layer_units(W, energy, options, chunk_size, group_size, sym, mbits)
+        if keep_hats:
+            hats[name] = hat
         n = cost.shape[0]
         names.append(name)
         ul += [li] * n

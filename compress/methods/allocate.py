@@ -15,7 +15,9 @@ The proxy error of every unit and option is computed from those statistics (`all
 Terminal reward of the RL controller (`terminal`): `ppl` = -kappa * (log ppl_Q - log ppl_FP) and
 `hidden_mse` = -kappa * relative MSE of the final hidden states, both on the first `reward_samples`
 calibration sequences cut to `reward_seqlen` tokens, with every planned linear replaced by its plan's
-fake-quantized weight; `none` = proxy reward only.
+fake-quantized weight; `none` = proxy reward only. The terminal reward keeps every option's fake-quantized
+copy of every planned layer in memory (|options| x the planned weights in fp32): meant for small and mid-size
+models; use `terminal: none` (or `greedy` / `lagrangian`) where that does not fit.
 """
 
 from __future__ import annotations
@@ -354,8 +356,9 @@ def _apply(ctx, cfg) -> dict:
         plan.energy = energy
         return _finish(ctx, plan, None, time.time() - t0)
     data = {n: (lin.weight.data, energy[n], i) for n, (lin, i) in layers.items()}
+    needs_hats = cfg.method == "rl" and cfg.terminal != "none"
     p, hats = build_problem(data, len(ctx.adapter.blocks), cfg.option_list(), cfg.chunk_size, cfg.group_size,
-                            cfg.sym, cfg.budget)
+                            cfg.sym, cfg.budget, keep_hats=needs_hats)
     stats_s = time.time() - t0
     curve, info = None, {}
     if cfg.method == "rl":
