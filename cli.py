@@ -243,10 +243,13 @@ def bench_quality(
     only: Optional[List[str]] = typer.Option(None, "--only", help="run only these models (repeatable)"),
     suite: str = typer.Option("ptq", "--suite", help="`ptq`: FP/RTN/GPTQ/AutoRound matrix; `lfq`: AutoRound "
                               "with and without LFQ and hard-label CE, three seeds, with greedy-continuation scores; "
-                              "`walsh`: AutoRound after no rotation, auto-round's Hadamard and the walsh modes"),
+                              "`walsh`: AutoRound after no rotation, auto-round's Hadamard and the walsh modes; "
+                              "`mixed`: RL vs uniform/greedy/Lagrangian mixed-precision allocation at 2.25/2.5/3.0 "
+                              "effective bits (the RL learning curves go next to --markdown as *-rl-curves.png)"),
 ):
     """FP, RTN, GPTQ and AutoRound at W4/W3/W2 on the real small models and MiniLM (`--suite ptq`),
-    the LFQ comparison (`--suite lfq`) or the rotation comparison (`--suite walsh`).
+    the LFQ comparison (`--suite lfq`), the rotation comparison (`--suite walsh`) or mixed-precision
+    allocation (`--suite mixed`).
 
     Example: compress bench quality --json bench/quality.json --markdown bench/quality.md
     """
@@ -265,8 +268,13 @@ def bench_quality(
         from compress.eval.bench_walsh import run_walsh
 
         rows, md = run_walsh(quick=quick, only=only or None)
+    elif suite == "mixed":
+        from compress.eval.bench_mixed import run_mixed
+
+        curves = md_out.with_name(f"{md_out.stem}-rl-curves.png") if md_out else None
+        rows, md = run_mixed(quick=quick, only=only or None, curve_png=curves)
     else:
-        raise BadInput(f"unknown --suite `{suite}` (known: ptq, lfq, walsh)")
+        raise BadInput(f"unknown --suite `{suite}` (known: ptq, lfq, walsh, mixed)")
     typer.echo(md)
     if json_out:
         json_out.write_text(json.dumps(rows, indent=2) + "\n")

@@ -15,6 +15,7 @@ to an uninterrupted one.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 from dataclasses import dataclass, field
@@ -29,10 +30,23 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
+class MixedSpec:
+    """A layer's per-chunk options from an allocation plan (ALGORITHMS 2): `options[j] = (bits, treatment)`
+    of input columns [j*chunk_size, (j+1)*chunk_size); bits 16 keeps the chunk in fp16. `energy` (d_in,)
+    is E[x^2] per input column (weights the clip search), or None."""
+
+    chunk_size: int
+    options: tuple[tuple[int, str], ...]
+    map_bits: int
+    energy: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
 class LayerSpec:
     bits: int
     group_size: int
     sym: bool
+    mixed: MixedSpec | None = None  # per-chunk bit widths from an `allocate` stage
 
 
 @dataclass
@@ -184,8 +198,7 @@ def set_weight(linear: nn.Linear, qw: QuantizedWeight) -> None:
 def light(qw: QuantizedWeight) -> QuantizedWeight:
     """The same QuantizedWeight without its codes (a zero-size view of the right shape)."""
     codes = torch.zeros((), dtype=torch.uint8).expand(qw.out_features, qw.in_features)
-    return QuantizedWeight(codes=codes, scales=qw.scales, zeros=qw.zeros, bits=qw.bits,
-                           group_size=qw.group_size, sym=qw.sym)
+    return dataclasses.replace(qw, codes=codes)
 
 
 def run_blockwise(

@@ -57,6 +57,8 @@ class StageContext:
     key: str = ""
     fp_bytes: int = 0  # the loaded model's parameter bytes, before any stage (a rotation may untie the head)
     qweights: dict[str, QuantizedWeight] = field(default_factory=dict)
+    plan: object | None = None  # methods.allocate.Plan from an `allocate` stage, consumed by the next `quantize`
+    allocation: dict | None = None  # summary and file names of the last allocation (report.md links them)
     _tokens: torch.Tensor | None = None
 
     def calibration_tokens(self) -> torch.Tensor:
@@ -212,6 +214,8 @@ def _run(loaded, ws: Workspace, quiet: bool) -> dict:
     figures = {t: p for st in ws.manifest["stages"].values() for t, p in (st.get("metrics") or {}).get("figures", {}).items()}
     if figures:
         report["figures"] = figures
+    if ctx.allocation:
+        report["allocation"] = ctx.allocation
     if r.eval.enabled and r.eval.data and r.model.stream:
         log.warning("model.stream: the in-run evaluation needs the whole model in memory and is skipped; "
                     "run `compress eval OUTPUT/hf --reference MODEL --data FILE` where memory allows")

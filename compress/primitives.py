@@ -74,3 +74,104 @@ def rtn(W: torch.Tensor, bits: int, group_size: int, sym: bool, min_scale=1.0, m
 
 def fake_quantize(W: torch.Tensor, bits: int, group_size: int, sym: bool) -> torch.Tensor:
     return rtn(W, bits, group_size, sym).dequantize(W.dtype)
+
+
+# -- per-unit fitting for mixed precision (ALGORITHMS.md 2) ----------------------------------------
+CLIP_RATIOS = tuple(round(1.0 - 0.05 * i, 2) for i in range(11))  # 1.0, 0.95, ..., 0.5
+TREATMENTS = ("minmax", "clip")
+
+
+def weighted_group_error(W: torch.Tensor, W_hat: torch.Tensor, energy: torch.Tensor | None, group: int) -> torch.Tensor:
+    """sum_k a_k (W - W_hat)[:, k]^2 per (row, group), shape (d_out, n_groups); a_k = 1 without `energy`."""
+    d2 = (W.float() - W_hat.float()) ** 2
+    if energy is not None:
+        d2 = d2 * energy.float().reshape(1, -1)
+    return group_view(d2, group).sum(-1)
+
+
+def clip_search(W: torch.Tensor, bits: int, group_size: int, sym: bool, energy: torch.Tensor | None = None,
+                ratios=CLIP_RATIOS) -> QuantizedWeight:
+    """Per group, the clipping ratio p (range scaled by p, AWQ / auto-round `search_scales` style) whose RTN
+    minimises the activation-weighted error sum_k a_k (w_k - w_hat_k)^2; ratio 1.0 is plain RTN. Each
+    candidate is exactly `rtn(W, bits, group_size, sym, p, p)` on its group."""
+    d_in = W.shape[1]
+    group = resolve_group(d_in, group_size)
+    Wg = group_view(W.float(), group)
+    a = torch.ones_like(Wg[:1]) if energy is None else group_view(energy.float().view(1, -1), group)
+    best_s = best_z = best_err = None
+    for p in ratios:
+        s, z = _group_qparams(Wg, bits, sym, p)
+        q = torch.clamp(torch.round(Wg / s.unsqueeze(-1)) + z.unsqueeze(-1), 0, 2**bits - 1)
+        err = ((Wg - s.unsqueeze(-1) * (q - z.unsqueeze(-1))) ** 2 * a).sum(-1)
+        if best_err is None:
+            best_s, best_z, best_err = s, z, err
+            continue
+        better = err < best_err
+        best_s, best_z = torch.where(better, s, best_s), torch.where(better, z, best_z)
+        best_err = torch.minimum(err, best_err)
+    codes = quantize_codes(W, best_s, best_z, bits, group_size)
+    return QuantizedWeight(codes=codes, scales=best_s, zeros=best_z.to(torch.uint8), bits=bits,
+                           group_size=group_size, sym=sym)
+
+
+def _group_qparams(Wg: torch.Tensor, bits: int, sym: bool, ratio: float):
+    """choose_qparams on an already grouped (d_out, n_groups, g) weight with min_scale = max_scale = ratio."""
+    wmin = Wg.amin(-1).clamp(max=0) * ratio
+    wmax = Wg.amax(-1).clamp(min=0) * ratio
+    if sym:
+        m = 2 ** (bits - 1)
+        v = torch.where(wmax < -wmin, torch.maximum(wmax, -wmin), -torch.maximum(wmax, -wmin))
+        s = (v / m).half().float()
+        s = torch.where(s < 0, s.clamp(max=-SCALE_EPS), s.clamp(min=SCALE_EPS))
+        return s, torch.full_like(s, m)
+    s = ((wmax - wmin) / (2**bits - 1)).half().float().clamp(min=SCALE_EPS)
+    return s, torch.round(-wmin / s).clamp(0, 2**bits - 1)
+
+
+def fit(W: torch.Tensor, bits: int, treatment: str, group_size: int, sym: bool,
+        energy: torch.Tensor | None = None) -> QuantizedWeight:
+    """One option's quantizer fitting: `minmax` (plain RTN) or `clip` (clip_search)."""
+    if treatment == "minmax":
+        return rtn(W, bits, group_size, sym)
+    if treatment == "clip":
+        return clip_search(W, bits, group_size, sym, energy)
+    raise ValueError(f"unknown treatment {treatment!r} (known: {TREATMENTS})")
+
+
+def assemble_mixed(W: torch.Tensor, parts: list, chunk_size: int, group_size: int, sym: bool,
+                   map_bits: int) -> QuantizedWeight:
+    """One mixed-precision QuantizedWeight from per-chunk results, in chunk order: each part is the chunk's
+    QuantizedWeight (same group size and sym), or None for a chunk kept in fp16 (taken from `W`)."""
+    from compress.qweight import KEEP_BITS
+
+    d_out, d_in = W.shape
+    codes, scales, zeros, kept, bits = [], [], [], [], []
+    for j, part in enumerate(parts):
+        s, e = j * chunk_size, min((j + 1) * chunk_size, d_in)
+        n_groups = math.ceil((e - s) / group_size)
+        if part is None:
+            codes.append(torch.zeros(d_out, e - s, dtype=torch.uint8))
+            scales.append(torch.ones(d_out, n_groups))
+            zeros.append(torch.zeros(d_out, n_groups, dtype=torch.uint8))
+            kept.append(W[:, s:e].detach().float().half().float())
+            bits.append(KEEP_BITS)
+        else:
+            codes.append(part.codes)
+            scales.append(part.scales.float())
+            zeros.append(part.zeros)
+            bits.append(part.bits)
+    quantized = [b for b in bits if b != KEEP_BITS]
+    return QuantizedWeight(codes=torch.cat(codes, 1), scales=torch.cat(scales, 1), zeros=torch.cat(zeros, 1),
+                           bits=max(quantized, default=8), group_size=group_size, sym=sym, chunk_size=chunk_size,
+                           chunk_bits=tuple(bits), kept=torch.cat(kept, 1) if kept else None, map_bits=map_bits)
+
+
+def fit_mixed(W: torch.Tensor, options: list[tuple[int, str]], chunk_size: int, group_size: int, sym: bool,
+              energy: torch.Tensor | None, map_bits: int) -> QuantizedWeight:
+    """Fit every chunk with its option (bits, treatment); bits 16 keeps the chunk in fp16."""
+    parts = []
+    for j, (bits, treatment) in enumerate(options):
+        s, e = j * chunk_size, min((j + 1) * chunk_size, W.shape[1])
+        a = None if energy is None else energy[s:e]
+        parts.append(None if bits == 16 else fit(W[:, s:e], bits, treatment, group_size, sym, a))
+    return assemble_mixed(W, parts, chunk_size, group_size, sym, map_bits)

@@ -37,6 +37,13 @@ def layer_spec(name: str, linear: nn.Linear, cfg: QuantizeConfig) -> LayerSpec |
     return LayerSpec(bits, group_size, sym)
 
 
+def planned_spec(plan, name: str, spec: LayerSpec | None) -> LayerSpec | None:
+    """`spec` with the allocation plan's per-chunk options for this layer, when a plan covers it."""
+    if spec is None or plan is None or name not in plan.layers:
+        return spec
+    return plan.layer_spec(name)
+
+
 def check_overrides(cfg: QuantizeConfig, names: list[str]) -> None:
     for o in cfg.overrides:
         try:
@@ -86,7 +93,8 @@ def quantize_stage(ctx, cfg: QuantizeConfig, quantizer: BlockQuantizer) -> dict:
     bar = ctx.progress(total=len(adapter.blocks), desc=f"{ctx.key} blocks", unit="block")
     qweights = run_blockwise(
         model=adapter.model, blocks=adapter.blocks, block_linears=adapter.block_linears,
-        specs=lambda name, lin: layer_spec(name, lin, cfg), quantizer=quantizer, tokens=tokens,
+        specs=lambda name, lin: planned_spec(ctx.plan, name, layer_spec(name, lin, cfg)), quantizer=quantizer,
+        tokens=tokens,
         load_block=lambda i: ctx.workspace.load_block(ctx.key, i),
         save_block=lambda i, q: ctx.workspace.save_block(ctx.key, i, q),
         seed=ctx.seed, progress=lambda done, total: bar.update(1),
@@ -102,4 +110,5 @@ def quantize_stage(ctx, cfg: QuantizeConfig, quantizer: BlockQuantizer) -> dict:
         set_weight(lin, qw)
         qweights[name] = qw
     ctx.qweights.update(qweights)
+    ctx.plan = None  # consumed: a later quantize stage uses its own settings
     return {"layers": len(qweights), "calibration_tokens": 0 if tokens is None else tokens.numel()}

@@ -13,6 +13,15 @@ Group policy: groups run along `d_in`. `group_size == -1` means per-channel (one
 When `group_size` does not divide `d_in`, the last group of each row is shorter
 (`n_groups = ceil(d_in / g)`), as auto-round does by zero padding: its scale and zero point are
 computed over the real columns only.
+
+Mixed precision (ALGORITHMS.md 2, `allocate` stage): with `chunk_size > 0` the input columns are cut
+into chunks `[j*c, (j+1)*c)` (the last one may be shorter; `c` is a multiple of the group, so every
+group lies in one chunk) and `chunk_bits[j]` is chunk j's bit width: 2..8, or 16 for a chunk kept
+in fp16. `bits` is then the widest quantized chunk (the container width); each code lies in
+`[0, 2^chunk_bits)` of its chunk, so the same `codes/scales/zeros` tensors hold every chunk. A kept
+chunk has codes 0, scale 1, zero 0, and its fp16 values in `kept` (d_out, kept columns, in column
+order). `map_bits` is the plan's own storage per chunk (the option index), counted by
+`storage_bits`. A uniform weight (`chunk_size == 0`) behaves exactly as before.
 """
 
 from __future__ import annotations
@@ -23,6 +32,16 @@ from dataclasses import dataclass
 import torch
 
 SCALE_BITS = 16  # scales are stored as fp16
+KEEP_BITS = 16  # a mixed-precision chunk kept in fp16
+
+
+def unit_storage_bits(d_out: int, width: int, group: int, bits: int, sym: bool, map_bits: int = 0) -> int:
+    """Exact storage of `width` input columns of a (d_out, .) weight at `bits` (16 = kept in fp16) with groups
+    of `group` columns: codes + fp16 scales + zero points (asym) + the plan's `map_bits` (ALGORITHMS 0.3, 2)."""
+    if bits == KEEP_BITS:
+        return d_out * width * KEEP_BITS + map_bits
+    n_groups = math.ceil(width / group)
+    return d_out * width * bits + d_out * n_groups * (SCALE_BITS + (0 if sym else bits)) + map_bits
 
 
 @dataclass(frozen=True)
@@ -33,16 +52,55 @@ class QuantizedWeight:
     bits: int
     group_size: int
     sym: bool
+    chunk_size: int = 0  # > 0: mixed precision, one bit width per chunk of input columns
+    chunk_bits: tuple[int, ...] = ()  # bits of each chunk (2..8, or 16 = kept in fp16)
+    kept: torch.Tensor | None = None  # fp16-representable values of the kept chunks, (d_out, kept columns)
+    map_bits: int = 0  # plan metadata per chunk, counted in storage_bits
 
     def __post_init__(self):
         if not 2 <= self.bits <= 8:
             raise ValueError(f"bits must be in 2..8, got {self.bits}")
+        if self.chunk_size:
+            self._check_mixed()
         d_out, d_in = self.codes.shape
         if self.scales.shape != (d_out, self.n_groups) or self.zeros.shape != (d_out, self.n_groups):
             raise ValueError(
                 f"scales {tuple(self.scales.shape)} / zeros {tuple(self.zeros.shape)} do not match "
                 f"codes {tuple(self.codes.shape)} with group size {self.group_size}"
             )
+
+    def _check_mixed(self) -> None:
+        d_out, d_in = self.codes.shape
+        if self.chunk_size % self.group or self.group_size == -1:
+            raise ValueError(f"chunk size {self.chunk_size} must be a multiple of the group size {self.group_size}")
+        if len(self.chunk_bits) != math.ceil(d_in / self.chunk_size):
+            raise ValueError(f"{len(self.chunk_bits)} chunk bit widths for {d_in} columns in chunks of "
+                             f"{self.chunk_size}")
+        if any(not (2 <= b <= 8 or b == KEEP_BITS) for b in self.chunk_bits):
+            raise ValueError(f"chunk bits must be in 2..8 or {KEEP_BITS}, got {self.chunk_bits}")
+        quantized = [b for b in self.chunk_bits if b != KEEP_BITS]
+        if self.bits != max(quantized, default=8):
+            raise ValueError(f"bits {self.bits} must be the widest quantized chunk ({max(quantized, default=8)})")
+        n_kept = int((self.column_bits() == KEEP_BITS).sum())
+        shape = None if self.kept is None else tuple(self.kept.shape)
+        if (n_kept or shape is not None) and shape != (d_out, n_kept):
+            raise ValueError(f"kept values {shape} do not match {n_kept} kept columns")
+
+    @property
+    def mixed(self) -> bool:
+        return self.chunk_size > 0
+
+    def chunk_bounds(self) -> list[tuple[int, int]]:
+        """[start, end) input columns of each chunk (mixed weights)."""
+        c, d_in = self.chunk_size, self.in_features
+        return [(j * c, min((j + 1) * c, d_in)) for j in range(len(self.chunk_bits))]
+
+    def column_bits(self) -> torch.Tensor:
+        """Bit width of every input column, shape (d_in,): `bits` everywhere for a uniform weight."""
+        if not self.mixed:
+            return torch.full((self.in_features,), self.bits, dtype=torch.int64)
+        return torch.tensor([b for (s, e), b in zip(self.chunk_bounds(), self.chunk_bits) for _ in range(s, e)],
+                            dtype=torch.int64)
 
     @property
     def out_features(self) -> int:
@@ -69,10 +127,17 @@ class QuantizedWeight:
         g_idx = self.group_index()
         s = self.scales.to(torch.float32)[:, g_idx]
         z = self.zeros.to(torch.float32)[:, g_idx]
-        return (s * (self.codes.to(torch.float32) - z)).to(dtype)
+        W = s * (self.codes.to(torch.float32) - z)
+        if self.kept is not None and self.kept.numel():
+            W[:, self.column_bits() == KEEP_BITS] = self.kept.to(torch.float32)
+        return W.to(dtype)
 
     def storage_bits(self) -> int:
-        """Bits this weight takes in a packed export: codes, fp16 scales, zero points if asymmetric."""
+        """Bits this weight takes in a packed export: codes, fp16 scales, zero points if asymmetric
+        (mixed: per chunk at its own width, kept chunks at 16 bits, plus `map_bits` per chunk)."""
+        if self.mixed:
+            return sum(unit_storage_bits(self.out_features, e - s, self.group, b, self.sym, self.map_bits)
+                       for (s, e), b in zip(self.chunk_bounds(), self.chunk_bits))
         zero_bits = 0 if self.sym else self.bits
         n = self.out_features * self.n_groups
         return self.codes.numel() * self.bits + n * (SCALE_BITS + zero_bits)

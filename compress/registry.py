@@ -23,6 +23,7 @@ METHOD_MODULES = (
     "compress.methods.rtn",
     "compress.methods.gptq",
     "compress.methods.autoround",
+    "compress.methods.allocate",
     "compress.rotation.walsh",
     "compress.rotation.autoround_hadamard",
     "compress.export.stage",

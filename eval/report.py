@@ -19,6 +19,13 @@ def _fmt(v) -> str:
 def render_markdown(report: dict) -> str:
     out = [f"# compress report\n\nmodel: `{report.get('model')}`  \nrecipe sha256: `{report.get('recipe_sha256')}`\n"]
     out.append("\n## Stages\n\n" + _table(report.get("stages", []), ["name", "method", "seconds", "peak_rss_mb"]))
+    alloc = report.get("allocation")
+    if alloc:
+        out.append(f"\n## Mixed-precision allocation\n\nmethod `{alloc['method']}`: {alloc['effective_bits']} "
+                   f"effective bits (budget {alloc['budget']}) over {alloc['units']} units; "
+                   f"plan: [{alloc['plan']}]({alloc['plan']})\n\n![bits per layer and chunk]({alloc['heatmap']})\n")
+        if alloc.get("curve"):
+            out.append(f"\n![RL learning curve]({alloc['curve']})\n")
     ev = report.get("eval") or {}
     if ev:
         rows = [{"dataset": k, **v} for k, v in ev.items()]

@@ -9,6 +9,8 @@ rounded to int8 per block (faster; 8-bit weights keep fp32 activations), `triton
 which only tests use).
 `select("auto", qw)` picks `triton` when a CUDA device and triton are present and it supports the weight,
 else `cpu` when it supports the weight and its build succeeded, else `reference`.
+A mixed-precision weight (per-chunk bits) runs as `Mixed`: one matmul per bit-width slice of the input
+columns (`packing.split_mixed`), each slice on the backend `select` picks for it, fp16 chunks dense, summed.
 """
 
 from __future__ import annotations
@@ -65,6 +67,34 @@ class Triton:
         return gpu.matmul(x, state)
 
 
+class Mixed:
+    """Per-width slices of a mixed weight, each on its own backend; y = sum_b x[:, cols_b] @ W_b.T."""
+
+    def __init__(self, inner: str):
+        self.inner = inner
+        self.name = f"mixed-{inner}"
+
+    def prepare(self, qw: QuantizedWeight) -> list:
+        from compress.kernels.packing import split_mixed
+
+        state = []
+        for bits, cols, part in split_mixed(qw):
+            if isinstance(part, QuantizedWeight):
+                b = select(self.inner, part)
+                state.append((cols, b, b.prepare(part)))
+            else:
+                state.append((cols, None, part.float()))
+        return state
+
+    def matmul(self, x: torch.Tensor, state: list) -> torch.Tensor:
+        y = None
+        for cols, backend, st in state:
+            xs = x.float()[..., cols]
+            part = xs @ st.T if backend is None else backend.matmul(xs, st)
+            y = part if y is None else y + part
+        return y
+
+
 BACKENDS = {"reference": Reference, "cpu": CPU, "cpu-a8": lambda: CPU(act="int8"), "triton": Triton}
 
 
@@ -74,6 +104,8 @@ def select(name: str, qw: QuantizedWeight) -> Backend:
     logged once by `cpu.extension`). An explicit backend that cannot run raises."""
     if name not in ("auto", *BACKENDS):
         raise ValueError(f"unknown kernel backend `{name}` (known: auto, {', '.join(BACKENDS)})")
+    if qw.mixed:
+        return Mixed(name)
     if name == "reference":
         return Reference()
     if name == "triton" or (name == "auto" and torch.cuda.is_available()):

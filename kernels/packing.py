@@ -146,3 +146,92 @@ def gptq_unpack(tensors: dict[str, torch.Tensor], bits: int, group_size: int, sy
     if g_idx is not None and not torch.equal(g_idx.cpu().to(torch.int64), qw.group_index()):
         raise ValueError("g_idx is not k // group_size (act-order checkpoint); QuantizedWeight cannot hold it")
     return qw
+
+
+# -- mixed precision: columns grouped by bit width ------------------------------------------------------
+"""Mixed layout (`mixed_pack` / `mixed_unpack`), for a mixed-precision QuantizedWeight (per-chunk bits)
+---------------------------------------------------------------------------------------------------------
+    perm      int32 (K,)          input columns in storage order: the 2-bit chunks, then 3-bit, ..., then the
+                                  fp16 chunks; within one width, column order is kept (so the last, possibly
+                                  short, chunk stays last and every group stays whole)
+    w{b}.codes  int32 (N, Kb'*b/32)  bitstream (`pack`) of each row's codes of the Kb columns of width b,
+                                  zero padded to Kb' = a multiple of 32 columns
+    w{b}.zeros  int32 (N, Gb'*b/32)  bitstream of each row's zero points of those columns' Gb groups (padded)
+    w{b}.scales fp16  (N, Gb)
+    kept      fp16  (N, Kk)       the fp16 chunks' values
+    y = sum_b x[:, cols_b] @ W_b.T + x[:, cols_kept] @ kept.T   (`split_mixed`: one matmul per width slice)
+"""
+
+
+def split_mixed(qw: QuantizedWeight) -> list[tuple[int, torch.Tensor, object]]:
+    """[(bits, input columns (int64), part)] by increasing width: part is the uniform QuantizedWeight of
+    those columns, or for bits 16 the fp16 values (N, n) of the kept columns."""
+    from compress.qweight import KEEP_BITS
+
+    col_bits, g = qw.column_bits(), qw.group
+    out = []
+    for b in sorted(set(qw.chunk_bits)):
+        cols = torch.nonzero(col_bits == b).view(-1)
+        if b == KEEP_BITS:
+            out.append((b, cols, qw.kept))
+            continue
+        groups = torch.unique(cols // g)
+        out.append((b, cols, QuantizedWeight(codes=qw.codes[:, cols], scales=qw.scales[:, groups],
+                                             zeros=qw.zeros[:, groups], bits=b, group_size=qw.group_size,
+                                             sym=qw.sym)))
+    return out
+
+
+def _pack_rows(values: torch.Tensor, bits: int) -> torch.Tensor:
+    n = values.shape[1]
+    pad = (-n) % 32
+    return pack(torch.nn.functional.pad(values.to(torch.int64), (0, pad)), bits)
+
+
+def mixed_pack(qw: QuantizedWeight) -> tuple[dict[str, torch.Tensor], dict]:
+    """Mixed QuantizedWeight -> (tensors, meta) in the mixed layout above; exact inverse: `mixed_unpack`."""
+    if not qw.mixed:
+        raise ValueError("mixed_pack needs a mixed-precision QuantizedWeight (chunk_size > 0)")
+    tensors, perm = {}, []
+    for b, cols, part in split_mixed(qw):
+        perm.append(cols)
+        if b == 16:
+            tensors["kept"] = part.half().contiguous()
+            continue
+        tensors[f"w{b}.codes"] = _pack_rows(part.codes, b)
+        tensors[f"w{b}.zeros"] = _pack_rows(part.zeros, b)
+        tensors[f"w{b}.scales"] = part.scales.half().contiguous()
+    tensors["perm"] = torch.cat(perm).to(torch.int32)
+    meta = {"shape": list(qw.codes.shape), "group_size": qw.group_size, "sym": qw.sym,
+            "chunk_size": qw.chunk_size, "chunk_bits": list(qw.chunk_bits), "map_bits": qw.map_bits}
+    return tensors, meta
+
+
+def mixed_unpack(tensors: dict[str, torch.Tensor], meta: dict) -> QuantizedWeight:
+    """Exact inverse of `mixed_pack`."""
+    from compress.primitives import assemble_mixed
+
+    N, K = meta["shape"]
+    c, g, chunk_bits = meta["chunk_size"], meta["group_size"], meta["chunk_bits"]
+    parts, pos = [], {}
+    for j, b in enumerate(chunk_bits):
+        w = min(c, K - j * c)
+        if b == 16:
+            parts.append(None)
+            continue
+        a = pos.get(b, 0)
+        n_cols = sum(min(c, K - i * c) for i, bb in enumerate(chunk_bits) if bb == b)
+        codes = unpack(tensors[f"w{b}.codes"], b, tensors[f"w{b}.codes"].shape[1] * 32 // b)[:, a:a + w]
+        n_groups = tensors[f"w{b}.scales"].shape[1]
+        zeros = unpack(tensors[f"w{b}.zeros"], b, tensors[f"w{b}.zeros"].shape[1] * 32 // b)[:, :n_groups]
+        ga, gb = a // g, math.ceil((a + w) / g)
+        assert n_cols >= a + w
+        parts.append(QuantizedWeight(codes=codes, scales=tensors[f"w{b}.scales"][:, ga:gb].float(),
+                                     zeros=zeros[:, ga:gb], bits=b, group_size=g, sym=meta["sym"]))
+        pos[b] = a + w
+    W = torch.zeros(N, K)
+    if "kept" in tensors:
+        kept_cols = torch.tensor([k for j, b in enumerate(chunk_bits) if b == 16
+                                  for k in range(j * c, min((j + 1) * c, K))], dtype=torch.int64)
+        W[:, kept_cols] = tensors["kept"].float()
+    return assemble_mixed(W, parts, c, g, meta["sym"], meta["map_bits"])

@@ -72,3 +72,19 @@ def test_quick_walsh_suite_on_stories260k():
         "stories260K W2: walsh-spectral ppl <= 0.75 x AutoRound", "stories260K W2: walsh-spectral ppl <= auto-round Hadamard",
         "stories260K W2: fused within 10% of walsh-spectral"]
     assert md.startswith("# Walsh benchmark") and md.count("\n| stories260K | W2 |") == len(VARIANTS)
+
+
+def test_quick_mixed_suite_on_stories260k(tmp_path):
+    from compress.eval.bench_mixed import METHODS as MM, run_mixed
+
+    result, md = run_mixed(quick=True, only=["stories260K"], curve_png=tmp_path / "curves.png")
+    assert [(c["method"], c["budget"], c["seed"]) for c in result["cells"]] == [(m, 3.0, 0) for m in MM]
+    for c in result["cells"]:
+        assert c["effective_bits"] <= 3.0 and c["fp_ppl"] == result["cells"][0]["fp_ppl"] and c["kl"] > 0
+        assert c["report_effective_bits"] == round(c["effective_bits"], 4)
+    mixed = [c for c in result["cells"] if c["method"] != "uniform"]
+    assert all(c["effective_bits"] >= 2.99 for c in mixed)  # filled toward the budget
+    assert result["cells"][0]["effective_bits"] < 2.6  # uniform: the nearest feasible width is 2 bits at g32
+    assert len(result["cells"][-1]["curve"]) == 2 and (tmp_path / "curves.png").stat().st_size > 1000
+    assert result["targets"][0]["target"].startswith("stories260K @ 3.0: RL ppl <= 0.95 x best baseline")
+    assert md.startswith("# Mixed-precision benchmark") and md.count("\n| stories260K | 3.0 |") == len(MM)

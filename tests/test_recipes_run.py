@@ -26,6 +26,8 @@ def shrink(recipe: dict) -> list[str]:
     for i, stage in enumerate(recipe["stages"]):
         if "iters" in stage:
             sets.append(f"stages.{i}.iters=2")
+        if "updates" in stage:
+            sets.append(f"stages.{i}.updates=2")
     return [a for s in sets for a in ("--set", s)]
 
 
@@ -34,7 +36,8 @@ def shrink(recipe: dict) -> list[str]:
 def test_bundled_recipes():
     """The recipes the issues ask for are bundled (every bundled recipe runs in the test below)."""
     required = {"quickstart.yaml", "w4-gptq.yaml", "w3-autoround.yaml", "w2-autoround.yaml", "w2-autoround-lfq.yaml",
-                "w4-onnx.yaml", "w4-openvino.yaml", "w2-walsh-autoround.yaml", "w2-walsh-fused-autoround.yaml"}
+                "w4-onnx.yaml", "w4-openvino.yaml", "w2-walsh-autoround.yaml", "w2-walsh-fused-autoround.yaml",
+                "mixed-2.5-rl.yaml", "mixed-2.5-greedy.yaml"}
     assert required <= {p.name for p in RECIPES}
 
 
@@ -61,7 +64,15 @@ def test_bundled_recipe_runs_and_exports(recipe: Path, tmp_path):
     assert all(st["status"] == "done" for st in manifest["stages"].values())
     config = json.loads((out / "hf" / "config.json").read_text())
     qc = config["quantization_config"]
-    assert (qc["bits"], qc["group_size"], qc["sym"]) == (stage["bits"], stage["group_size"], stage["sym"])
+    alloc = next((s for s in spec["stages"] if s["stage"] == "allocate"), None)
+    if alloc:  # mixed precision: the plan's budget holds, layers are stored in exact per-layer containers
+        plan = json.loads((out / "plan.json").read_text())
+        assert plan["method"] == alloc["method"] and alloc["budget"] - 0.01 <= plan["effective_bits"] <= alloc["budget"]
+        assert report["size"]["effective_bits"] == round(plan["effective_bits"], 4)
+        assert len(config["compress"]["meta"]["mixed"]) == 6 * 7
+        assert (qc["group_size"], qc["sym"]) == (stage["group_size"], stage["sym"])
+    else:
+        assert (qc["bits"], qc["group_size"], qc["sym"]) == (stage["bits"], stage["group_size"], stage["sym"])
 
     loaded = AutoModelForCausalLM.from_pretrained(out / "hf")
     loaded = torch.nn.Module.float(loaded).eval()  # auto-round forces fp16 on CPU
@@ -95,4 +106,7 @@ def test_bundled_recipe_runs_and_exports(recipe: Path, tmp_path):
     assert rc == 0, err
     info = json.loads(stdout)
     assert info["quantized_layers"] > 0
-    assert {r["bits"] for r in info["layers"]} == {stage["bits"]}
+    if alloc:
+        assert {r["bits"] for r in info["layers"]} <= {2, 3, 4, 8}
+    else:
+        assert {r["bits"] for r in info["layers"]} == {stage["bits"]}

@@ -40,6 +40,22 @@ What the loader expects (read from transformers 5.24 and auto-round 0.16.1)
 * If no layer ends up packed, no backend is used and the model stays in its own dtype.
 * Negative scales (auto-round full-range sym) need nothing special: the kernels multiply by them.
 
+Mixed precision (an `allocate` plan: one bit width per column chunk; ALGORITHMS.md 2)
+------------------------------------------------------------------------------------
+auto-round's format has one `bits` per layer (`extra_config`), not per chunk, and transformers builds
+its modules from the config, so split linears would need custom modeling code. We write an **exact
+container** instead: a mixed layer is packed at its widest chunk's bit width (`qw.bits`); a chunk of
+fewer bits keeps its own codes, scales and zero points, which the wider container holds unchanged
+(a b-bit code is also a valid B-bit code for B > b, and `W = s * (q - z)` is the same), so the
+checkpoint reproduces the in-memory model exactly and loads with stock transformers + auto-round.
+The price is storage: each layer costs its widest chunk's bits per weight on disk (e.g. a layer
+with 2- and 3-bit chunks is stored at 3 bits), so the checkpoint is larger than the plan's effective
+bits say; `compress.meta.mixed` records every mixed layer's chunk map (`chunk_size`, `chunk_bits`,
+`map_bits`) so `read_quantized` returns the mixed QuantizedWeights and the report can state both. A layer
+with a chunk kept in fp16 cannot be held by an integer container and is written dense (bits 16).
+The packed per-width layout (`kernels.packing.mixed_pack`) and the ONNX export store each width at its
+own size.
+
 Artifact self-description: config.json carries `"compress": {"format", "version", "meta"}`;
 `read_quantized` refuses versions it does not know; it also reads auto-round's own
 `auto_round:auto_gptq` / `auto_round` checkpoints, but not `auto_round:auto_awq` (auto-round's
@@ -48,6 +64,7 @@ choice for 4-bit asym). Files are written into a temporary sibling directory and
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -85,6 +102,8 @@ def _layer_types() -> tuple[type, ...]:
 def loadable(qw: QuantizedWeight) -> bool:
     """Whether auto-round's CPU/torch backends can serve this layer packed (module docstring)."""
     K, N = qw.in_features, qw.out_features
+    if qw.kept is not None and qw.kept.numel():
+        return False  # fp16 chunks: no integer container holds them (module docstring)
     return packable(qw) and K % 32 == 0 and N % 32 == 0 and (qw.group_size == -1 or K % qw.group_size == 0)
 
 
@@ -97,7 +116,7 @@ def export_hf(model, qweights: dict[str, QuantizedWeight], tokenizer, out_dir, *
     """
     if fmt not in FMTS:
         raise ValueError(f"unknown export format {fmt!r}; choose one of {FMTS}")
-    compress_info = {"format": fmt, "version": FORMAT_VERSION, "meta": meta or {}}
+    compress_info = {"format": fmt, "version": FORMAT_VERSION, "meta": {**(meta or {}), **mixed_meta(qweights)}}
     try:
         json.dumps(compress_info)
     except TypeError as e:
@@ -143,7 +162,18 @@ def read_quantized(out_dir, tensors: dict[str, torch.Tensor] | None = None) -> t
         t = {k: tensors[f"{name}.{k}"] for k in ("qweight", "qzeros", "scales", "g_idx") if f"{name}.{k}" in tensors}
         qweights[name] = gptq_unpack(t, int(scheme["bits"]), int(scheme["group_size"]), bool(scheme["sym"]),
                                      v1=packing in V1_PACKINGS)
+        chunks = (((info or {}).get("meta") or {}).get("mixed") or {}).get(name)
+        if chunks:
+            qweights[name] = dataclasses.replace(qweights[name], chunk_size=chunks["chunk_size"],
+                                                 chunk_bits=tuple(chunks["chunk_bits"]), map_bits=chunks["map_bits"])
     return config, qweights
+
+
+def mixed_meta(qweights: dict[str, QuantizedWeight]) -> dict:
+    """{"mixed": {layer: chunk map}} for the mixed-precision layers (none: {})."""
+    mixed = {n: {"chunk_size": qw.chunk_size, "chunk_bits": list(qw.chunk_bits), "map_bits": qw.map_bits}
+             for n, qw in qweights.items() if qw.mixed}
+    return {"mixed": mixed} if mixed else {}
 
 
 # -- auto-round writer -----------------------------------------------------------------------
@@ -310,7 +340,8 @@ def export_hf_streaming(model, source, block_qweights, qweights: dict[str, Quant
 
     from compress.models.adapters import ModelAdapter
 
-    compress_info = {"format": "auto_round", "version": FORMAT_VERSION, "meta": meta or {}}
+    compress_info = {"format": "auto_round", "version": FORMAT_VERSION,
+                     "meta": {**(meta or {}), **mixed_meta(qweights)}}
     packed = {n: qw for n, qw in qweights.items() if loadable(qw)}
     qconfig = _quantization_config(model, packed, qweights)
     v1 = qconfig["packing_format"] in V1_PACKINGS

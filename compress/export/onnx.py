@@ -20,6 +20,10 @@ MatMulNBits (ALGORITHMS.md 8.6), for a QuantizedWeight of shape (N, K) with b in
   block_size = group size (per-channel: the next power of two >= K, at least 16).
 Weights MatMulNBits cannot hold (3, 5, 6, 7 bits; a group that is not a power of two >= 16) are
 written as dequantized fp32 MatMuls and listed in the metadata under `dense_layers`.
+A mixed-precision weight (per-chunk bits from an `allocate` plan) becomes one node chain per bit width:
+`Gather` of that width's input columns (the permutation of `kernels.packing.split_mixed`), a MatMulNBits
+(or a dense MatMul for 3-bit slices and fp16-kept chunks, listed as `name[b-bit]` under `dense_layers`),
+and `Add` of the slices' outputs: each width is stored at its own size.
 The file is self-describing: metadata_props `compress.format` = "onnx-matmulnbits", `compress.version`
 and `compress.meta` (JSON).
 """
@@ -119,7 +123,9 @@ class LlamaOnnx:
     def linear(self, x: str, name: str) -> str:
         g, mod = self.g, self.model.get_submodule(name)
         qw = self.qweights.get(name)
-        if qw is not None and block_size(qw) is not None:
+        if qw is not None and qw.mixed:
+            y = self.mixed(x, name, qw)
+        elif qw is not None and block_size(qw) is not None:
             t = matmulnbits_tensors(qw)
             y = g.op("MatMulNBits", x, g.const(t["B"], name + ".B"), g.const(t["scales"], name + ".scales"),
                      g.const(t["zero_points"], name + ".zp"), domain="com.microsoft", K=qw.in_features,
@@ -131,6 +137,26 @@ class LlamaOnnx:
             y = g.op("MatMul", x, g.const(_f32(w).T.copy(), name + ".weight_t"))
         if getattr(mod, "bias", None) is not None:
             y = g.op("Add", y, g.const(_f32(mod.bias), name + ".bias"))
+        return y
+
+    def mixed(self, x: str, name: str, qw: QuantizedWeight) -> str:
+        """sum over bit widths b of MatMulNBits(Gather(x, cols_b)) (dense MatMul where MatMulNBits cannot)."""
+        from compress.kernels.packing import split_mixed
+
+        g, y = self.g, None
+        for bits, cols, part in split_mixed(qw):
+            xs = g.op("Gather", x, g.const(cols.numpy().astype(np.int64), f"{name}.cols{bits}"), axis=-1)
+            hint = f"{name}.w{bits}"
+            if isinstance(part, QuantizedWeight) and block_size(part) is not None:
+                t = matmulnbits_tensors(part)
+                ys = g.op("MatMulNBits", xs, g.const(t["B"], hint + ".B"), g.const(t["scales"], hint + ".scales"),
+                          g.const(t["zero_points"], hint + ".zp"), domain="com.microsoft", K=part.in_features,
+                          N=part.out_features, bits=bits, block_size=block_size(part), accuracy_level=0)
+            else:
+                self.dense.append(f"{name}[{bits}-bit]")
+                w = part.dequantize() if isinstance(part, QuantizedWeight) else part.float()
+                ys = g.op("MatMul", xs, g.const(_f32(w).T.copy(), hint + ".weight_t"))
+            y = ys if y is None else g.op("Add", y, ys)
         return y
 
     def rmsnorm(self, x: str, mod) -> str:

@@ -13,6 +13,8 @@ download a dataset).
 
 from __future__ import annotations
 
+import math
+from dataclasses import replace
 from typing import Literal, Optional
 
 import torch
@@ -24,8 +26,8 @@ from pydantic import Field
 from compress.config import QuantizeConfig
 from compress.driver import BlockData, LayerSpec, block_forward
 from compress.methods.lfq import FINAL_BLOCK_HELP, FinalBlock, logit_loss_backward
-from compress.primitives import group_view, resolve_group
-from compress.qweight import QuantizedWeight
+from compress.primitives import assemble_mixed, group_view, resolve_group
+from compress.qweight import KEEP_BITS, QuantizedWeight
 from compress.registry import register
 
 
@@ -86,9 +88,63 @@ class _Tuned:
                                bits=b, group_size=self.spec.group_size, sym=self.spec.sym)
 
 
+class _MixedTuned:
+    """A layer with an allocation plan (per-chunk bits): one `_Tuned` per bit width over that width's chunks
+    (whole chunks, so groups stay whole), chunks kept in fp16 fixed. The treatment of a unit only shapes the
+    allocation's proxy error: AutoRound's own range tuning (alpha, beta) replaces the clipping search."""
+
+    def __init__(self, W: torch.Tensor, spec: LayerSpec, minmax: bool):
+        m = spec.mixed
+        self.W, self.spec, self.c = W.float(), spec, m.chunk_size
+        d_in = W.shape[1]
+        bounds = [(s, min(s + self.c, d_in)) for s in range(0, d_in, self.c)]
+        self.cols, self.slices = {}, {}
+        for (s, e), (bits, _) in zip(bounds, m.options):
+            self.cols.setdefault(bits, []).extend(range(s, e))
+        for bits, cols in self.cols.items():
+            if bits != KEEP_BITS:
+                sub = replace(spec, bits=bits, mixed=None)
+                self.slices[bits] = _Tuned(self.W[:, cols], sub, minmax)
+        self.base = self.W.half().float()  # kept chunks: fp16 values
+
+    def params(self):
+        return [p for t in self.slices.values() for p in t.params()]
+
+    def qdq(self, *snap):
+        W = self.base.clone()
+        for k, (bits, t) in enumerate(self.slices.items()):
+            W[:, self.cols[bits]] = t.qdq(*(snap[k] if snap else ()))[0]
+        return (W,)
+
+    def snapshot(self):
+        return tuple(t.snapshot() for t in self.slices.values())
+
+    def to_qweight(self, *snap) -> QuantizedWeight:
+        """Each width's tuned codes cut back into chunks, then one mixed QuantizedWeight."""
+        m, g = self.spec.mixed, self.spec.group_size
+        parts, done = [], {bits: t.to_qweight(*snap[k]) for k, (bits, t) in enumerate(self.slices.items())}
+        pos = {bits: 0 for bits in done}
+        for s in range(0, self.W.shape[1], self.c):
+            e = min(s + self.c, self.W.shape[1])
+            bits = m.options[s // self.c][0]
+            if bits == KEEP_BITS:
+                parts.append(None)
+                continue
+            qw, a = done[bits], pos[bits]
+            ga, gb = a // g, math.ceil((a + e - s) / g)
+            parts.append(QuantizedWeight(codes=qw.codes[:, a:a + e - s], scales=qw.scales[:, ga:gb],
+                                         zeros=qw.zeros[:, ga:gb], bits=bits, group_size=g, sym=qw.sym))
+            pos[bits] += e - s
+        return assemble_mixed(self.W, parts, self.c, g, self.spec.sym, m.map_bits)
+
+
+def _tuned(W: torch.Tensor, spec: LayerSpec, minmax: bool):
+    return _MixedTuned(W, spec, minmax) if spec.mixed is not None else _Tuned(W, spec, minmax)
+
+
 def signround_block(data: BlockData, cfg: AutoRoundConfig) -> dict[str, QuantizedWeight]:
     """Tune one block; returns the best QuantizedWeight of each linear in `data.linears`."""
-    tuned = {n: _Tuned(lin.weight.data, data.specs[n], cfg.minmax_tuning) for n, lin in data.linears.items()}
+    tuned = {n: _tuned(lin.weight.data, data.specs[n], cfg.minmax_tuning) for n, lin in data.linears.items()}
     inputs = data.inputs if cfg.quanted_input else data.fp_inputs
     originals = {n: lin.forward for n, lin in data.linears.items()}
     for n, lin in data.linears.items():

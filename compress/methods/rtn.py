@@ -6,7 +6,7 @@ from typing import Literal
 
 from compress.config import QuantizeConfig
 from compress.driver import BlockData
-from compress.primitives import rtn
+from compress.primitives import fit_mixed, rtn
 from compress.qweight import QuantizedWeight
 from compress.registry import register
 
@@ -23,11 +23,15 @@ class RTN:
     batch_size = 1
 
     def quantize_block(self, data: BlockData) -> dict[str, QuantizedWeight]:
-        return {
-            name: rtn(lin.weight.data, s.bits, s.group_size, s.sym)
-            for name, lin in data.linears.items()
-            for s in [data.specs[name]]
-        }
+        return {name: quantize_layer(lin.weight.data, data.specs[name]) for name, lin in data.linears.items()}
+
+
+def quantize_layer(W, s) -> QuantizedWeight:
+    """RTN at the layer's bits, or, with an allocation plan, each chunk fitted with its own option."""
+    if s.mixed is not None:
+        m = s.mixed
+        return fit_mixed(W, list(m.options), m.chunk_size, s.group_size, s.sym, m.energy, m.map_bits)
+    return rtn(W, s.bits, s.group_size, s.sym)
 
 
 @register("quantize", "rtn", RTNConfig, "round-to-nearest, group-wise, no calibration")

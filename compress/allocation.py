@@ -1,0 +1,245 @@
+"""Mixed-precision allocation over column chunks (ALGORITHMS.md 2, WINDQuant): the problem and the non-RL solvers.
+
+Pure functions over tensors (no model, no hooks). A *unit* is chunk `j` of a quantized linear: input
+columns `[j*c, (j+1)*c)` (the last chunk may be shorter). An *option* is a bit width and a treatment
+(`minmax` RTN, `clip` = activation-weighted clipping search, or 16-bit `keep`). For every unit and option:
+
+    cost(u, o) = exact storage bits (codes + fp16 scales + zero points + map_bits), qweight.unit_storage_bits
+    err(u, o)  = sum_{k in u} a_k * ||W[:, k] - Q_o(W)[:, k]||^2,   a_k = E[x_k^2] over calibration tokens
+
+The budget is `sum_u cost(u, o_u) <= floor(B * sum_u d_out * width_u)` in integer bits, i.e. the plan's
+effective bits (scales, zero points and the plan's own per-unit option index included) never exceed
+`B`. Solvers: `greedy` (start every unit at its cheapest option, then repeatedly take the upgrade with
+the best error decrease per extra bit that still fits), `lagrangian` (per unit argmin err + lambda*cost,
+lambda bisected to the smallest value that fits, then the same greedy fill), `uniform` (one option
+everywhere), and `fill` (the greedy upgrade loop from any feasible plan, never above the budget).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from fractions import Fraction
+
+import torch
+
+from compress.errors import BadInput
+from compress.primitives import fit, group_view
+from compress.qweight import KEEP_BITS, unit_storage_bits
+
+LAYER_TYPES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class Option:
+    bits: int  # 2..8, or 16 = keep in fp16
+    treatment: str  # minmax | clip | keep
+
+    @property
+    def label(self) -> str:
+        return f"{self.bits}-{self.treatment}"
+
+
+def map_bits(options) -> int:
+    """Bits to store one unit's option index: ceil(log2 |O|)."""
+    return max(1, math.ceil(math.log2(len(options))))
+
+
+def budget_bits(budget: float, n_weights: int) -> int:
+    """floor(B * n) computed exactly from the decimal budget."""
+    return math.floor(Fraction(str(budget)) * n_weights)
+
+
+@dataclass
+class Problem:
+    """Units in visiting order (layer by layer, chunk by chunk); every tensor is indexed by unit first."""
+
+    options: list[Option]
+    layers: list[str]  # layer names, in order
+    unit_layer: torch.Tensor  # (U,) index into layers
+    unit_chunk: torch.Tensor  # (U,) chunk index inside its layer
+    weights: torch.Tensor  # (U,) int64, d_out * width
+    cost: torch.Tensor  # (U, O) int64 bits
+    err: torch.Tensor  # (U, O) float64 proxy error
+    features: torch.Tensor  # (U, F) float32 static state features
+    budget: int  # bits
+
+    @property
+    def n_units(self) -> int:
+        return self.cost.shape[0]
+
+    def total_weights(self) -> int:
+        return int(self.weights.sum())
+
+    def cheapest(self) -> torch.Tensor:
+        """Per unit, the option of least cost, ties broken by least error."""
+        key = self.cost.double() * 1e6 + self.err / (self.err.max() + 1e-30)
+        return key.argmin(1)
+
+    def bits_of(self, choice: torch.Tensor) -> int:
+        return int(self.cost.gather(1, choice.view(-1, 1)).sum())
+
+    def err_of(self, choice: torch.Tensor) -> float:
+        return float(self.err.gather(1, choice.view(-1, 1)).sum())
+
+    def b_eff(self, choice: torch.Tensor) -> float:
+        return self.bits_of(choice) / self.total_weights()
+
+    def check_feasible(self) -> None:
+        least = int(self.cost.min(1).values.sum())
+        if least > self.budget:
+            raise BadInput(f"effective-bit budget {self.budget / self.total_weights():.4f} is below the cheapest "
+                           f"plan ({least / self.total_weights():.4f} bits: every unit at its cheapest option, "
+                           "scales, zero points and plan metadata included); raise `budget`, use a larger "
+                           "`group_size`, or add a cheaper option")
+
+
+# -- statistics -------------------------------------------------------------------------------------
+def layer_units(W: torch.Tensor, energy: torch.Tensor, options: list[Option], chunk_size: int, group_size: int,
+                sym: bool, mbits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(cost (n_chunks, O) int64, err (n_chunks, O) float64, W_hat (O, d_out, d_in)) of one layer.
+
+    Each option is fitted on the whole layer: every group lies in one chunk and fitting is per group,
+    so this equals fitting each chunk alone (what the quantize stage does)."""
+    d_out, d_in = W.shape
+    widths = [min(chunk_size, d_in - s) for s in range(0, d_in, chunk_size)]
+    W = W.detach().float()
+    hats, costs, errs = [], [], []
+    for o in options:
+        W_hat = W.half().float() if o.bits == KEEP_BITS else fit(W, o.bits, o.treatment, group_size, sym, energy)
+        W_hat = W_hat if isinstance(W_hat, torch.Tensor) else W_hat.dequantize()
+        col = (((W - W_hat) ** 2).double() * energy.double().view(1, -1)).sum(0)
+        errs.append(group_view(col.view(1, -1), chunk_size)[0].sum(-1))
+        costs.append(torch.tensor([unit_storage_bits(d_out, w, group_size, o.bits, sym, mbits) for w in widths]))
+        hats.append(W_hat)
+    return torch.stack(costs, 1), torch.stack(errs, 1), torch.stack(hats)
+
+
+def unit_features(W: torch.Tensor, energy: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    """Per chunk: log energy mean and max, weight std, max|w| and kurtosis (ALGORITHMS 2 state), (n_chunks, 5)."""
+    W = W.detach().float()
+    out = []
+    for s in range(0, W.shape[1], chunk_size):
+        w, a = W[:, s:s + chunk_size], energy[s:s + chunk_size].float()
+        std = w.std().clamp_min(1e-12)
+        kurt = (((w - w.mean()) / std) ** 4).mean()
+        out.append(torch.stack([torch.log(a.mean() + 1e-12), torch.log(a.max() + 1e-12), torch.log(std),
+                                torch.log(w.abs().max() + 1e-12), torch.log(kurt + 1e-12)]))
+    return torch.stack(out)
+
+
+def layer_type(name: str) -> int:
+    leaf = name.rsplit(".", 1)[-1]
+    return LAYER_TYPES.index(leaf) if leaf in LAYER_TYPES else len(LAYER_TYPES)
+
+
+def build_problem(layers: dict[str, tuple[torch.Tensor, torch.Tensor, int]], n_blocks: int, options: list[Option],
+                  chunk_size: int, group_size: int, sym: bool, budget: float, keep_hats: bool = True):
+    """Problem and {layer: W_hat stack (O, d_out, d_in)} from {name: (W, energy, block index)}; the stacks
+    (|O| fake-quantized copies of every layer, for a real-model reward) only with `keep_hats`, else {}."""
+    mbits = map_bits(options)
+    names, ul, uc, wts, costs, errs, feats, hats = [], [], [], [], [], [], [], {}
+    for li, (name, (W, energy, block)) in enumerate(layers.items()):
+        cost, err, hat = layer_units(W, energy, options, chunk_size, group_size, sym, mbits)
+        if keep_hats:
+            hats[name] = hat
+        n = cost.shape[0]
+        names.append(name)
+        ul += [li] * n
+        uc += list(range(n))
+        wts += [W.shape[0] * min(chunk_size, W.shape[1] - s) for s in range(0, W.shape[1], chunk_size)]
+        loge = torch.log(err + 1e-12)
+        cheap = cost.double().argmin(1)
+        rel = loge - loge.gather(1, cheap.view(-1, 1)).mean()
+        rel[:, [i for i, o in enumerate(options) if o.bits == KEEP_BITS]] = -10.0  # keep: e = 0
+        onehot = torch.zeros(n, len(LAYER_TYPES) + 1)
+        onehot[:, layer_type(name)] = 1
+        static = torch.cat([torch.full((n, 1), block / max(n_blocks - 1, 1)), onehot,
+                            (torch.arange(n) / max(n - 1, 1)).view(-1, 1), unit_features(W, energy, chunk_size),
+                            rel.float().clamp(-10, 10)], 1)
+        costs.append(cost)
+        errs.append(err)
+        feats.append(static)
+    weights = torch.tensor(wts, dtype=torch.int64)
+    feats = torch.cat(feats)
+    feats = (feats - feats.mean(0)) / feats.std(0).clamp_min(1e-6)  # standardised per feature
+    p = Problem(options, names, torch.tensor(ul), torch.tensor(uc), weights, torch.cat(costs), torch.cat(errs),
+                feats.float(), budget_bits(budget, int(weights.sum())))
+    p.check_feasible()
+    return p, hats
+
+
+# -- solvers ----------------------------------------------------------------------------------------
+def fill(p: Problem, choice: torch.Tensor) -> torch.Tensor:
+    """Greedy upgrades by best error decrease per extra bit, each one only if the total stays within budget."""
+    choice = choice.clone()
+    used = p.bits_of(choice)
+    if used > p.budget:
+        raise ValueError(f"plan uses {used} bits, above the budget of {p.budget}")
+    idx = torch.arange(p.n_units)
+    while True:
+        cur_c, cur_e = p.cost[idx, choice], p.err[idx, choice]
+        dc = (p.cost - cur_c.view(-1, 1)).double()
+        de = cur_e.view(-1, 1) - p.err
+        ok = (dc > 0) & (de > 0) & (dc <= p.budget - used)
+        if not ok.any():
+            return choice
+        ratio = torch.where(ok, de / dc.clamp_min(1), torch.tensor(-1.0, dtype=torch.float64))
+        u, o = divmod(int(ratio.argmax()), p.cost.shape[1])
+        used += int(dc[u, o])
+        choice[u] = o
+
+
+def greedy(p: Problem) -> torch.Tensor:
+    return fill(p, p.cheapest())
+
+
+def lagrangian(p: Problem) -> torch.Tensor:
+    """Multiple-choice knapsack by Lagrangian relaxation: min sum err + lambda * cost, bisect lambda, then fill."""
+    return fill(p, _relaxed(p, bit_price(p)))
+
+
+def _relaxed(p: Problem, lam: float) -> torch.Tensor:
+    return (p.err + lam * p.cost.double()).argmin(1)
+
+
+def bit_price(p: Problem, iters: int = 60) -> float:
+    """The smallest Lagrange multiplier lambda (error per bit) whose relaxed plan fits the budget."""
+    scale = float(p.err.max()) / max(float(p.cost.min()), 1.0)
+    lo, hi = 0.0, max(scale, 1e-30)
+    while p.bits_of(_relaxed(p, hi)) > p.budget:
+        hi *= 4
+    if p.bits_of(_relaxed(p, lo)) <= p.budget:
+        return lo
+    for _ in range(iters):
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if p.bits_of(_relaxed(p, mid)) <= p.budget else (mid, hi)
+    return hi
+
+
+def uniform(p: Problem, option: int) -> torch.Tensor:
+    return torch.full((p.n_units,), option, dtype=torch.int64)
+
+
+def nearest_uniform(p: Problem) -> int | None:
+    """The option whose uniform plan has the largest cost within the budget (least error on ties), or None."""
+    best = None
+    for o in range(len(p.options)):
+        c = p.bits_of(uniform(p, o))
+        if c <= p.budget:
+            key = (c, -p.err_of(uniform(p, o)))
+            if best is None or key > best[0]:
+                best = (key, o)
+    return None if best is None else best[1]
+
+
+def suffix_min(p: Problem) -> torch.Tensor:
+    """(U+1,) least cost of units u.. end (0 at U): the masking term of ALGORITHMS 2."""
+    least = p.cost.min(1).values
+    return torch.cat([least.flip(0).cumsum(0).flip(0), torch.zeros(1, dtype=torch.int64)])
+
+
+def action_mask(p: Problem, u: int, used: torch.Tensor, tail: torch.Tensor) -> torch.Tensor:
+    """(E, O) options allowed at unit `u` for episodes that used `used` (E,) bits: the episode stays
+    feasible when every later unit takes its cheapest option."""
+    return used.view(-1, 1) + p.cost[u].view(1, -1) + tail[u + 1] <= p.budget

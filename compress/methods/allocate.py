@@ -1,0 +1,479 @@
+"""`allocate` stage: mixed precision over column chunks under an effective-bit budget (ALGORITHMS.md 2).
+
+Methods: `rl` (PPO controller, compress/ppo.py), `greedy` (error-per-bit knapsack), `lagrangian`
+(multiple-choice knapsack by Lagrangian relaxation), `uniform` (one option everywhere: the nearest
+feasible uniform width, the benchmark's baseline) and `file` (a `plan.json` from an earlier run; no search).
+Every method writes `plan.json` and `plan_heatmap.png` to the run directory and hands the plan to the
+next `quantize` stage (which must follow, with the same `group_size` and `sym`, method `rtn` or
+`autoround`), where each unit is fitted with its option.
+
+Statistics: the layers are the next quantize stage's block linears. `a_k = E[x_k^2]` per input column is
+collected in one forward pass of the model as it is when the stage runs, i.e. on the **full-precision
+trajectory** (allocation runs before any quantization; after a `rotate` stage, the rotated FP model).
+The proxy error of every unit and option is computed from those statistics (`allocation.layer_units`).
+
+Terminal reward of the RL controller (`terminal`): `ppl` = -kappa * (log ppl_Q - log ppl_FP) and
+`hidden_mse` = -kappa * relative MSE of the final hidden states, both on the first `reward_samples`
+calibration sequences cut to `reward_seqlen` tokens, with every planned linear replaced by its plan's
+fake-quantized weight; `none` = proxy reward only. The terminal reward keeps every option's fake-quantized
+copy of every planned layer in memory (|options| x the planned weights in fp32): meant for small and mid-size
+models; use `terminal: none` (or `greedy` / `lagrangian`) where that does not fit.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, Optional
+
+import torch
+from pydantic import Field, field_validator, model_validator
+
+from compress.allocation import Option, Problem, build_problem, greedy, lagrangian, map_bits, nearest_uniform, uniform
+from compress.config import StrictModel, check_group_size
+from compress.driver import LayerSpec, MixedSpec, collect_energy
+from compress.errors import BadInput
+from compress.qweight import KEEP_BITS, unit_storage_bits
+from compress.registry import register
+
+log = logging.getLogger(__name__)
+
+PLAN_FORMAT, PLAN_VERSION = "compress-plan", 1
+PLAN_FILE, HEATMAP_FILE, CURVE_FILE = "plan.json", "plan_heatmap.png", "rl_curve.png"
+TREATMENT_NAMES = ("minmax", "clip", "keep")
+
+
+class OptionSpec(StrictModel):
+    bits: int = Field(..., description="2..8, or 16 = keep the chunk in fp16")
+    treatment: Literal["minmax", "clip", "keep"] = Field("minmax", description="minmax RTN, activation-weighted "
+                                                                                "clipping search, or keep (16 bits)")
+
+    @model_validator(mode="after")
+    def _pair(self):
+        if (self.bits == KEEP_BITS) != (self.treatment == "keep"):
+            raise ValueError("bits 16 goes with treatment `keep` and only with it")
+        if self.bits != KEEP_BITS and not 2 <= self.bits <= 8:
+            raise ValueError(f"bits must be 2..8 or 16, got {self.bits}")
+        return self
+
+
+def default_options() -> list[OptionSpec]:
+    return [OptionSpec(bits=b, treatment=t) for b in (2, 3, 4, 8) for t in ("minmax", "clip")] + [
+        OptionSpec(bits=16, treatment="keep")]
+
+
+class AllocateConfig(StrictModel):
+    stage: Literal["allocate"] = "allocate"
+    method: str
+    budget: float = Field(..., gt=0, description="global effective bits per weight (scales, zeros, plan metadata "
+                                                 "included); never exceeded")
+    group_size: int = Field(64, description="group length (must equal the next quantize stage's)")
+    chunk_size: int = Field(64, gt=0, description="unit width in input columns, a multiple of group_size")
+    sym: bool = Field(False, description="symmetric quantization (must equal the next quantize stage's)")
+    options: list[OptionSpec] = Field(default_factory=default_options, min_length=1,
+                                      description="(bits, treatment) options per unit")
+
+    _gs = field_validator("group_size")(lambda cls, v: check_group_size(v))
+
+    @model_validator(mode="after")
+    def _chunks(self):
+        if self.group_size == -1:
+            raise ValueError("group_size -1 (per-channel) cannot be cut into chunks; use a group size")
+        if self.chunk_size % self.group_size:
+            raise ValueError(f"chunk_size {self.chunk_size} is not a multiple of group_size {self.group_size}")
+        labels = [(o.bits, o.treatment) for o in self.options]
+        if len(set(labels)) != len(labels):
+            raise ValueError("options are listed more than once")
+        return self
+
+    def option_list(self) -> list[Option]:
+        return [Option(o.bits, o.treatment) for o in self.options]
+
+
+class GreedyConfig(AllocateConfig):
+    method: Literal["greedy"] = "greedy"
+
+
+class LagrangianConfig(AllocateConfig):
+    method: Literal["lagrangian"] = "lagrangian"
+
+
+class UniformConfig(AllocateConfig):
+    method: Literal["uniform"] = "uniform"
+
+
+class RLConfig(AllocateConfig):
+    method: Literal["rl"] = "rl"
+    updates: int = Field(50, ge=1, description="PPO updates")
+    episodes: int = Field(8, ge=1, description="episodes per update")
+    epochs: int = Field(4, ge=1)
+    minibatch: int = Field(256, ge=1, description="steps per PPO minibatch")
+    lr: float = Field(3e-4, gt=0)
+    entropy: float = Field(0.01, ge=0)
+    hidden: int = Field(256, ge=8)
+    terminal: Literal["ppl", "hidden_mse", "none"] = Field("ppl", description="terminal reward from the real model")
+    kappa: float = Field(10.0, ge=0, description="terminal reward scale")
+    reward_samples: int = Field(8, ge=1, description="calibration sequences for the terminal reward")
+    reward_seqlen: int = Field(128, ge=2, description="tokens per terminal-reward sequence")
+    seed: Optional[int] = Field(None, ge=0, description="PPO seed (default: calibration.seed)")
+
+
+class FileConfig(StrictModel):
+    stage: Literal["allocate"] = "allocate"
+    method: Literal["file"] = "file"
+    path: str = Field(..., min_length=1, description="plan.json of an earlier run")
+
+
+# -- the plan -------------------------------------------------------------------------------------
+@dataclass
+class Plan:
+    """unit -> option, per layer: `layers[name][j]` is the option index of chunk j."""
+
+    options: list[Option]
+    chunk_size: int
+    group_size: int
+    sym: bool
+    budget: float
+    layers: dict[str, list[int]]
+    shapes: dict[str, tuple[int, int]]
+    method: str
+    energy: dict[str, torch.Tensor] | None = None
+    info: dict | None = None
+
+    @property
+    def map_bits(self) -> int:
+        return map_bits(self.options)
+
+    def layer_spec(self, name: str) -> LayerSpec:
+        opts = tuple((self.options[i].bits, self.options[i].treatment) for i in self.layers[name])
+        quantized = [b for b, _ in opts if b != KEEP_BITS]
+        mixed = MixedSpec(self.chunk_size, opts, self.map_bits, None if self.energy is None else self.energy[name])
+        return LayerSpec(max(quantized, default=8), self.group_size, self.sym, mixed)
+
+    def layer_bits(self, name: str) -> int:
+        d_out, d_in = self.shapes[name]
+        c = self.chunk_size
+        return sum(unit_storage_bits(d_out, min(c, d_in - j * c), self.group_size, self.options[i].bits, self.sym,
+                                     self.map_bits) for j, i in enumerate(self.layers[name]))
+
+    def total_bits(self) -> int:
+        return sum(self.layer_bits(n) for n in self.layers)
+
+    def total_weights(self) -> int:
+        return sum(o * i for o, i in self.shapes.values())
+
+    def effective_bits(self) -> float:
+        return self.total_bits() / self.total_weights()
+
+    def to_json(self) -> dict:
+        return {
+            "format": PLAN_FORMAT, "version": PLAN_VERSION, "method": self.method, "budget": self.budget,
+            "chunk_size": self.chunk_size, "group_size": self.group_size, "sym": self.sym,
+            "map_bits": self.map_bits, "options": [{"bits": o.bits, "treatment": o.treatment} for o in self.options],
+            "effective_bits": self.effective_bits(), "total_bits": self.total_bits(),
+            "total_weights": self.total_weights(),
+            "layers": {n: {"shape": list(self.shapes[n]), "options": self.layers[n],
+                           "bits": [self.options[i].bits for i in self.layers[n]],
+                           "effective_bits": self.layer_bits(n) / (self.shapes[n][0] * self.shapes[n][1])}
+                       for n in self.layers},
+            "info": self.info or {},
+        }
+
+    @classmethod
+    def from_json(cls, data: dict, where: str) -> "Plan":
+        if data.get("format") != PLAN_FORMAT or data.get("version") != PLAN_VERSION:
+            raise BadInput(f"{where} is not a {PLAN_FORMAT} version {PLAN_VERSION} file "
+                           f"(format {data.get('format')!r}, version {data.get('version')!r})")
+        options = [Option(o["bits"], o["treatment"]) for o in data["options"]]
+        plan = cls(options, data["chunk_size"], data["group_size"], data["sym"], data["budget"],
+                   {n: list(v["options"]) for n, v in data["layers"].items()},
+                   {n: tuple(v["shape"]) for n, v in data["layers"].items()}, data["method"], info=data.get("info"))
+        for n, v in data["layers"].items():
+            want = math.ceil(v["shape"][1] / plan.chunk_size)
+            if len(v["options"]) != want or any(not 0 <= i < len(options) for i in v["options"]):
+                raise BadInput(f"{where}: layer {n} needs {want} option indices in [0, {len(options)})")
+        if plan.total_bits() != data["total_bits"]:
+            raise BadInput(f"{where}: recorded total_bits {data['total_bits']} does not match the plan "
+                           f"({plan.total_bits()}); the file was edited or is corrupt")
+        return plan
+
+
+def plan_from_choice(p: Problem, choice: torch.Tensor, shapes: dict, cfg: AllocateConfig, method: str,
+                     energy: dict, info: dict) -> Plan:
+    layers = {n: [] for n in p.layers}
+    for u in range(p.n_units):
+        layers[p.layers[int(p.unit_layer[u])]].append(int(choice[u]))
+    plan = Plan(p.options, cfg.chunk_size, cfg.group_size, cfg.sym, cfg.budget, layers, shapes, method, energy, info)
+    assert plan.total_bits() == p.bits_of(choice) <= p.budget  # the two accountings agree, budget holds
+    return plan
+
+
+# -- plan-time checks -------------------------------------------------------------------------------
+def _next_quantize(recipe, cfg):
+    configs = recipe.stage_configs
+    i = next(k for k, c in enumerate(configs) if c is cfg)
+    q = next((c for c in configs[i + 1:] if c.stage == "quantize"), None)
+    between = [c for c in configs[i + 1:] if c.stage == "allocate"]
+    if q is None:
+        raise BadInput(f"stage {i} (`allocate`) needs a `quantize` stage after it to apply the plan")
+    if between and configs.index(between[0]) < configs.index(q):
+        raise BadInput(f"stage {i} (`allocate`) is followed by another `allocate` before any `quantize`")
+    if q.method not in ("rtn", "autoround"):
+        raise BadInput(f"the `quantize` stage after `allocate` uses method `{q.method}`; mixed-precision plans are "
+                       "fitted by `rtn` (plain fitting) or `autoround`")
+    return q
+
+
+def _planned(adapter, q) -> dict:
+    """{name: (linear, block index)} of the block linears the next quantize stage rounds."""
+    from compress.quantize_stage import layer_spec
+
+    out = {}
+    for i in range(len(adapter.blocks)):
+        for name, lin in adapter.block_linears(i).items():
+            if layer_spec(name, lin, q) is not None:
+                out[name] = (lin, i)
+    return out
+
+
+def check(adapter, cfg, recipe) -> None:
+    q = _next_quantize(recipe, cfg)
+    layers = _planned(adapter, q)
+    if cfg.method == "file":
+        _check_plan_file(_read_plan(cfg.path), layers, q, cfg.path)
+        return
+    if (q.group_size, q.sym) != (cfg.group_size, cfg.sym):
+        raise BadInput(f"allocate (group_size {cfg.group_size}, sym {cfg.sym}) and the next quantize stage "
+                       f"(group_size {q.group_size}, sym {q.sym}) must agree")
+    total = least = 0
+    mbits = map_bits(cfg.options)
+    for name, (lin, _) in layers.items():
+        d_out, d_in = lin.weight.shape
+        if cfg.group_size > d_in:
+            raise BadInput(f"group_size {cfg.group_size} is larger than layer `{name}` (in_features {d_in})")
+        for s in range(0, d_in, cfg.chunk_size):
+            w = min(cfg.chunk_size, d_in - s)
+            least += min(unit_storage_bits(d_out, w, cfg.group_size, o.bits, cfg.sym, mbits) for o in cfg.options)
+            total += d_out * w
+    if least > cfg.budget * total:
+        raise BadInput(f"allocate budget {cfg.budget} is below the cheapest plan ({least / total:.4f} effective "
+                       "bits with every unit at its cheapest option, scales, zero points and plan metadata "
+                       "included); raise `budget`, use a larger `group_size`, or add a cheaper option")
+
+
+def _read_plan(path: str) -> Plan:
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise BadInput(f"plan file `{path}` does not exist")
+    try:
+        data = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise BadInput(f"plan file `{path}` is not JSON: {e}") from e
+    return Plan.from_json(data, path)
+
+
+def _check_plan_file(plan: Plan, layers: dict, q, where: str) -> None:
+    if (q.group_size, q.sym) != (plan.group_size, plan.sym):
+        raise BadInput(f"plan `{where}` (group_size {plan.group_size}, sym {plan.sym}) and the next quantize stage "
+                       f"(group_size {q.group_size}, sym {q.sym}) must agree")
+    missing = sorted(set(layers) ^ set(plan.layers))
+    if missing:
+        raise BadInput(f"plan `{where}` does not cover the same layers as this recipe (e.g. `{missing[0]}`)")
+    for name, (lin, _) in layers.items():
+        if tuple(lin.weight.shape) != tuple(plan.shapes[name]):
+            raise BadInput(f"plan `{where}`: layer {name} is {tuple(plan.shapes[name])} in the plan, "
+                           f"{tuple(lin.weight.shape)} in the model")
+
+
+# -- running ----------------------------------------------------------------------------------------
+def collect_stats(ctx, layers: dict) -> dict[str, torch.Tensor]:
+    """a_k = E[x_k^2] per input column of every planned linear, FP trajectory, one pass of the model."""
+    taps = {name: (lin, "input") for name, (lin, _) in layers.items()}
+    return {n: e.float() for n, e in collect_energy(ctx.model, ctx.calibration_tokens(), taps).items()}
+
+
+class Terminal:
+    """The real-model terminal reward: plan -> -kappa * (log ppl_Q - log ppl_FP) (or relative hidden MSE)."""
+
+    def __init__(self, model, layers: dict, hats: dict, p: Problem, tokens: torch.Tensor, kind: str, kappa: float,
+                 chunk_size: int):
+        self.model, self.p, self.kind, self.kappa = model, p, kind, kappa
+        self.lins = {n: lin for n, (lin, _) in layers.items()}
+        self.hats, self.tokens, self.c = hats, tokens, chunk_size
+        self.fp = {n: lin.weight.detach().clone() for n, lin in self.lins.items()}
+        self.ref = self._measure()
+
+    @torch.no_grad()
+    def _measure(self):
+        out = self.model(input_ids=self.tokens, use_cache=False, output_hidden_states=self.kind == "hidden_mse")
+        if self.kind == "hidden_mse":
+            return out.hidden_states[-1].float()
+        logits = out.logits[:, :-1].float()
+        return float(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                                       self.tokens[:, 1:].reshape(-1)))
+
+    @torch.no_grad()
+    def apply(self, choice: torch.Tensor) -> None:
+        start = 0
+        for li, name in enumerate(self.p.layers):
+            hat = self.hats[name]
+            n = int((self.p.unit_layer == li).sum())
+            cols = choice[start:start + n].repeat_interleave(self.c)[: hat.shape[2]]
+            start += n
+            idx = cols.view(1, 1, -1).expand(1, hat.shape[1], -1)
+            self.lins[name].weight.copy_(hat.gather(0, idx)[0])
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        for n, lin in self.lins.items():
+            lin.weight.copy_(self.fp[n])
+
+    def __call__(self, choice: torch.Tensor) -> float:
+        self.apply(choice)
+        try:
+            q = self._measure()
+        finally:
+            self.restore()
+        if self.kind == "hidden_mse":
+            return -self.kappa * float(((q - self.ref) ** 2).mean() / (self.ref ** 2).mean())
+        return -self.kappa * (q - self.ref)
+
+
+def _apply(ctx, cfg) -> dict:
+    q = _next_quantize(ctx.loaded.recipe, cfg)
+    layers = _planned(ctx.adapter, q)
+    shapes = {n: tuple(lin.weight.shape) for n, (lin, _) in layers.items()}
+    t0 = time.time()
+    energy = collect_stats(ctx, layers)
+    resumed = _resumed_plan(ctx)
+    if cfg.method == "file" or resumed is not None:
+        plan = resumed or _read_plan(cfg.path)
+        _check_plan_file(plan, layers, q, getattr(cfg, "path", PLAN_FILE))
+        plan.energy = energy
+        return _finish(ctx, plan, None, time.time() - t0)
+    data = {n: (lin.weight.data, energy[n], i) for n, (lin, i) in layers.items()}
+    needs_hats = cfg.method == "rl" and cfg.terminal != "none"
+    p, hats = build_problem(data, len(ctx.adapter.blocks), cfg.option_list(), cfg.chunk_size, cfg.group_size,
+                            cfg.sym, cfg.budget, keep_hats=needs_hats)
+    stats_s = time.time() - t0
+    curve, info = None, {}
+    if cfg.method == "rl":
+        choice, curve, info = _search_rl(ctx, cfg, layers, hats, p)
+    elif cfg.method == "greedy":
+        choice = greedy(p)
+    elif cfg.method == "lagrangian":
+        choice = lagrangian(p)
+    else:
+        o = nearest_uniform(p)
+        if o is None:
+            raise BadInput(f"no single option fits the budget {cfg.budget} uniformly")
+        choice = uniform(p, o)
+    info.update(proxy_error=p.err_of(choice), statistics_seconds=round(stats_s, 3),
+                search_seconds=round(time.time() - t0 - stats_s, 3), units=p.n_units)
+    plan = plan_from_choice(p, choice, shapes, cfg, cfg.method, energy, info)
+    return _finish(ctx, plan, curve, time.time() - t0)
+
+
+def _search_rl(ctx, cfg: RLConfig, layers, hats, p: Problem):
+    from compress.ppo import PPOSettings, train
+
+    terminal = None
+    if cfg.terminal != "none":
+        toks = ctx.calibration_tokens()[: cfg.reward_samples, : cfg.reward_seqlen]
+        terminal = Terminal(ctx.model, layers, hats, p, toks, cfg.terminal, cfg.kappa, cfg.chunk_size)
+    s = PPOSettings(updates=cfg.updates, episodes=cfg.episodes, epochs=cfg.epochs, minibatch=cfg.minibatch,
+                    lr=cfg.lr, entropy=cfg.entropy, hidden=cfg.hidden,
+                    seed=cfg.seed if cfg.seed is not None else ctx.seed)
+    bar = ctx.progress(total=cfg.updates, desc=f"{ctx.key} PPO", unit="update")
+    res = train(p, terminal, s, lambda i, row: bar.update(1))
+    bar.close()
+    info = {"picked": res.picked, "final_terminal": terminal(res.choice) if terminal else None}
+    return res.choice, res.curve, info
+
+
+def _resumed_plan(ctx) -> Plan | None:
+    st = ctx.workspace.manifest["stages"].get(ctx.key, {})
+    path = ctx.workspace.path(PLAN_FILE)
+    if st.get("status") == "done" and path.is_file():
+        return Plan.from_json(json.loads(path.read_text()), str(path))
+    return None
+
+
+def _finish(ctx, plan: Plan, curve, seconds: float) -> dict:
+    ctx.plan = plan
+    ws = ctx.workspace
+    ws.write_json(PLAN_FILE, plan.to_json())
+    write_heatmap(plan, ws.path(HEATMAP_FILE))
+    files = {"plan": PLAN_FILE, "heatmap": HEATMAP_FILE}
+    if curve:
+        ws.write_json("rl_curve.json", curve)
+        write_curve(curve, ws.path(CURVE_FILE))
+        files["curve"] = CURVE_FILE
+    ctx.allocation = {"method": plan.method, "budget": plan.budget, "effective_bits": round(plan.effective_bits(), 6),
+                      "units": sum(len(v) for v in plan.layers.values()), **files}
+    log.info("allocation %s: %.4f effective bits (budget %s) over %d layers", plan.method, plan.effective_bits(),
+             plan.budget, len(plan.layers))
+    return {"effective_bits": plan.effective_bits(), "budget": plan.budget, "layers": len(plan.layers),
+            "seconds": round(seconds, 3), **(plan.info or {})}
+
+
+# -- pictures ---------------------------------------------------------------------------------------
+def write_heatmap(plan: Plan, path: Path) -> None:
+    """Bits per layer (rows) and chunk (columns); missing chunks (narrow layers) blank."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    names = list(plan.layers)
+    width = max(len(v) for v in plan.layers.values())
+    grid = np.full((len(names), width), np.nan)
+    for r, n in enumerate(names):
+        grid[r, : len(plan.layers[n])] = [plan.options[i].bits for i in plan.layers[n]]
+    fig, ax = plt.subplots(figsize=(max(4, 0.35 * width + 3), max(3, 0.18 * len(names) + 1.5)))
+    im = ax.imshow(grid, aspect="auto", cmap="viridis", vmin=2, vmax=16, interpolation="nearest")
+    ax.set_yticks(range(len(names)), [n.removeprefix("model.") for n in names], fontsize=5)
+    ax.set_xlabel(f"chunk ({plan.chunk_size} input columns)")
+    ax.set_title(f"{plan.method}: {plan.effective_bits():.4f} effective bits (budget {plan.budget})", fontsize=8)
+    fig.colorbar(im, ax=ax, label="bits")
+    fig.tight_layout()
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    tmp.replace(path)
+
+
+def write_curve(curves, path: Path, labels=None) -> None:
+    """RL learning curve(s): mean episode return per PPO update."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if curves and isinstance(curves[0], dict):
+        curves, labels = [curves], labels or ["return"]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for c, lab in zip(curves, labels or [None] * len(curves)):
+        ax.plot([r["update"] for r in c], [r["return"] for r in c], label=lab)
+    ax.set_xlabel("PPO update")
+    ax.set_ylabel("mean episode return")
+    if labels:
+        ax.legend(fontsize=6)
+    fig.tight_layout()
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    tmp.replace(path)
+
+
+for _cls, _name, _desc in ((RLConfig, "rl", "PPO allocation of bits/treatments to column chunks (WINDQuant)"),
+                           (GreedyConfig, "greedy", "greedy error-per-bit knapsack over column chunks"),
+                           (LagrangianConfig, "lagrangian", "Lagrangian multiple-choice knapsack over column chunks"),
+                           (UniformConfig, "uniform", "one option for every chunk (nearest feasible uniform width)"),
+                           (FileConfig, "file", "a plan.json from an earlier run (no search)")):
+    register("allocate", _name, _cls, _desc, check=check)(_apply)

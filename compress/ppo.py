@@ -1,0 +1,206 @@
+"""A small deterministic PPO controller for chunk allocation (ALGORITHMS.md 2; our own implementation).
+
+Episode: units are visited in problem order (layer by layer, chunk by chunk); the state of unit u is its
+static features (depth, layer type, chunk position, energy and weight statistics, relative log proxy
+error per option) plus the remaining discretionary budget fraction, the fraction of units left and the
+previous action (one-hot). The action is an option, masked so that the episode can always finish
+within the budget (`allocation.action_mask`). Reward: dense `-err(u, a) / sum_u err(u, cheapest)` per
+step, plus potential-based budget shaping (Ng, Harada & Russell 1999) with potential
+`Phi(s) = price * slack(s)`, the discretionary bits left times the Lagrangian bit price of the problem
+(`allocation.bit_price`, normalised like the errors), 0 at the end: each action pays `price * extra bits`
+at once and the last step pays for the slack left. The shaping sums to the constant `-Phi(s_0)`, so it
+changes no policy's ranking by return, but with GAE each action sees its bit price immediately instead of
+through the units forced to their cheapest option at the end of the episode. Plus a terminal reward from
+the real model (`terminal(choice) -> float`, e.g. `-kappa * (log ppl_Q - log ppl_FP)` on a calibration
+slice) at the last step.
+
+PPO: clip 0.2, gamma 1 (episodic), GAE lambda 0.95, Adam, entropy bonus, value loss coefficient,
+`episodes` parallel episodes per update, `epochs` passes over minibatches of `minibatch` steps.
+Policy and critic: separate 2-layer tanh MLPs. Everything is seeded from `seed` (torch.Generator for
+sampling and minibatch order, `torch.manual_seed` under a fork_rng for the initial weights).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import nn
+
+from compress.allocation import Problem, action_mask, bit_price, fill, suffix_min
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PPOSettings:
+    updates: int = 50
+    episodes: int = 8
+    epochs: int = 4
+    minibatch: int = 256
+    lr: float = 3e-4
+    clip: float = 0.2
+    gae_lambda: float = 0.95
+    entropy: float = 0.01
+    value_coef: float = 0.5
+    hidden: int = 256
+    seed: int = 0
+    final_samples: int = 32  # plans sampled from the trained policy, besides its argmax plan
+
+
+@dataclass
+class PPOResult:
+    choice: torch.Tensor  # final plan (after the budget fill)
+    picked: str = "argmax"  # which candidate became the plan
+    curve: list[dict] = field(default_factory=list)  # per update: mean return, proxy, terminal
+    seconds: float = 0.0
+
+
+def mlp(n_in: int, n_out: int, hidden: int) -> nn.Sequential:
+    return nn.Sequential(nn.Linear(n_in, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh(),
+                         nn.Linear(hidden, n_out))
+
+
+class Rollout:
+    """Runs E masked episodes in lockstep and records what the PPO update needs."""
+
+    def __init__(self, p: Problem):
+        self.p, self.tail = p, suffix_min(p)
+        self.n_opt = len(p.options)
+        self.dense_norm = float(p.err.gather(1, p.cheapest().view(-1, 1)).sum()) or 1.0
+        self.slack0 = max(p.budget - int(self.tail[0]), 1)
+        self.extra = (p.cost - p.cost.min(1, keepdim=True).values).double()  # (U, O) bits above the cheapest
+        self.price = bit_price(p) / self.dense_norm  # shaping potential per discretionary bit
+
+    def state(self, u: int, used: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+        """Static features of unit u, discretionary budget left (fraction), units left (fraction), the price
+        of each option in shares of the budget left per remaining unit (log1p), previous action one-hot."""
+        E, U = used.shape[0], self.p.n_units
+        slack = (self.p.budget - used - self.tail[u]).double()
+        share = slack.clamp_min(0).view(-1, 1) / (U - u) + 1.0
+        price = torch.log1p(self.extra[u].view(1, -1) / share).clamp(max=10)
+        prev1 = torch.zeros(E, self.n_opt + 1)
+        prev1[torch.arange(E), prev] = 1
+        return torch.cat([self.p.features[u].expand(E, -1), (slack / self.slack0).float().view(-1, 1),
+                          torch.full((E, 1), (U - u) / U), price.float(), prev1], 1)
+
+    @property
+    def n_features(self) -> int:
+        return self.p.features.shape[1] + 2 + 2 * self.n_opt + 1
+
+    def run(self, policy: nn.Module, E: int, gen: torch.Generator | None, sample: bool = True):
+        p, U = self.p, self.p.n_units
+        used = torch.zeros(E, dtype=torch.int64)
+        prev = torch.full((E,), self.n_opt, dtype=torch.int64)
+        S, A, M, LP, R = [], [], [], [], []
+        with torch.no_grad():
+            for u in range(U):
+                s = self.state(u, used, prev)
+                mask = action_mask(p, u, used, self.tail)
+                logits = policy(s).masked_fill(~mask, -1e9)
+                dist = torch.distributions.Categorical(logits=logits)
+                a = torch.multinomial(dist.probs, 1, generator=gen).view(-1) if sample else logits.argmax(1)
+                S.append(s), A.append(a), M.append(mask), LP.append(dist.log_prob(a))
+                shaping = -self.price * (self.extra[u, a] if u + 1 < U else (p.budget - used - self.tail[u]).double())
+                R.append(-p.err[u, a].float() / self.dense_norm + shaping.float())
+                used = used + p.cost[u, a]
+                prev = a
+        return torch.stack(S), torch.stack(A), torch.stack(M), torch.stack(LP), torch.stack(R)
+
+
+def gae(rewards: torch.Tensor, values: torch.Tensor, lam: float) -> torch.Tensor:
+    """(T, E) advantages with gamma = 1 and a terminal state after step T-1."""
+    T = rewards.shape[0]
+    adv = torch.zeros_like(rewards)
+    last = torch.zeros(rewards.shape[1])
+    for t in reversed(range(T)):
+        nxt = values[t + 1] if t + 1 < T else torch.zeros_like(last)
+        delta = rewards[t] + nxt - values[t]
+        last = delta + lam * last
+        adv[t] = last
+    return adv
+
+
+def train(p: Problem, terminal: Callable[[torch.Tensor], float] | None, s: PPOSettings,
+          progress: Callable[[int, dict], None] | None = None) -> PPOResult:
+    """Train the controller, then return the better (by terminal reward, else proxy) of the argmax plan
+    and the best sampled episode, each filled greedily toward the budget. The controller's tensors are
+    tiny (E x 256), so it runs on one intra-op thread (several threads only add synchronisation)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _train(p, terminal, s, progress)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train(p: Problem, terminal, s: PPOSettings, progress) -> PPOResult:
+    t0 = time.time()
+    ro = Rollout(p)
+    with torch.random.fork_rng():
+        torch.manual_seed(s.seed)
+        policy, critic = mlp(ro.n_features, ro.n_opt, s.hidden), mlp(ro.n_features, 1, s.hidden)
+    opt = torch.optim.Adam(list(policy.parameters()) + list(critic.parameters()), lr=s.lr)
+    gen = torch.Generator().manual_seed(s.seed)
+    best = (-float("inf"), None)
+    curve = []
+    for upd in range(s.updates):
+        S, A, M, LP, R = ro.run(policy, s.episodes, gen)
+        choices = A.T  # (E, U)
+        term = torch.tensor([terminal(c) if terminal else 0.0 for c in choices])
+        R[-1] += term
+        ret = R.sum(0)
+        i = int(ret.argmax())
+        if float(ret[i]) > best[0]:
+            best = (float(ret[i]), choices[i].clone())
+        with torch.no_grad():
+            V = critic(S).squeeze(-1)
+        adv = gae(R, V, s.gae_lambda)
+        _update(policy, critic, opt, S, A, M, LP, adv, adv + V, s, gen)
+        proxy = torch.stack([torch.tensor(p.err_of(c)) for c in choices]) / ro.dense_norm
+        row = {"update": upd, "return": float(ret.mean()), "proxy": float(proxy.mean()),
+               "terminal": float(term.mean()), "best_return": best[0]}
+        curve.append(row)
+        if progress:
+            progress(upd, row)
+    return PPOResult(*_final(p, ro, policy, terminal, best[1], s, gen), curve=curve, seconds=time.time() - t0)
+
+
+def _final(p: Problem, ro: Rollout, policy, terminal, best_seen, s: PPOSettings, gen):
+    """The plan: among the argmax decode, the best training episode and `final_samples` fresh samples of the
+    trained policy, each filled toward the budget, the one with the best proxy error; with a terminal reward,
+    the best by (terminal - normalised proxy) among the argmax, the best seen and the 4 best-proxy samples."""
+    _, A, *_ = ro.run(policy, 1, None, sample=False)
+    cands = {"argmax": fill(p, A[:, 0]), "best-seen": fill(p, best_seen)}
+    if s.final_samples:
+        _, A, *_ = ro.run(policy, s.final_samples, gen)
+        filled = sorted((fill(p, a) for a in A.T), key=p.err_of)
+        cands.update({f"sample-{k}": c for k, c in enumerate(filled[:4])})
+    score = {k: (terminal(c) if terminal else 0.0) - p.err_of(c) / ro.dense_norm for k, c in cands.items()}
+    picked = max(score, key=score.get)
+    return cands[picked], picked
+
+
+def _update(policy, critic, opt, S, A, M, LP, adv, ret, s: PPOSettings, gen) -> None:
+    T, E = A.shape
+    flat = lambda x: x.reshape(T * E, *x.shape[2:])  # noqa: E731
+    S, A, M, LP, adv, ret = map(flat, (S, A, M, LP, adv, ret))
+    adv = (adv - adv.mean()) / (adv.std() + 1e-8)
+    n = S.shape[0]
+    for _ in range(s.epochs):
+        order = torch.randperm(n, generator=gen)
+        for k in range(0, n, s.minibatch):
+            idx = order[k:k + s.minibatch]
+            logits = policy(S[idx]).masked_fill(~M[idx], -1e9)
+            dist = torch.distributions.Categorical(logits=logits)
+            ratio = torch.exp(dist.log_prob(A[idx]) - LP[idx])
+            pg = -torch.min(ratio * adv[idx], ratio.clamp(1 - s.clip, 1 + s.clip) * adv[idx]).mean()
+            v = critic(S[idx]).squeeze(-1)
+            loss = pg + s.value_coef * ((v - ret[idx]) ** 2).mean() - s.entropy * dist.entropy().mean()
+            opt.zero_grad()
+            loss.backward()
+            nn.utils.clip_grad_norm_(list(policy.parameters()) + list(critic.parameters()), 0.5)
+            opt.step()

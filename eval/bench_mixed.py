@@ -1,0 +1,235 @@
+"""`compress bench quality --suite mixed`: mixed-precision allocation (ALGORITHMS.md 2) against its baselines.
+
+On the models that are sensitive at low bits (stories260K, stories-llama-1m), at effective budgets 2.25,
+2.5 and 3.0 bits, every cell is one real pipeline run (`allocate` then `quantize: rtn`) with the same
+calibration and evaluation: `uniform` (the single option whose uniform plan has the most bits within the
+budget: the nearest feasible width), `greedy` (error-per-bit knapsack), `lagrangian` (multiple-choice
+knapsack by Lagrangian relaxation) and `rl` (PPO controller with the perplexity terminal reward), for
+three seeds (the seed picks the calibration windows and the PPO seed). The final rounding of every unit is
+plain fitting (min-max or the activation-weighted clipping search of its option), not AutoRound, so that
+the matrix fits a 2-core machine; the allocators are compared on the same rounding.
+
+Group size (= chunk width) per budget: the smallest of 32, 64, 128 whose 2-bit asymmetric option costs at
+most `budget - 0.1` effective bits (3.0 -> 32, 2.5 -> 64, 2.25 -> 128), so every budget leaves room to
+mix. A model whose layers are narrower than that group (stories260K: d_in 64 cannot hold a 128-group, and
+2.25 bits is below its cheapest plan at any smaller group) is reported as infeasible at that budget.
+Scores: perplexity, mean KL(FP || Q) and top-1 on the evaluation text; the exact effective bits of the
+plan (codes + fp16 scales + zero points + plan metadata); allocation seconds (statistics + search).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import shutil
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import yaml
+
+from compress.eval import bench_quality as bq
+
+METHODS = ("uniform", "greedy", "lagrangian", "rl")
+METRICS = ("ppl", "kl", "top1", "effective_bits", "alloc_seconds", "search_seconds")
+GROUPS = (32, 64, 128)
+
+
+@dataclass(frozen=True)
+class MixedSettings:
+    base: bq.Settings = replace(bq.FULL, eval_tokens=16_384)
+    seeds: tuple[int, ...] = (0, 1, 2)
+    budgets: tuple[float, ...] = (2.25, 2.5, 3.0)
+    updates: int = 100
+    episodes: int = 8
+    reward_samples: int = 8
+    reward_seqlen: int = 128
+
+
+FULL = MixedSettings()
+QUICK = MixedSettings(base=replace(bq.QUICK, eval_tokens=512), seeds=(0,), budgets=(3.0,), updates=2, episodes=2,
+                      reward_samples=2, reward_seqlen=32)
+
+
+def group_for(budget: float) -> int:
+    return next(g for g in GROUPS if 2 + 18 / g <= budget - 0.1)
+
+
+def recipe(bench, path, calib, method, budget, seed, s: MixedSettings) -> dict:
+    g = group_for(budget)
+    base = replace(s.base, seed=seed)
+    rec = bq.recipe(bench, path, calib, "rtn", 4, base)
+    alloc = {"stage": "allocate", "method": method, "budget": budget, "group_size": g, "chunk_size": g, "sym": False}
+    if method == "rl":
+        alloc.update(updates=s.updates, episodes=s.episodes, reward_samples=s.reward_samples,
+                     reward_seqlen=min(s.reward_seqlen, base.seqlen), terminal="ppl", seed=seed)
+    rec["stages"] = [alloc, {"stage": "quantize", "method": "rtn", "group_size": g, "sym": False}]
+    rec["eval"]["generation"] = {"prompts": 0}
+    rec["description"] = f"bench mixed: {bench.name} {method} budget {budget} seed {seed}"
+    return rec
+
+
+def run_cell(rec: dict, tmp: Path) -> tuple[dict, dict, list]:
+    """(report, allocate stage metrics, RL curve or []) of one pipeline run in a scratch directory."""
+    from compress import pipeline
+    from compress.recipe import load_recipe
+
+    name = f"{Path(rec['model']['path']).name}-{rec['stages'][0]['method']}-{rec['stages'][0]['budget']}"
+    path = tmp / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(rec, sort_keys=False))
+    out = tmp / name
+    try:
+        report = pipeline.run(load_recipe(path), out, force=True, quiet=True)
+        manifest = json.loads((out / "manifest.json").read_text())
+        metrics = next(st["metrics"] for k, st in manifest["stages"].items() if "allocate" in k)
+        curve = json.loads((out / "rl_curve.json").read_text()) if (out / "rl_curve.json").exists() else []
+        return report, metrics, curve
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+
+
+def cell(bench, path, calib, method, budget, seed, s: MixedSettings, tmp: Path) -> dict:
+    rec = recipe(bench, path, calib, method, budget, seed, s)
+    report, metrics, curve = run_cell(rec, tmp)
+    ev = next(iter(report["eval"].values()))
+    return {"model": bench.name, "budget": budget, "group_size": rec["stages"][0]["group_size"], "method": method,
+            "seed": seed, "fp_ppl": ev["fp_ppl"], "ppl": ev["ppl"], "kl": ev["kl"], "top1": ev["top1"],
+            "effective_bits": metrics["effective_bits"], "report_effective_bits": report["size"]["effective_bits"],
+            "alloc_seconds": metrics["seconds"], "search_seconds": metrics.get("search_seconds", 0.0),
+            "proxy_error": metrics.get("proxy_error"), "picked": metrics.get("picked"), "curve": curve}
+
+
+def feasible(path: str, budget: float) -> str | None:
+    """None, or why no plan can meet `budget` on this model (narrowest layer vs group, cheapest option)."""
+    from compress.models.loading import load_config
+
+    cfg = load_config(path, None)
+    g = group_for(budget)
+    narrow = min(cfg.hidden_size, cfg.intermediate_size)
+    if g > narrow:
+        return (f"budget {budget} needs groups of {g} (2-bit at {2 + 18 / g:.3f} bits), wider than the model's "
+                f"{narrow}-column layers; at group {narrow} the cheapest plan costs {2 + 18 / narrow:.4f} bits")
+    return None
+
+
+def summarize(cells: list[dict]) -> list[dict]:
+    keys = sorted({(c["model"], c["budget"], c["method"]) for c in cells},
+                  key=lambda k: (k[0], k[1], METHODS.index(k[2])))
+    out = []
+    for model, budget, method in keys:
+        cs = [c for c in cells if (c["model"], c["budget"], c["method"]) == (model, budget, method)]
+        row = {"model": model, "budget": budget, "method": method, "group_size": cs[0]["group_size"],
+               "seeds": len(cs), "fp_ppl": cs[0]["fp_ppl"], "max_effective_bits": max(c["effective_bits"] for c in cs),
+               "min_effective_bits": min(c["effective_bits"] for c in cs)}
+        for m in METRICS:
+            vals = [c[m] for c in cs]
+            row[m] = statistics.mean(vals)
+            row[m + "_sd"] = statistics.stdev(vals) if len(vals) > 1 else 0.0
+        out.append(row)
+    return out
+
+
+def targets(summary: list[dict], infeasible: list[dict]) -> list[dict]:
+    """RL mean ppl <= 0.95 x the best baseline's mean ppl; the realised effective bits of every
+    greedy/Lagrangian/RL cell within 0.01 of the budget and never above; RL allocation < 20 min per run."""
+    by = {(r["model"], r["budget"], r["method"]): r for r in summary}
+    out = []
+    for (model, budget, method), r in by.items():
+        if method != "rl":
+            continue
+        base = [by[(model, budget, m)] for m in METHODS[:-1] if (model, budget, m) in by]
+        best = min(base, key=lambda b: b["ppl"])
+        out.append({"target": f"{model} @ {budget}: RL ppl <= 0.95 x best baseline ({best['method']})",
+                    "met": r["ppl"] <= 0.95 * best["ppl"],
+                    "value": f"{r['ppl']:.4f} vs {best['ppl']:.4f} (x{r['ppl'] / best['ppl']:.4f})"})
+        mix = [by[(model, budget, m)] for m in ("greedy", "lagrangian", "rl") if (model, budget, m) in by]
+        lo, hi = min(m["min_effective_bits"] for m in mix), max(m["max_effective_bits"] for m in mix)
+        out.append({"target": f"{model} @ {budget}: realised b_eff in [budget - 0.01, budget] (greedy, lagrangian, rl)",
+                    "met": budget - 0.01 <= lo and hi <= budget, "value": f"{lo:.5f} .. {hi:.5f}"})
+        out.append({"target": f"{model} @ {budget}: RL allocation < 20 min", "met": r["alloc_seconds"] < 1200,
+                    "value": f"{r['alloc_seconds']:.1f} s mean (statistics + search)"})
+    for x in infeasible:
+        out.append({"target": f"{x['model']} @ {x['budget']}: any plan within the budget", "met": False,
+                    "value": x["reason"]})
+    return out
+
+
+def run_mixed(quick: bool = False, only: list[str] | None = None, curve_png: Path | None = None) -> tuple[dict, str]:
+    s = QUICK if quick else FULL
+    t0 = time.time()
+    meta = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"), "quick": quick,
+            "machine": bq.machine()}
+    cells, infeasible = [], []
+    benches = [b for b in bq.selected(quick, only) if b.name in bq.SENSITIVE]
+    with tempfile.TemporaryDirectory(prefix="compress-bench-mixed-") as tmp_dir:
+        tmp = Path(tmp_dir)
+        for bench in benches:
+            path, calib = bq.model_path(bench), bq.calibration_file(bench, tmp)
+            for budget in s.budgets:
+                reason = feasible(path, budget)
+                if reason:
+                    infeasible.append({"model": bench.name, "budget": budget, "reason": reason})
+                    continue
+                for seed in s.seeds:
+                    for method in METHODS:
+                        cells.append(cell(bench, path, calib, method, budget, seed, s, tmp))
+                        c = cells[-1]
+                        bq.log.info("mixed %s @%s seed %d %s: ppl %.4f b_eff %.5f alloc %.1fs", bench.name, budget,
+                                    seed, method, c["ppl"], c["effective_bits"], c["alloc_seconds"])
+    meta["wall_seconds"] = round(time.time() - t0, 1)
+    summary = summarize(cells)
+    result = {"meta": meta, "settings": {**s.base.__dict__, "seeds": list(s.seeds), "budgets": list(s.budgets),
+                                         "updates": s.updates, "episodes": s.episodes,
+                                         "reward_samples": s.reward_samples, "reward_seqlen": s.reward_seqlen},
+              "summary": summary, "cells": cells, "infeasible": infeasible,
+              "targets": targets(summary, infeasible)}
+    if curve_png is not None:
+        write_curves(cells, curve_png)
+        result["meta"]["curve_png"] = curve_png.name
+    return result, markdown(result)
+
+
+def write_curves(cells: list[dict], path: Path) -> None:
+    from compress.methods.allocate import write_curve
+
+    rl = [c for c in cells if c["method"] == "rl" and c["curve"]]
+    write_curve([c["curve"] for c in rl], path,
+                labels=[f"{c['model']} @{c['budget']} seed {c['seed']}" for c in rl])
+
+
+def markdown(result: dict) -> str:
+    m, s = result["meta"], result["settings"]
+    f = bq._fmt
+    lines = [
+        "# Mixed-precision benchmark: RL (PPO) allocation vs uniform, greedy and Lagrangian\n",
+        f"- date: {m['date']}; machine: {m['machine']['nproc']} CPUs ({m['machine']['cpu']}), load average at "
+        f"start {m['machine']['load_average']}; total wall time {m['wall_seconds']:.0f} s"
+        f"{' (quick mode)' if m['quick'] else ''}",
+        f"- every cell: `allocate` (9 options: 2/3/4/8 bits x min-max/clip-search, plus 16-bit keep; asymmetric; "
+        f"chunk = group) then `quantize: rtn` fitting each unit with its option (plain fitting, no AutoRound); "
+        f"calibration {s['nsamples']} x {s['seqlen']} tokens from the first 80% of TinyStories val; seeds "
+        f"{s['seeds']} (calibration windows and PPO seed)",
+        f"- RL: {s['updates']} PPO updates x {s['episodes']} episodes, terminal reward -10 x (log ppl_Q - log ppl_FP) "
+        f"on {s['reward_samples']} x {s['reward_seqlen']} calibration tokens",
+        f"- perplexity/KL/top-1: {s['window']}-token windows over the first {s['eval_tokens']} tokens of the last "
+        "20% of TinyStories val; eff. bits = exact effective bits of the plan (codes, fp16 scales, zero points, "
+        "plan metadata); alloc s = statistics + search seconds",
+        "- values: mean ± sample standard deviation over seeds"
+        + (f"; RL learning curves: `{m['curve_png']}`" if m.get("curve_png") else "") + "\n",
+        "| model | budget | group | method | ppl | KL | top-1 | eff. bits (max) | alloc s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in result["summary"]:
+        def pm(k, d=4):
+            return f"{f(r[k], d)} ± {f(r[k + '_sd'], d)}"
+        lines.append(f"| {r['model']} | {r['budget']} | {r['group_size']} | {r['method']} | {pm('ppl')} | "
+                     f"{pm('kl')} | {pm('top1', 3)} | {f(r['effective_bits'], 5)} ({f(r['max_effective_bits'], 5)}) "
+                     f"| {pm('alloc_seconds', 1)} |")
+    if result["summary"]:
+        fp = {r["model"]: r["fp_ppl"] for r in result["summary"]}
+        lines.append("\nFP perplexity: " + ", ".join(f"{k} {v:.4f}" for k, v in fp.items()))
+    for x in result["infeasible"]:
+        lines.append(f"\n{x['model']} @ {x['budget']}: infeasible: {x['reason']}")
+    return "\n".join(lines + bq.outcomes(result["targets"])) + "\n"
