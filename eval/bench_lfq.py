@@ -12,7 +12,6 @@ continuation) on held-out prompts of the same text.
 
 from __future__ import annotations
 
-import datetime
 import statistics
 import tempfile
 import time
@@ -61,18 +60,12 @@ def cell(bench, path, calib, bits, group_size, variant, seed, s: LfqSettings, tm
 
 def summarize(cells: list[dict]) -> list[dict]:
     """Mean and spread (sample standard deviation; 0 for one seed) over seeds per (model, bits, variant)."""
-    keys = sorted({(c["model"], c["bits"], c["variant"]) for c in cells},
-                  key=lambda k: (k[0], -k[1], VARIANTS.index(k[2])))
     out = []
-    for model, bits, variant in keys:
-        cs = [c for c in cells if (c["model"], c["bits"], c["variant"]) == (model, bits, variant)]
-        row = {"model": model, "bits": bits, "group_size": cs[0]["group_size"], "variant": variant,
-               "seeds": len(cs), "fp_ppl": cs[0]["fp_ppl"], "seconds": statistics.mean(c["seconds"] for c in cs)}
-        for m in METRICS:
-            vals = [c[m] for c in cs]
-            row[m] = statistics.mean(vals)
-            row[m + "_sd"] = statistics.stdev(vals) if len(vals) > 1 else 0.0
-        out.append(row)
+    for (model, bits, variant), cs in bq.seed_groups(cells, ("model", "bits", "variant"),
+                                                     lambda k: (k[0], -k[1], VARIANTS.index(k[2]))):
+        out.append({"model": model, "bits": bits, "group_size": cs[0]["group_size"], "variant": variant,
+                    "seeds": len(cs), "fp_ppl": cs[0]["fp_ppl"], "seconds": statistics.mean(c["seconds"] for c in cs),
+                    **bq.mean_sd(cs, METRICS)})
     return out
 
 
@@ -101,8 +94,7 @@ def run_lfq(quick: bool = False, only: list[str] | None = None) -> tuple[dict, s
 
     s = QUICK if quick else FULL
     t0 = time.time()
-    meta = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"), "quick": quick,
-            "machine": bq.machine()}
+    meta = bq.suite_meta(quick)
     cells = []
     benches = [b for b in bq.selected(quick, only) if b.name in bq.SENSITIVE]
     with tempfile.TemporaryDirectory(prefix="compress-bench-lfq-") as tmp_dir:
@@ -128,12 +120,10 @@ def run_lfq(quick: bool = False, only: list[str] | None = None) -> tuple[dict, s
 
 def markdown(result: dict) -> str:
     m, s = result["meta"], result["settings"]
-    f = bq._fmt
+    f, pm = bq._fmt, bq.pm
     lines = [
         "# LFQ benchmark: AutoRound with and without logit-aware final-block tuning\n",
-        f"- date: {m['date']}; machine: {m['machine']['nproc']} CPUs ({m['machine']['cpu']}), load average at "
-        f"start {m['machine']['load_average']}; total wall time {m['wall_seconds']:.0f} s"
-        f"{' (quick mode)' if m['quick'] else ''}",
+        bq.suite_header(m),
         f"- every cell: AutoRound asymmetric, {s['iters']} iterations per block (batch {s['ar_batch_size']}), "
         f"calibration {s['nsamples']} x {s['seqlen']} tokens from the first 80% of TinyStories val; seeds "
         f"{s['seeds']} (calibration windows and minibatch order); `same` = plain AutoRound, `lfq` = last block "
@@ -147,9 +137,7 @@ def markdown(result: dict) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["summary"]:
-        def pm(k, d=4):
-            return f"{f(r[k], d)} ± {f(r[k + '_sd'], d)}"
-        lines.append(f"| {r['model']} | W{r['bits']} | {r['group_size']} | {r['variant']} | {pm('ppl')} | "
-                     f"{pm('kl')} | {pm('top1', 3)} | {pm('gen_prefix', 2)} | {pm('gen_agree', 3)} | "
-                     f"{pm('gen_kl')} | {pm('gen_top1', 3)} | {f(r['seconds'], 1)} |")
+        lines.append(f"| {r['model']} | W{r['bits']} | {r['group_size']} | {r['variant']} | {pm(r, 'ppl')} | "
+                     f"{pm(r, 'kl')} | {pm(r, 'top1', 3)} | {pm(r, 'gen_prefix', 2)} | {pm(r, 'gen_agree', 3)} | "
+                     f"{pm(r, 'gen_kl')} | {pm(r, 'gen_top1', 3)} | {f(r['seconds'], 1)} |")
     return "\n".join(lines + bq.outcomes(result["targets"])) + "\n"

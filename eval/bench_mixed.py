@@ -19,10 +19,8 @@ plan (codes + fp16 scales + zero points + plan metadata); allocation seconds (st
 
 from __future__ import annotations
 
-import datetime
 import json
 import shutil
-import statistics
 import tempfile
 import time
 from dataclasses import dataclass, replace
@@ -115,19 +113,13 @@ def feasible(path: str, budget: float) -> str | None:
 
 
 def summarize(cells: list[dict]) -> list[dict]:
-    keys = sorted({(c["model"], c["budget"], c["method"]) for c in cells},
-                  key=lambda k: (k[0], k[1], METHODS.index(k[2])))
     out = []
-    for model, budget, method in keys:
-        cs = [c for c in cells if (c["model"], c["budget"], c["method"]) == (model, budget, method)]
-        row = {"model": model, "budget": budget, "method": method, "group_size": cs[0]["group_size"],
-               "seeds": len(cs), "fp_ppl": cs[0]["fp_ppl"], "max_effective_bits": max(c["effective_bits"] for c in cs),
-               "min_effective_bits": min(c["effective_bits"] for c in cs)}
-        for m in METRICS:
-            vals = [c[m] for c in cs]
-            row[m] = statistics.mean(vals)
-            row[m + "_sd"] = statistics.stdev(vals) if len(vals) > 1 else 0.0
-        out.append(row)
+    for (model, budget, method), cs in bq.seed_groups(cells, ("model", "budget", "method"),
+                                                      lambda k: (k[0], k[1], METHODS.index(k[2]))):
+        out.append({"model": model, "budget": budget, "method": method, "group_size": cs[0]["group_size"],
+                    "seeds": len(cs), "fp_ppl": cs[0]["fp_ppl"],
+                    "max_effective_bits": max(c["effective_bits"] for c in cs),
+                    "min_effective_bits": min(c["effective_bits"] for c in cs), **bq.mean_sd(cs, METRICS)})
     return out
 
 
@@ -159,8 +151,7 @@ def targets(summary: list[dict], infeasible: list[dict]) -> list[dict]:
 def run_mixed(quick: bool = False, only: list[str] | None = None, curve_png: Path | None = None) -> tuple[dict, str]:
     s = QUICK if quick else FULL
     t0 = time.time()
-    meta = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"), "quick": quick,
-            "machine": bq.machine()}
+    meta = bq.suite_meta(quick)
     cells, infeasible = [], []
     benches = [b for b in bq.selected(quick, only) if b.name in bq.SENSITIVE]
     with tempfile.TemporaryDirectory(prefix="compress-bench-mixed-") as tmp_dir:
@@ -201,12 +192,10 @@ def write_curves(cells: list[dict], path: Path) -> None:
 
 def markdown(result: dict) -> str:
     m, s = result["meta"], result["settings"]
-    f = bq._fmt
+    f, pm = bq._fmt, bq.pm
     lines = [
         "# Mixed-precision benchmark: RL (PPO) allocation vs uniform, greedy and Lagrangian\n",
-        f"- date: {m['date']}; machine: {m['machine']['nproc']} CPUs ({m['machine']['cpu']}), load average at "
-        f"start {m['machine']['load_average']}; total wall time {m['wall_seconds']:.0f} s"
-        f"{' (quick mode)' if m['quick'] else ''}",
+        bq.suite_header(m),
         f"- every cell: `allocate` (9 options: 2/3/4/8 bits x min-max/clip-search, plus 16-bit keep; asymmetric; "
         f"chunk = group) then `quantize: rtn` fitting each unit with its option (plain fitting, no AutoRound); "
         f"calibration {s['nsamples']} x {s['seqlen']} tokens from the first 80% of TinyStories val; seeds "
@@ -222,11 +211,9 @@ def markdown(result: dict) -> str:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["summary"]:
-        def pm(k, d=4):
-            return f"{f(r[k], d)} ± {f(r[k + '_sd'], d)}"
-        lines.append(f"| {r['model']} | {r['budget']} | {r['group_size']} | {r['method']} | {pm('ppl')} | "
-                     f"{pm('kl')} | {pm('top1', 3)} | {f(r['effective_bits'], 5)} ({f(r['max_effective_bits'], 5)}) "
-                     f"| {pm('alloc_seconds', 1)} |")
+        lines.append(f"| {r['model']} | {r['budget']} | {r['group_size']} | {r['method']} | {pm(r, 'ppl')} | "
+                     f"{pm(r, 'kl')} | {pm(r, 'top1', 3)} | {f(r['effective_bits'], 5)} ({f(r['max_effective_bits'], 5)}) "
+                     f"| {pm(r, 'alloc_seconds', 1)} |")
     if result["summary"]:
         fp = {r["model"]: r["fp_ppl"] for r in result["summary"]}
         lines.append("\nFP perplexity: " + ", ".join(f"{k} {v:.4f}" for k, v in fp.items()))

@@ -27,6 +27,7 @@ import math
 import os
 import platform
 import shutil
+import statistics
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -213,6 +214,40 @@ def targets(rows: list[dict]) -> list[dict]:
             out.append({"target": f"{r['model']}: {r['method']} W{r['bits']} ppl <= RTN",
                         "value": f"{r['value']:.4f} vs {rtn['value']:.4f}", "met": r["value"] <= rtn["value"]})
     return out
+
+
+# -- shared by the seeded suites (lfq, walsh, mixed) -------------------------------------------------
+def suite_meta(quick: bool) -> dict:
+    return {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"), "quick": quick,
+            "machine": machine()}
+
+
+def suite_header(m: dict) -> str:
+    """The markdown line naming the date, machine, load and wall time of a suite's run."""
+    return (f"- date: {m['date']}; machine: {m['machine']['nproc']} CPUs ({m['machine']['cpu']}), load average at "
+            f"start {m['machine']['load_average']}; total wall time {m['wall_seconds']:.0f} s"
+            f"{' (quick mode)' if m['quick'] else ''}")
+
+
+def seed_groups(cells: list[dict], fields: tuple[str, ...], order) -> list[tuple[tuple, list[dict]]]:
+    """Cells grouped by the values of `fields` (one group per setting, one cell per seed), sorted by `order`."""
+    keys = sorted({tuple(c[f] for f in fields) for c in cells}, key=order)
+    return [(k, [c for c in cells if tuple(c[f] for f in fields) == k]) for k in keys]
+
+
+def mean_sd(cells: list[dict], metrics) -> dict:
+    """`m` and `m_sd` (sample standard deviation; 0 for one seed) of each metric the cells carry."""
+    out = {}
+    for m in metrics:
+        if m in cells[0]:
+            vals = [c[m] for c in cells]
+            out[m], out[m + "_sd"] = statistics.mean(vals), statistics.stdev(vals) if len(vals) > 1 else 0.0
+    return out
+
+
+def pm(row: dict, key: str, digits: int = 4) -> str:
+    """`mean ± sd` of a summarized metric, `-` where the row has none."""
+    return f"{_fmt(row[key], digits)} ± {_fmt(row[key + '_sd'], digits)}" if key in row else "-"
 
 
 def machine() -> dict:

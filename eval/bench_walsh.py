@@ -24,7 +24,6 @@ embedding cosine and probe accuracy at W2 and W3.
 from __future__ import annotations
 
 import copy
-import datetime
 import statistics
 import tempfile
 import time
@@ -77,25 +76,19 @@ def cell(bench, path, calib, bits, group_size, variant, seed, s: WalshSettings, 
     row = {"model": bench.name, "bits": bits, "group_size": group_size, "variant": variant, "seed": seed,
            **{k: ev[k] for k in metrics}, "effective_bits": report["size"]["effective_bits"],
            "seconds": round(sum(st["seconds"] for st in report["stages"] if st["name"] in ("rotate", "quantize")), 2)}
-    row.update(fp_ppl=ev["fp_ppl"]) if bench.kind == "causal" else row.update(fp_probe_acc=ev["fp_probe_acc"])
+    fp_key = "fp_ppl" if bench.kind == "causal" else "fp_probe_acc"
+    row[fp_key] = ev[fp_key]
     return row
 
 
 def summarize(cells: list[dict]) -> list[dict]:
     """Mean and sample standard deviation (0 for one seed) per (model, bits, variant)."""
     order = list(VARIANTS)
-    keys = sorted({(c["model"], c["bits"], c["variant"]) for c in cells}, key=lambda k: (k[0], k[1], order.index(k[2])))
     out = []
-    for model, bits, variant in keys:
-        cs = [c for c in cells if (c["model"], c["bits"], c["variant"]) == (model, bits, variant)]
-        row = {k: cs[0][k] for k in ("model", "bits", "group_size", "variant") + ("fp_ppl", "fp_probe_acc")
-               if k in cs[0]}
+    for key, cs in bq.seed_groups(cells, ("model", "bits", "variant"), lambda k: (k[0], k[1], order.index(k[2]))):
+        row = {k: cs[0][k] for k in ("model", "bits", "group_size", "variant", "fp_ppl", "fp_probe_acc") if k in cs[0]}
         row.update(seeds=len(cs), seconds=statistics.mean(c["seconds"] for c in cs))
-        for m in CAUSAL_METRICS + ENCODER_METRICS:
-            if m in cs[0]:
-                vals = [c[m] for c in cs]
-                row[m], row[m + "_sd"] = statistics.mean(vals), statistics.stdev(vals) if len(vals) > 1 else 0.0
-        out.append(row)
+        out.append({**row, **bq.mean_sd(cs, CAUSAL_METRICS + ENCODER_METRICS)})
     return out
 
 
@@ -132,8 +125,7 @@ def run_walsh(quick: bool = False, only: list[str] | None = None) -> tuple[dict,
 
     s = QUICK if quick else FULL
     t0 = time.time()
-    meta = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"), "quick": quick,
-            "machine": bq.machine()}
+    meta = bq.suite_meta(quick)
     cells = []
     benches = [b for b in bq.selected(quick, only) if b.name in bq.SENSITIVE or b.kind == "encoder"]
     with tempfile.TemporaryDirectory(prefix="compress-bench-walsh-") as tmp_dir:
@@ -159,12 +151,10 @@ def run_walsh(quick: bool = False, only: list[str] | None = None) -> tuple[dict,
 
 def markdown(result: dict) -> str:
     m, s = result["meta"], result["settings"]
-    f = bq._fmt
+    f, pm = bq._fmt, bq.pm
     lines = [
         "# Walsh benchmark: AutoRound after no rotation, auto-round's Hadamard, and the walsh modes\n",
-        f"- date: {m['date']}; machine: {m['machine']['nproc']} CPUs ({m['machine']['cpu']}), load average at "
-        f"start {m['machine']['load_average']}; total wall time {m['wall_seconds']:.0f} s"
-        f"{' (quick mode)' if m['quick'] else ''}",
+        bq.suite_header(m),
         f"- every cell: AutoRound asymmetric, {s['iters']} iterations per block (batch {s['ar_batch_size']}), "
         f"calibration {s['nsamples']} x {s['seqlen']} tokens (causal: first 80% of TinyStories val; MiniLM: SST-2 "
         f"held-out train sentences, {s['encoder_seqlen']} tokens); W2 over seeds {s['seeds']}, W3/W4 seed "
@@ -177,10 +167,8 @@ def markdown(result: dict) -> str:
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["summary"]:
-        def pm(k, d=4):
-            return f"{f(r[k], d)} ± {f(r[k + '_sd'], d)}" if k in r else "-"
-        lines.append(f"| {r['model']} | W{r['bits']} | {r['group_size']} | {r['variant']} | {pm('ppl')} | "
-                     f"{pm('kl')} | {pm('top1', 3)} | {pm('cosine')} | {pm('probe_acc', 3)} | {f(r['seconds'], 1)} |")
+        lines.append(f"| {r['model']} | W{r['bits']} | {r['group_size']} | {r['variant']} | {pm(r, 'ppl')} | "
+                     f"{pm(r, 'kl')} | {pm(r, 'top1', 3)} | {pm(r, 'cosine')} | {pm(r, 'probe_acc', 3)} | {f(r['seconds'], 1)} |")
     fp = {(r["model"], r.get("fp_ppl", r.get("fp_probe_acc"))) for r in result["summary"]}
     lines.append("\nFull precision: " + "; ".join(f"{mdl} {'ppl' if v > 1 else 'probe acc'} {f(v, 4)}"
                                                  for mdl, v in sorted(fp)))
