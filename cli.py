@@ -235,6 +235,15 @@ def recipes():
         typer.echo(f"{path.relative_to(REPO)}: {describe(path)}")
 
 
+def _emit_bench(result, md: str, json_out: Optional[Path], md_out: Optional[Path]) -> None:
+    """A benchmark's table on stdout, and its JSON / markdown where asked."""
+    typer.echo(md)
+    if json_out:
+        json_out.write_text(json.dumps(result, indent=2) + "\n")
+    if md_out:
+        md_out.write_text(md)
+
+
 @bench_app.command("quality")
 def bench_quality(
     json_out: Optional[Path] = typer.Option(None, "--json", help="also write the rows as JSON here"),
@@ -275,12 +284,7 @@ def bench_quality(
         rows, md = run_mixed(quick=quick, only=only or None, curve_png=curves)
     else:
         raise BadInput(f"unknown --suite `{suite}` (known: ptq, lfq, walsh, mixed)")
-    typer.echo(md)
-    if json_out:
-        json_out.write_text(json.dumps(rows, indent=2) + "\n")
-    if md_out:
-        md_out.write_text(md)
-
+    _emit_bench(rows, md, json_out, md_out)
 
 
 @bench_app.command("kernels")
@@ -300,11 +304,7 @@ def bench_kernels(
     _setup_logging(False)
     result = run_kernels(quick=quick, repeats=repeats, threads=threads)
     md = markdown(result)
-    typer.echo(md)
-    if json_out:
-        json_out.write_text(json.dumps(result, indent=2) + "\n")
-    if md_out:
-        md_out.write_text(md)
+    _emit_bench(result, md, json_out, md_out)
 
 
 @bench_app.command("decode")
@@ -334,11 +334,7 @@ def bench_decode(
         raise BadInput("--new-tokens must be at least 2 (tokens/s counts the steps after the first)")
     result = run_decode(size, new_tokens=new_tokens, repeats=repeats, threads=threads, openvino=openvino)
     md = markdown(result)
-    typer.echo(md)
-    if json_out:
-        json_out.write_text(json.dumps(result, indent=2) + "\n")
-    if md_out:
-        md_out.write_text(md)
+    _emit_bench(result, md, json_out, md_out)
 
 
 def main(argv=None) -> int:

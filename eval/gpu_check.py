@@ -78,19 +78,6 @@ def run_pytest() -> int | None:
     return int(pytest.main(args))
 
 
-def random_qweight(n: int, k: int, bits: int, group: int, seed: int = 0):
-    import torch
-
-    from compress.qweight import QuantizedWeight
-
-    g = torch.Generator().manual_seed(seed)
-    ng = -(-k // group)
-    return QuantizedWeight(codes=torch.randint(0, 2**bits, (n, k), dtype=torch.uint8, generator=g),
-                           scales=(torch.rand(n, ng, generator=g) * 0.02 + 0.001).half().float(),
-                           zeros=torch.randint(0, 2**bits, (n, ng), dtype=torch.uint8, generator=g),
-                           bits=bits, group_size=group, sym=False)
-
-
 def torch_int4_gpu(qw):
     """(fn(x), bytes) for torch's tinygemm `_weight_int4pack_mm`: w = (q - 8) * scale + offset, bf16."""
     import torch
@@ -162,6 +149,8 @@ def bench(n: int, k: int, bits: int, group: int, batch: int, sweep: bool) -> lis
     import torch
 
     from compress.kernels import gpu
+
+    from compress.eval.bench_kernels import random_qweight
 
     qw = random_qweight(n, k, bits, group)
     w = qw.dequantize().cuda()

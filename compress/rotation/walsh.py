@@ -402,7 +402,8 @@ def _spectrum_taps(adapter) -> dict:
     """(layer, kind) -> the linear whose input the quantizer rounds against: attention (q) and MLP down."""
     taps = {}
     for i in range(len(adapter.blocks)):
-        for kind, m in (("attention", adapter.role(i, "q")), ("mlp down", (adapter.up_down_pairs(i) or [(0, None)])[0][1])):
+        pairs = adapter.up_down_pairs(i)
+        for kind, m in (("attention", adapter.role(i, "q")), ("mlp down", pairs[0][1] if pairs else None)):
             if m is not None:
                 taps[(i, kind)] = (m[-1] if isinstance(m, nn.Sequential) else m, "input")
     return taps
