@@ -96,7 +96,7 @@ def torch_int4(qw: QuantizedWeight):
 
 
 def openvino_matmul(qw: QuantizedWeight, batch: int):
-    """(fn(x), bytes) for an OpenVINO CPU model with u4/u2 codes and zero points, fp16 scales."""
+    """(fn(x), bytes) for an OpenVINO CPU model with u4/u2 codes, u4 or f16 zero points, fp16 scales."""
     import openvino as ov
     import openvino.opset13 as ops
 
@@ -104,14 +104,18 @@ def openvino_matmul(qw: QuantizedWeight, batch: int):
     ng, t = k // g, {4: ov.Type.u4, 2: ov.Type.u2}[qw.bits]
     x = ops.parameter([batch, k], np.float32, name="x")
     w = ops.convert(ops.constant(qw.codes.numpy().reshape(n, ng, g), dtype=t), ov.Type.f16)
-    w = ops.subtract(w, ops.convert(ops.constant(qw.zeros.numpy().reshape(n, ng, 1), dtype=t), ov.Type.f16))
+    zeros = qw.zeros.numpy().reshape(n, ng, 1)
+    # u2 zero points as f16: OpenVINO 2026.4's CPU plugin cannot compile a u2 FullyConnected whose zero points are
+    # an integer constant on AVX-512 machines ("could not create a primitive descriptor"); u4 ones compile.
+    zp = ops.convert(ops.constant(zeros, dtype=t), ov.Type.f16) if qw.bits == 4 else ops.constant(zeros.astype(np.float16))
+    w = ops.subtract(w, zp)
     w = ops.multiply(w, ops.constant(qw.scales.numpy().astype(np.float16).reshape(n, ng, 1)))
     w = ops.convert(ops.reshape(w, ops.constant(np.array([n, k], np.int64)), False), ov.Type.f32)
     model = ov.Model([ops.matmul(x, w, False, True)], [x])
     compiled = ov.Core().compile_model(model, "CPU", {"INFERENCE_NUM_THREADS": torch.get_num_threads()})
     req = compiled.create_infer_request()
     fn = lambda xx: req.infer([xx])  # noqa: E731
-    return fn, n * k * qw.bits // 8 + n * ng * (2 + qw.bits / 8)
+    return fn, n * k * qw.bits // 8 + n * ng * (2 + (qw.bits / 8 if qw.bits == 4 else 2))
 
 
 def _row(shape, batch, fmt, backend, ms, nbytes, bw, err) -> dict:

@@ -2,7 +2,7 @@
 
 Layout, for a QuantizedWeight of shape (N, K) with b bits (b in 1, 2, 4, 8; P = 8/b codes per byte)
 -------------------------------------------------------------------------------------------------
-K is zero padded to `kpad` (a multiple of 128, of the chunk and of the group). Each row is a run of
+K is zero padded to `kpad` (a multiple of 128, of a chunk pair and of the group). Each row is a run of
 chunks; a chunk is 8 int32 words (one AVX2 register) = 32 bytes holding 32*P codes. Byte t (0..3)
 of word i (0..7) holds in its field s (bits s*b .. s*b+b-1) the chunk's column `k = 32*s + 4*i + t`::
 
@@ -20,8 +20,8 @@ weights, no shuffles; x is permuted once per call to match, `permute_x`). b = 2 
 byte (128 columns per chunk), b = 8 one (32 columns), b = 1 eight (256 columns). 3-bit weights are two
 planes (`Packed3`): their low 2 bits and their high bit, so they still read 3 bits per weight.
 
-Per (row, group): `scales` fp32 and `sz = scales * zeros` fp32; padded groups are zero. The kernel
-computes `y = sum_g scale_g * dot(q_g, x_g) - sum_g sz_g * sum(x_g)`: with fp32 activations the
+Per (row, group): `scales` fp32 and `zeros` uint8; padded groups are zero. The kernel computes
+`y = sum_g scale_g * dot(q_g, x_g) - sum_g (scale_g * zero_g) * sum(x_g)`: with fp32 activations the
 reference's `x @ (scales * (codes - zeros)).T` up to float rounding; with int8 activations
 (symmetric, one scale per min(group, 128) columns of each row of x, like onnxruntime's
 accuracy_level 4 and OpenVINO's dynamic quantization) exactly that of the rounded activations.
@@ -56,7 +56,7 @@ _EXT: dict[str, object] = {}
 class PackedCPU:
     words: torch.Tensor  # int32 (N, Kpad*bits/32)
     scales: torch.Tensor  # fp32 (N, Gp)
-    sz: torch.Tensor  # fp32 (N, Gp)
+    zeros: torch.Tensor  # uint8 (N, Gp)
     bits: int
     in_features: int
     kpad: int
@@ -67,7 +67,7 @@ class PackedCPU:
         return self.words.shape[0]
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.words, self.scales, self.sz))
+        return sum(t.numel() * t.element_size() for t in (self.words, self.scales, self.zeros))
 
 
 @dataclass(frozen=True)
@@ -116,16 +116,18 @@ def pack(qw: QuantizedWeight) -> PackedCPU | Packed3:
         raise ValueError(f"the cpu kernel cannot hold {reason}")
     codes, scales, zeros = qw.codes.cpu(), qw.scales.cpu().float(), qw.zeros.cpu().float()
     if qw.bits == 3:  # W = s (lo + 4 hi - z) = s (lo - z) + 4s (hi - 0)
-        return Packed3(pack_plane(codes & 3, scales, zeros, 2, qw.group_size),
+        return Packed3(pack_plane(codes & 3, scales, zeros, 2, qw.group_size, align=512),  # same kpad as hi
                        pack_plane(codes >> 2, 4 * scales, torch.zeros_like(zeros), 1, qw.group_size))
     return pack_plane(codes, scales, zeros, qw.bits, qw.group_size)
 
 
-def pack_plane(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int, group_size: int) -> PackedCPU:
-    """Codes (N, K) in [0, 2^bits) with per-group fp32 scales and zero points (N, n_groups) -> cpu-rows."""
+def pack_plane(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int, group_size: int,
+               align: int = 128) -> PackedCPU:
+    """Codes (N, K) in [0, 2^bits) with per-group fp32 scales and zero points (N, n_groups) -> cpu-rows,
+    K padded to a multiple of `align`, of whole groups, of whole chunk pairs (the AVX-512 path) and of XBLOCKs."""
     N, K = codes.shape
     P, n_groups = 8 // bits, scales.shape[1]
-    step = max(128, 32 * P, group_size)  # whole groups, whole chunk pairs and XBLOCKs
+    step = max(align, 128, 64 * P, group_size)
     kpad = math.ceil(K / step) * step
     padded = torch.zeros(N, kpad, dtype=torch.int64)
     padded[:, :K] = codes
@@ -138,10 +140,10 @@ def pack_plane(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, b
         gp, gshift = 1, PER_CHANNEL_SHIFT
     else:
         gp, gshift = kpad // group_size, int(math.log2(group_size // 32))
-    s, sz = torch.zeros(N, gp), torch.zeros(N, gp)
+    s, z = torch.zeros(N, gp), torch.zeros(N, gp, dtype=torch.uint8)
     s[:, :n_groups] = scales
-    sz[:, :n_groups] = scales * zeros
-    return PackedCPU(words, s.contiguous(), sz.contiguous(), bits, K, kpad, gshift)
+    z[:, :n_groups] = zeros.round().to(torch.uint8)
+    return PackedCPU(words, s.contiguous(), z.contiguous(), bits, K, kpad, gshift)
 
 
 def permute_x(x: torch.Tensor, bits: int) -> torch.Tensor:
@@ -152,7 +154,8 @@ def permute_x(x: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def quantize_x(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 per `block` columns: (xq int8 (B, kpad), scales fp32 (B, kpad/block))."""
+    """Symmetric int8 per `block` columns: (xq int8 (B, kpad), scales fp32 (B, kpad/block)). The kernel
+    rounds activations this way itself (cpu_kernel.cpp: quantize_act); this is its oracle in the tests."""
     B, kpad = x.shape
     xb = x.view(B, kpad // block, block)
     sx = (xb.abs().amax(-1) / 127).clamp_min(1e-30)
@@ -164,26 +167,23 @@ def xblock(p: PackedCPU) -> int:
     return XBLOCK if p.gshift == PER_CHANNEL_SHIFT else min(XBLOCK, 32 << p.gshift)
 
 
-def matmul(x: torch.Tensor, p: PackedCPU | Packed3, act: str = "fp32", scalar: bool = False) -> torch.Tensor:
+def matmul(x: torch.Tensor, p: PackedCPU | Packed3, act: str = "fp32", scalar: bool = False,
+           avx512: bool = True) -> torch.Tensor:
     """x (..., K) -> (..., N) fp32 through the compiled kernel (`extension()` must not be None).
-    act="fp32": exact up to float rounding; act="int8": activations rounded per block (module docstring)."""
+    act="fp32": exact up to float rounding; act="int8": activations rounded per block (module docstring),
+    in the kernel (as `quantize_x`). `scalar` / `avx512=False` force the scalar / AVX2 code (tests)."""
     if isinstance(p, Packed3):  # both planes round x alike: same blocks (group or 128 columns)
-        return matmul(x, p.lo, act, scalar) + matmul(x, p.hi, act, scalar)
+        return matmul(x, p.lo, act, scalar, avx512) + matmul(x, p.hi, act, scalar, avx512)
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1]).float()
-    if p.kpad != p.in_features:
-        x2 = torch.nn.functional.pad(x2, (0, p.kpad - p.in_features))
-    gp = p.scales.shape[1]
+    x2 = x.reshape(-1, x.shape[-1]).float().contiguous()
     if act == "int8" and p.bits in A8_BITS:
-        block = xblock(p)
-        xq, sx = quantize_x(x2, block)
-        xhat = (xq.view(xq.shape[0], -1, block).float() * sx.unsqueeze(-1)).view_as(x2)
-        xsum = xhat.view(x2.shape[0], gp, -1).sum(-1).contiguous()
-        y = extension().matmul_a8(xq, sx, xsum, p.words, p.scales, p.sz, p.bits, p.gshift,
-                                  int(math.log2(block // 32)), scalar)
+        y = extension().matmul_a8(x2, p.words, p.scales, p.zeros, p.bits, p.gshift,
+                                  int(math.log2(xblock(p) // 32)), scalar, avx512)
     elif act in ("fp32", "int8"):
-        xsum = x2.view(x2.shape[0], gp, -1).sum(-1).contiguous()
-        y = extension().matmul_f32(permute_x(x2, p.bits), xsum, p.words, p.scales, p.sz, p.bits, p.gshift, scalar)
+        if p.kpad != p.in_features:
+            x2 = torch.nn.functional.pad(x2, (0, p.kpad - p.in_features))
+        xsum = x2.view(x2.shape[0], p.scales.shape[1], -1).sum(-1).contiguous()
+        y = extension().matmul_f32(permute_x(x2, p.bits), xsum, p.words, p.scales, p.zeros, p.bits, p.gshift, scalar)
     else:
         raise ValueError(f"act must be fp32 or int8, got {act}")
     return y.reshape(*lead, p.out_features)

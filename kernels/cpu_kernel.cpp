@@ -8,8 +8,8 @@
 //   * shifting by BITS*(t*P + s) and masking every int32 gives 8 columns 32s+t, 32s+4+t, ... as int32
 //     (the fp32 path: x is given permuted to match, see cpu.py).
 // Groups are powers of two >= 32 columns (or per-channel): every 32-column block lies in one group.
-//   scales fp32 (N, Gp), sz = scale*zero fp32 (N, Gp), xsum fp32 (B, Gp): per-group sums of x.
-//   y = sum_g scale_g * dot(q_g, x_g) - sum_g sz_g * xsum_g
+//   scales fp32 (N, Gp), zeros uint8 (N, Gp), xsum fp32 (B, Gp): per-group sums of x.
+//   y = sum_g scale_g * dot(q_g, x_g) - sum_g (scale_g * zero_g) * xsum_g
 // The AVX2/FMA path runs when compiled with AVX2 and `scalar` is false; the scalar path is the fallback.
 
 #include <torch/extension.h>
@@ -17,25 +17,42 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
-#ifdef __AVX2__
+#include <vector>
+#include <cmath>
+#if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
 namespace {
 
+constexpr int PREFETCH_WORDS = 256;  // AVX2 int8 path: prefetch this far ahead in each row (1 KiB)
+constexpr int PREFETCH_ROWS = 8;  // AVX-512 int8 path: prefetch the scales of the row this far ahead
+constexpr int64_t PREFETCH_BYTES = 8192;  // AVX-512 int8 path: prefetch the codes this far ahead
+
 struct Args {
   const uint32_t* words; const float* x; const int8_t* xq; const float* sx;
-  const float* scales; const float* sz; const float* xsum; float* y;
+  const float* scales; const uint8_t* zeros; const float* xsum; float* y;
   int64_t B, N, Kpad, Gp, W, Xb;  // Xb: x scale blocks per row (int8 path)
   int gshift;  // group of 32-column block `blk` is blk >> gshift
   int xshift;  // x scale block of `blk` is blk >> xshift (int8 path)
+  const int8_t* xqp = nullptr;  // int8 path, AVX-512: xq with blocks in chunk-pair order (ActInt8::qp)
 };
 
 float zero_correction(const Args& a, int64_t n, int64_t b) {
-  const float* sz = a.sz + n * a.Gp;
+  const float* s = a.scales + n * a.Gp;
+  const uint8_t* z = a.zeros + n * a.Gp;
   const float* xs = a.xsum + b * a.Gp;
+  int64_t g = 0;
   float c = 0.f;
-  for (int64_t g = 0; g < a.Gp; ++g) c += sz[g] * xs[g];
+#ifdef __AVX512F__
+  __m512 v = _mm512_setzero_ps();
+  for (; g + 16 <= a.Gp; g += 16) {
+    const __m512 zf = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(z + g))));
+    v = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_loadu_ps(s + g), zf), _mm512_loadu_ps(xs + g), v);
+  }
+  c = _mm512_reduce_add_ps(v);
+#endif
+  for (; g < a.Gp; ++g) c += (s[g] * (float)z[g]) * xs[g];
   return c;
 }
 
@@ -148,7 +165,7 @@ void rows_a8(const Args& a, int64_t n, int64_t b0) {
     for (int r = 0; r < R; ++r) {
       const uint32_t* row = a.words + (n + r) * a.W + c * 8;
       v[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row));
-      _mm_prefetch(reinterpret_cast<const char*>(row + 256), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(row + PREFETCH_WORDS), _MM_HINT_T0);
     }
 #pragma GCC unroll 8
     for (int f = 0; f < P; ++f) {
@@ -192,6 +209,138 @@ void rows_a8_all(const Args& a, int64_t n, int64_t end) {
   if (b < a.B) tile(std::integral_constant<int, 1>{}, b);
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VNNI__)
+#define COMPRESS_AVX512 1
+// AVX-512 VNNI, int8 activations. One 64-byte load holds chunks 2c and 2c+1 of a row (a "pair"); after the
+// shift and mask of field f, its low half is block 2cP + f and its high half block 2cP + P + f. The
+// activations come in the same order (ActInt8::qp), so one u8 x s8 dot product covers 64 weights.
+// A "flush" is the run of fields over which both halves stay in one activation-scale block (x-block of
+// 2^XS blocks): FPP = 2^XS fields when 2^XS <= P (the halves then lie in different x-blocks), else the
+// whole pair (2^XS == 2P: both halves in one x-block). Rather than converting and scaling each flush's
+// int32 sum on its own (a conversion, two broadcasts and an FMA per flush and row), eight flushes are
+// accumulated in eight registers, reduced together into one vector of 16 half-sums (reduce8), converted
+// once and multiplied by the matching combined scales scale_w * scale_x (two permutes of contiguous loads).
+// Lane l of reduce8's result is half h = (l / 4) % 2 of flush v = 4 * (l / 8) + l % 4.
+inline __m512i reduce8(const __m512i* v) {
+  __m512i t[4], u[2];
+  for (int i = 0; i < 4; ++i)  // per 128-bit lane: [v0 02, v1 02, v0 13, v1 13] (pair sums of 32-bit elements)
+    t[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_epi32(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 2; ++i)  // per 128-bit lane: the lane sums of v[4i..4i+3]
+    u[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(t[2 * i], t[2 * i + 1]), _mm512_unpackhi_epi64(t[2 * i], t[2 * i + 1]));
+  // 128-bit lanes 0+1 are the low half, 2+3 the high half: [L(v0..3), H(v0..3), L(v4..7), H(v4..7)]
+  return _mm512_add_epi32(_mm512_shuffle_i32x4(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                          _mm512_shuffle_i32x4(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+template <int BITS, int XS>
+struct Flush512 {
+  static constexpr int P = 8 / BITS, BX = 1 << XS;
+  static constexpr bool SAME = BX == 2 * P;  // both halves of a pair in one x-block
+  static constexpr int FPP = SAME ? P : BX;  // fields per flush
+  static constexpr int Q = P / FPP;          // flushes per pair
+  static constexpr int SPAIRS = 8 / Q;       // pairs per eight flushes
+  static constexpr int XSPAN = SAME ? 8 : 16;  // x-blocks per eight flushes
+  static_assert(SAME || BX <= P, "activation blocks must tile a pair's fields");
+  // x-block of lane l, relative to the first x-block of the eight flushes
+  static __m512i lane_xblock() {
+    alignas(64) int32_t idx[16];
+    for (int l = 0; l < 16; ++l) {
+      const int v = 4 * (l / 8) + l % 4, h = (l / 4) % 2, pair = v / Q, j = v % Q;
+      idx[l] = SAME ? pair : 2 * pair * Q + h * Q + j;
+    }
+    return _mm512_load_si512(idx);
+  }
+};
+
+// Rows n..n+R, batch rows b0..b0+BT; R * BT <= 2 so the 8 * R * BT accumulators stay in registers.
+template <int BITS, int XS, int R, int BT>
+void rows_a8_512(const Args& a, int64_t n, int64_t b0) {
+  using F = Flush512<BITS, XS>;
+  constexpr int P = F::P;
+  const __m512i mask = _mm512_set1_epi8((char)((1 << BITS) - 1));
+  const int8_t* xq = a.xqp + b0 * a.Kpad;
+  const int64_t pairs = a.Kpad / (64 * P);
+  // prefetch the codes of the row tile about PREFETCH_BYTES ahead, at the same column
+  const int64_t pf_words = std::max<int64_t>(1, (PREFETCH_BYTES / 4 + R * a.W - 1) / (R * a.W)) * R * a.W;
+  const int D = std::min(a.gshift - XS, 31);  // weight group of x-block i: i >> D (D >= 31: one group)
+  const __m512i lx = F::lane_xblock(), lg = _mm512_srli_epi32(lx, std::min(D, 31));
+  __m512 racc[R][BT];
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < BT; ++b) racc[r][b] = _mm512_setzero_ps();
+  // The scales and zero-point rows advance one line per many lines of codes, too slowly for the hardware
+  // prefetcher: fetch those of the rows PREFETCH_ROWS ahead now (a no-op past the end).
+  if (n + R + PREFETCH_ROWS <= a.N)
+    for (int r = 0; r < R; ++r)
+      for (int64_t g = 0; g < a.Gp; g += 16) {
+        _mm_prefetch(reinterpret_cast<const char*>(a.scales + (n + r + PREFETCH_ROWS) * a.Gp + g), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(a.zeros + (n + r + PREFETCH_ROWS) * a.Gp + g), _MM_HINT_T0);
+      }
+  for (int64_t c0 = 0; c0 < pairs; c0 += F::SPAIRS) {
+    const int64_t np = std::min<int64_t>(F::SPAIRS, pairs - c0);
+    __m512i acc[R][BT][8];
+    for (int r = 0; r < R; ++r)
+      for (int b = 0; b < BT; ++b)
+        for (int k = 0; k < 8; ++k) acc[r][b][k] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+    for (int pp = 0; pp < F::SPAIRS; ++pp) {
+      if (pp >= np) break;
+      const int64_t c = c0 + pp;
+      __m512i v[R];
+      for (int r = 0; r < R; ++r) {
+        const uint32_t* row = a.words + (n + r) * a.W + c * 16;
+        v[r] = _mm512_loadu_si512(row);
+        _mm_prefetch(reinterpret_cast<const char*>(row + pf_words), _MM_HINT_T0);
+      }
+#pragma GCC unroll 8
+      for (int f = 0; f < P; ++f) {
+        const int k = pp * F::Q + f / F::FPP;
+        __m512i xv[BT];
+        for (int b = 0; b < BT; ++b) xv[b] = _mm512_loadu_si512(xq + b * a.Kpad + (2 * c * P + 2 * f) * 32);
+        for (int r = 0; r < R; ++r) {
+          const __m512i q = _mm512_and_si512(f == 0 ? v[r] : _mm512_srli_epi32(v[r], f * BITS), mask);
+          for (int b = 0; b < BT; ++b) acc[r][b][k] = _mm512_dpbusd_epi32(acc[r][b][k], q, xv[b]);
+        }
+      }
+    }
+    // combined scales of the (up to) 16 x-blocks these flushes touch, in reduce8's lane order
+    const int64_t xb0 = (2 * c0 * P) >> XS, g0 = xb0 >> D;
+    const __mmask16 xm = (__mmask16)((1u << std::min<int64_t>(16, a.Xb - xb0)) - 1);
+    const __mmask16 gm = (__mmask16)((1u << std::min<int64_t>(16, a.Gp - g0)) - 1);
+    for (int b = 0; b < BT; ++b) {
+      const __m512 sxv = _mm512_permutexvar_ps(lx, _mm512_maskz_loadu_ps(xm, a.sx + (b0 + b) * a.Xb + xb0));
+      for (int r = 0; r < R; ++r) {
+        const __m512 swv = _mm512_permutexvar_ps(lg, _mm512_maskz_loadu_ps(gm, a.scales + (n + r) * a.Gp + g0));
+        racc[r][b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(reduce8(acc[r][b])), _mm512_mul_ps(swv, sxv), racc[r][b]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < BT; ++b)
+      a.y[(b0 + b) * a.N + n + r] = _mm512_reduce_add_ps(racc[r][b]) - zero_correction(a, n + r, b0 + b);
+}
+
+template <int BITS, int XS>
+void rows_a8_512_xs(const Args& a, int64_t n, int64_t end) {
+  int64_t b = 0;
+  for (; b + 2 <= a.B; b += 2)
+    for (int64_t m = n; m < end; ++m) rows_a8_512<BITS, XS, 1, 2>(a, m, b);
+  if (b < a.B) {
+    int64_t m = n;
+    for (; m + 2 <= end; m += 2) rows_a8_512<BITS, XS, 2, 1>(a, m, b);
+    for (; m < end; ++m) rows_a8_512<BITS, XS, 1, 1>(a, m, b);
+  }
+}
+
+template <int BITS>
+void rows_a8_512_all(const Args& a, int64_t n, int64_t end) {
+  switch (a.xshift) {  // activation blocks of 32, 64 or 128 columns (XBLOCK)
+    case 0: rows_a8_512_xs<BITS, 0>(a, n, end); break;
+    case 1: rows_a8_512_xs<BITS, 1>(a, n, end); break;
+    default: rows_a8_512_xs<BITS, 2>(a, n, end); break;
+  }
+}
+#endif
+
 template <int BITS>
 void rows_f32_all(const Args& a, int64_t n) {
   auto tile = [&](auto bt, int64_t b) { row_f32<BITS, decltype(bt)::value>(a, n, b); };
@@ -219,6 +368,9 @@ void run(const Args& a, bool scalar) {
   parallel_rows(a.N, [&](int64_t begin, int64_t end) {
 #ifdef __AVX2__
     if (!scalar && a.xq) {
+#ifdef COMPRESS_AVX512
+      if constexpr (BITS < 8) if (a.xqp) { rows_a8_512_all<BITS>(a, begin, end); return; }
+#endif
       if constexpr (BITS < 8) { rows_a8_all<BITS>(a, begin, end); return; }
     }
     if (!scalar && !a.xq) {
@@ -240,47 +392,105 @@ void dispatch(const Args& a, int64_t bits, bool scalar) {
   }
 }
 
-void check_weight(const torch::Tensor& words, const torch::Tensor& scales, const torch::Tensor& sz,
+void check_weight(const torch::Tensor& words, const torch::Tensor& scales, const torch::Tensor& zeros,
                   const torch::Tensor& xsum, int64_t kpad, int64_t bits) {
   TORCH_CHECK(words.scalar_type() == torch::kInt && words.is_contiguous(), "words: contiguous int32");
-  for (const auto* t : {&scales, &sz, &xsum})
-    TORCH_CHECK(t->scalar_type() == torch::kFloat && t->is_contiguous(), "scales, sz, xsum: contiguous fp32");
+  for (const auto* t : {&scales, &xsum})
+    TORCH_CHECK(t->scalar_type() == torch::kFloat && t->is_contiguous(), "scales, xsum: contiguous fp32");
+  TORCH_CHECK(zeros.scalar_type() == torch::kByte && zeros.is_contiguous() && zeros.sizes() == scales.sizes(),
+              "zeros: contiguous uint8 shaped like scales");
   TORCH_CHECK(words.size(1) * 32 == kpad * bits, "x width does not match the packed weight");
   TORCH_CHECK(scales.size(1) == xsum.size(1), "xsum needs one column per group");
+}
+
+// Activations for the int8 path, from fp32 x (B, K), K <= Kpad, zero padded: per block of 32 << xshift
+// columns, symmetric int8 with scale max|x| / 127 (round half to even, as torch.round), and per weight
+// group the sum of the rounded activations (the zero-point term). With AVX-512 VNNI the blocks are also
+// laid out in chunk-pair order for rows_a8_512: per pair c and field f, block 2cP + f, then (2c+1)P + f.
+struct ActInt8 {
+  std::vector<int8_t> q, qp;  // natural order; pair order (AVX-512 path) or empty
+  std::vector<float> sx, xsum;  // (B, Xb); (B, Gp)
+};
+
+ActInt8 quantize_act(const torch::Tensor& x, int64_t kpad, int64_t gp, int64_t bits, int xshift, bool pairs) {
+  const int64_t B = x.size(0), K = x.size(1), block = int64_t(32) << xshift, xb = kpad / block, gcols = kpad / gp;
+  const float* xf = x.data_ptr<float>();
+  ActInt8 r{std::vector<int8_t>(B * kpad, 0), {}, std::vector<float>(B * xb), std::vector<float>(B * gp, 0.f)};
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t j = 0; j < xb; ++j) {
+      const float* v = xf + b * K + j * block;
+      const int64_t n = std::max<int64_t>(0, std::min(block, K - j * block));
+      float m = 0.f;
+      for (int64_t i = 0; i < n; ++i) m = std::max(m, std::fabs(v[i]));
+      const float sc = std::max(m / 127.f, 1e-30f);
+      int32_t sum = 0;
+      int8_t* q = r.q.data() + b * kpad + j * block;
+      for (int64_t i = 0; i < n; ++i) {
+        q[i] = (int8_t)std::min(127.f, std::max(-127.f, std::nearbyint(v[i] / sc)));
+        sum += q[i];
+      }
+      r.sx[b * xb + j] = sc;
+      r.xsum[b * gp + j * block / gcols] += (float)sum * sc;
+    }
+#ifdef COMPRESS_AVX512
+  const int64_t P = 8 / bits;
+  if (pairs && bits < 8 && kpad % (64 * P) == 0) {
+    r.qp.resize(B * kpad);
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t c = 0; c < kpad / (64 * P); ++c)
+        for (int64_t f = 0; f < P; ++f)
+          for (int64_t h = 0; h < 2; ++h)
+            std::copy_n(r.q.data() + b * kpad + ((2 * c + h) * P + f) * 32, 32,
+                        r.qp.data() + b * kpad + (2 * c * P + 2 * f + h) * 32);
+  }
+#else
+  (void)bits; (void)pairs;
+#endif
+  return r;
 }
 
 }  // namespace
 
 // fp32 activations, permuted per chunk (cpu.py::permute_x); xsum (B, Gp) from the unpermuted x.
 torch::Tensor matmul_f32(torch::Tensor x, torch::Tensor xsum, torch::Tensor words, torch::Tensor scales,
-                         torch::Tensor sz, int64_t bits, int64_t gshift, bool scalar) {
+                         torch::Tensor zeros, int64_t bits, int64_t gshift, bool scalar) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x: contiguous fp32 (B, Kpad)");
-  check_weight(words, scales, sz, xsum, x.size(1), bits);
+  check_weight(words, scales, zeros, xsum, x.size(1), bits);
   auto y = torch::empty({x.size(0), words.size(0)}, x.options());
   Args a{reinterpret_cast<const uint32_t*>(words.data_ptr<int32_t>()), x.data_ptr<float>(), nullptr, nullptr,
-         scales.data_ptr<float>(), sz.data_ptr<float>(), xsum.data_ptr<float>(), y.data_ptr<float>(),
+         scales.data_ptr<float>(), zeros.data_ptr<uint8_t>(), xsum.data_ptr<float>(), y.data_ptr<float>(),
          x.size(0), words.size(0), x.size(1), scales.size(1), words.size(1), 0, (int)gshift, 0};
   dispatch(a, bits, scalar);
   return y;
 }
 
-// int8 activations xq (B, Kpad) in natural column order with scales sx (B, Xb), one per 32 << xshift columns.
-torch::Tensor matmul_a8(torch::Tensor xq, torch::Tensor sx, torch::Tensor xsum, torch::Tensor words,
-                        torch::Tensor scales, torch::Tensor sz, int64_t bits, int64_t gshift, int64_t xshift,
-                        bool scalar) {
-  TORCH_CHECK(xq.dim() == 2 && xq.scalar_type() == torch::kChar && xq.is_contiguous(), "xq: contiguous int8");
-  TORCH_CHECK(sx.scalar_type() == torch::kFloat && sx.is_contiguous(), "sx: contiguous fp32");
-  TORCH_CHECK(xshift <= gshift && xq.size(1) % 128 == 0 && xq.size(1) % (int64_t(32) << xshift) == 0 &&
-                  sx.size(1) == xq.size(1) / (32 << xshift),
+// int8 activations: x fp32 (B, K), K <= Kpad, quantized here per block of 32 << xshift columns (see
+// ActInt8); `avx512` false keeps the AVX2 path on machines that have AVX-512 (tests).
+torch::Tensor matmul_a8(torch::Tensor x, torch::Tensor words, torch::Tensor scales, torch::Tensor zeros,
+                        int64_t bits, int64_t gshift, int64_t xshift, bool scalar, bool avx512) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x: contiguous fp32 (B, K)");
+  const int64_t kpad = words.size(1) * 32 / bits, gp = scales.size(1);
+  TORCH_CHECK(x.size(1) <= kpad, "x is wider than the packed weight");
+  TORCH_CHECK(xshift <= gshift && kpad % 128 == 0 && kpad % (int64_t(32) << xshift) == 0,
               "x scale blocks must tile the row and not span weight groups");
-  check_weight(words, scales, sz, xsum, xq.size(1), bits);
-  auto y = torch::empty({xq.size(0), words.size(0)}, sx.options());
-  Args a{reinterpret_cast<const uint32_t*>(words.data_ptr<int32_t>()), nullptr, xq.data_ptr<int8_t>(),
-         sx.data_ptr<float>(), scales.data_ptr<float>(), sz.data_ptr<float>(), xsum.data_ptr<float>(),
-         y.data_ptr<float>(), xq.size(0), words.size(0), xq.size(1), scales.size(1), words.size(1), sx.size(1),
-         (int)gshift, (int)xshift};
+  const ActInt8 act = quantize_act(x, kpad, gp, bits, (int)xshift, avx512 && !scalar);
+  const torch::Tensor xsum = torch::from_blob(const_cast<float*>(act.xsum.data()), {x.size(0), gp}, x.options());
+  check_weight(words, scales, zeros, xsum, kpad, bits);
+  auto y = torch::empty({x.size(0), words.size(0)}, x.options());
+  Args a{reinterpret_cast<const uint32_t*>(words.data_ptr<int32_t>()), nullptr, act.q.data(), act.sx.data(),
+         scales.data_ptr<float>(), zeros.data_ptr<uint8_t>(), act.xsum.data(), y.data_ptr<float>(), x.size(0),
+         words.size(0), kpad, gp, words.size(1), kpad / (int64_t(32) << xshift), (int)gshift, (int)xshift};
+  if (!act.qp.empty()) a.xqp = act.qp.data();
   dispatch(a, bits, scalar);
   return y;
+}
+
+bool has_avx512() {
+#ifdef COMPRESS_AVX512
+  return true;
+#else
+  return false;
+#endif
 }
 
 bool has_avx2() {
@@ -295,4 +505,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("matmul_f32", &matmul_f32, "packed-integer matmul, fp32 activations (see kernels/cpu.py)");
   m.def("matmul_a8", &matmul_a8, "packed-integer matmul, int8 activations (see kernels/cpu.py)");
   m.def("has_avx2", &has_avx2);
+  m.def("has_avx512", &has_avx512);
 }

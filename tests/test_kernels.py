@@ -42,8 +42,8 @@ def test_kernel_matches_reference(ext, bits, group, shape, sym, scalar):
 
 @pytest.mark.parametrize("bits,group,shape", [c for c in CASES if c[0] in cpu.A8_BITS])
 @pytest.mark.parametrize("sym", [True, False])
-@pytest.mark.parametrize("scalar", [False, True])
-def test_int8_activations_match_reference_on_rounded_x(ext, bits, group, shape, sym, scalar):
+@pytest.mark.parametrize("scalar,avx512", [(False, True), (False, False), (True, False)])
+def test_int8_activations_match_reference_on_rounded_x(ext, bits, group, shape, sym, scalar, avx512):
     """cpu-a8 is exact for the activations it rounds: compare with the reference on those."""
     qw = rand_qw(*shape, bits, group, sym)
     state = cpu.pack(qw)
@@ -53,16 +53,15 @@ def test_int8_activations_match_reference_on_rounded_x(ext, bits, group, shape, 
         xpad = torch.nn.functional.pad(x, (0, state.kpad - shape[1]))
         xq, sx = cpu.quantize_x(xpad, block)
         xhat = (xq.view(batch, -1, block).float() * sx.unsqueeze(-1)).view(batch, -1)[:, : shape[1]]
-        y = cpu.matmul(x, state, act="int8", scalar=scalar)
+        y = cpu.matmul(x, state, act="int8", scalar=scalar, avx512=avx512)
         assert_close_to_reference(y, Reference().matmul(xhat, qw))
         assert (xhat - x).abs().max() <= x.abs().max() / 254 + 1e-6  # the rounding it documents
 
 
-def test_avx2_compiled_here(ext):
-    import subprocess
-
-    flags = subprocess.run(["grep", "-m1", "-o", "avx2", "/proc/cpuinfo"], capture_output=True, text=True).stdout
+def test_avx2_and_avx512_compiled_here(ext):
+    flags = cpu._cpu_flags().decode().split()
     assert ext.has_avx2() == ("avx2" in flags)
+    assert ext.has_avx512() == all(f in flags for f in ("avx512f", "avx512bw", "avx512dq", "avx512_vnni"))
 
 
 def test_layout_known_answer():
@@ -122,7 +121,7 @@ def test_int3_runs_as_two_planes(ext):
     p = cpu.pack(qw)
     assert isinstance(p, cpu.Packed3) and (p.lo.bits, p.hi.bits) == (2, 1)
     assert p.lo.words.numel() * 32 == 32 * p.lo.kpad * 2 and p.hi.words.numel() * 32 == 32 * p.hi.kpad
-    assert torch.equal(p.hi.scales, 4 * p.lo.scales) and not p.hi.sz.any()
+    assert torch.equal(p.hi.scales, 4 * p.lo.scales) and not p.hi.zeros.any()
     one = QuantizedWeight(codes=torch.full((1, 256), 7, dtype=torch.uint8), scales=torch.ones(1, 1),
                           zeros=torch.zeros(1, 1, dtype=torch.uint8), bits=3, group_size=-1, sym=False)
     assert cpu.matmul(torch.ones(1, 256), cpu.pack(one)).item() == 7 * 256
