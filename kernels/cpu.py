@@ -20,9 +20,10 @@ weights, no shuffles; x is permuted once per call to match, `permute_x`). b = 2 
 byte (128 columns per chunk), b = 8 one (32 columns), b = 1 eight (256 columns). 3-bit weights are two
 planes (`Packed3`): their low 2 bits and their high bit, so they still read 3 bits per weight.
 
-Per (row, group): `scales` fp32 and `zeros` uint8; padded groups are zero. The kernel computes
-`y = sum_g scale_g * dot(q_g, x_g) - sum_g (scale_g * zero_g) * sum(x_g)`: with fp32 activations the
-reference's `x @ (scales * (codes - zeros)).T` up to float rounding; with int8 activations
+Per (row, group): `scales` fp16 (as every export format stores them) and `zeros` uint8; padded groups
+are zero. The kernel computes `y = sum_g scale_g * dot(q_g, x_g) - sum_g (scale_g * zero_g) * sum(x_g)`:
+with fp32 activations the reference's `x @ (scales * (codes - zeros)).T` (scales rounded to fp16) up to
+float rounding; with int8 activations
 (symmetric, one scale per min(group, 128) columns of each row of x, like onnxruntime's
 accuracy_level 4 and OpenVINO's dynamic quantization) exactly that of the rounded activations.
 Groups must be powers of two >= 32 columns (or per-channel); other weights use the reference backend.
@@ -49,13 +50,14 @@ KERNEL_BITS = (2, 3, 4, 8)  # 3 bits run as two planes (Packed3); the C++ kernel
 A8_BITS = (1, 2, 3, 4)  # int8 activations: u8 x s8 products of 8-bit weights could saturate without VNNI
 PER_CHANNEL_SHIFT = 60  # group of a 32-column block = block >> shift: always 0
 XBLOCK = 128  # int8 activations: at most this many columns per activation scale
+FP16_MAX = 65504.0
 _EXT: dict[str, object] = {}
 
 
 @dataclass(frozen=True)
 class PackedCPU:
     words: torch.Tensor  # int32 (N, Kpad*bits/32)
-    scales: torch.Tensor  # fp32 (N, Gp)
+    scales: torch.Tensor  # fp16 (N, Gp)
     zeros: torch.Tensor  # uint8 (N, Gp)
     bits: int
     in_features: int
@@ -106,6 +108,8 @@ def supports(qw: QuantizedWeight) -> str | None:
     g = qw.group_size
     if g != -1 and (g < 32 or g & (g - 1)):
         return f"group size {g} (kernel groups: powers of two >= 32, or per-channel)"
+    if qw.scales.numel() and qw.scales.abs().max().item() * (4 if qw.bits == 3 else 1) > FP16_MAX:
+        return "scales beyond the fp16 range (the kernel stores scales in fp16)"
     return None
 
 
@@ -123,7 +127,7 @@ def pack(qw: QuantizedWeight) -> PackedCPU | Packed3:
 
 def pack_plane(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int, group_size: int,
                align: int = 128) -> PackedCPU:
-    """Codes (N, K) in [0, 2^bits) with per-group fp32 scales and zero points (N, n_groups) -> cpu-rows,
+    """Codes (N, K) in [0, 2^bits) with per-group scales (stored fp16) and zero points (N, n_groups) -> cpu-rows,
     K padded to a multiple of `align`, of whole groups, of whole chunk pairs (the AVX-512 path) and of XBLOCKs."""
     N, K = codes.shape
     P, n_groups = 8 // bits, scales.shape[1]
@@ -140,8 +144,8 @@ def pack_plane(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, b
         gp, gshift = 1, PER_CHANNEL_SHIFT
     else:
         gp, gshift = kpad // group_size, int(math.log2(group_size // 32))
-    s, z = torch.zeros(N, gp), torch.zeros(N, gp, dtype=torch.uint8)
-    s[:, :n_groups] = scales
+    s, z = torch.zeros(N, gp, dtype=torch.float16), torch.zeros(N, gp, dtype=torch.uint8)
+    s[:, :n_groups] = scales.half()
     z[:, :n_groups] = zeros.round().to(torch.uint8)
     return PackedCPU(words, s.contiguous(), z.contiguous(), bits, K, kpad, gshift)
 

@@ -8,7 +8,7 @@
 //   * shifting by BITS*(t*P + s) and masking every int32 gives 8 columns 32s+t, 32s+4+t, ... as int32
 //     (the fp32 path: x is given permuted to match, see cpu.py).
 // Groups are powers of two >= 32 columns (or per-channel): every 32-column block lies in one group.
-//   scales fp32 (N, Gp), zeros uint8 (N, Gp), xsum fp32 (B, Gp): per-group sums of x.
+//   scales fp16 (N, Gp), zeros uint8 (N, Gp), xsum fp32 (B, Gp): per-group sums of x.
 //   y = sum_g scale_g * dot(q_g, x_g) - sum_g (scale_g * zero_g) * xsum_g
 // The AVX2/FMA path runs when compiled with AVX2 and `scalar` is false; the scalar path is the fallback.
 
@@ -31,7 +31,7 @@ constexpr int64_t PREFETCH_BYTES = 8192;  // AVX-512 int8 path: prefetch the cod
 
 struct Args {
   const uint32_t* words; const float* x; const int8_t* xq; const float* sx;
-  const float* scales; const uint8_t* zeros; const float* xsum; float* y;
+  const at::Half* scales; const uint8_t* zeros; const float* xsum; float* y;
   int64_t B, N, Kpad, Gp, W, Xb;  // Xb: x scale blocks per row (int8 path)
   int gshift;  // group of 32-column block `blk` is blk >> gshift
   int xshift;  // x scale block of `blk` is blk >> xshift (int8 path)
@@ -39,7 +39,7 @@ struct Args {
 };
 
 float zero_correction(const Args& a, int64_t n, int64_t b) {
-  const float* s = a.scales + n * a.Gp;
+  const at::Half* s = a.scales + n * a.Gp;
   const uint8_t* z = a.zeros + n * a.Gp;
   const float* xs = a.xsum + b * a.Gp;
   int64_t g = 0;
@@ -48,11 +48,12 @@ float zero_correction(const Args& a, int64_t n, int64_t b) {
   __m512 v = _mm512_setzero_ps();
   for (; g + 16 <= a.Gp; g += 16) {
     const __m512 zf = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(z + g))));
-    v = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_loadu_ps(s + g), zf), _mm512_loadu_ps(xs + g), v);
+    const __m512 sf = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + g)));
+    v = _mm512_fmadd_ps(_mm512_mul_ps(sf, zf), _mm512_loadu_ps(xs + g), v);
   }
   c = _mm512_reduce_add_ps(v);
 #endif
-  for (; g < a.Gp; ++g) c += (s[g] * (float)z[g]) * xs[g];
+  for (; g < a.Gp; ++g) c += ((float)s[g] * (float)z[g]) * xs[g];
   return c;
 }
 
@@ -61,7 +62,7 @@ void row_scalar(const Args& a, int64_t n) {
   constexpr int P = 8 / BITS;
   constexpr uint32_t M = (1u << BITS) - 1;
   const uint32_t* row = a.words + n * a.W;
-  const float* s = a.scales + n * a.Gp;
+  const at::Half* s = a.scales + n * a.Gp;
   const int64_t chunks = a.Kpad / (32 * P);
   for (int64_t b = 0; b < a.B; ++b) {
     float acc = 0.f;
@@ -76,7 +77,7 @@ void row_scalar(const Args& a, int64_t n) {
             else part += q * a.x[b * a.Kpad + c * 32 * P + (t * P + f) * 8 + i];
           }
         const float xs = a.xq ? a.sx[b * a.Xb + (blk >> a.xshift)] : 1.f;
-        acc += s[blk >> a.gshift] * xs * part;
+        acc += (float)s[blk >> a.gshift] * xs * part;
       }
     a.y[b * a.N + n] = acc - zero_correction(a, n, b);
   }
@@ -97,7 +98,7 @@ void row_f32(const Args& a, int64_t n, int64_t b0) {
   constexpr int NA = BT >= 4 ? 1 : 4 / BT;  // independent accumulators per batch row (hide FMA latency)
   const __m256i mask = _mm256_set1_epi32((1 << BITS) - 1);
   const uint32_t* row = a.words + n * a.W;
-  const float* s = a.scales + n * a.Gp;
+  const at::Half* s = a.scales + n * a.Gp;
   const float* x = a.x + b0 * a.Kpad;
   const int64_t chunks = a.Kpad / (32 * P), gmask = (int64_t(1) << a.gshift) - 1;
   __m256 racc[BT], ga[BT][NA];
@@ -106,7 +107,7 @@ void row_f32(const Args& a, int64_t n, int64_t b0) {
     for (int u = 0; u < NA; ++u) ga[b][u] = _mm256_setzero_ps();
   }
   auto flush = [&](int64_t blk) {
-    const __m256 sc = _mm256_set1_ps(s[blk >> a.gshift]);
+    const __m256 sc = _mm256_set1_ps((float)s[blk >> a.gshift]);
     for (int b = 0; b < BT; ++b) {
       __m256 t = ga[b][0];
       for (int u = 1; u < NA; ++u) t = _mm256_add_ps(t, ga[b][u]);
@@ -179,7 +180,7 @@ void rows_a8(const Args& a, int64_t n, int64_t b0) {
       }
       if (((blk + 1) & xmask) == 0) {
         for (int r = 0; r < R; ++r) {
-          const float sw = a.scales[(n + r) * a.Gp + (blk >> a.gshift)];
+          const float sw = (float)a.scales[(n + r) * a.Gp + (blk >> a.gshift)];
           for (int b = 0; b < BT; ++b) {
             const __m256 sc = _mm256_set1_ps(sw * sx[b * a.Xb + (blk >> a.xshift)]);
             racc[r][b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][b]), sc, racc[r][b]);
@@ -271,7 +272,7 @@ void rows_a8_512(const Args& a, int64_t n, int64_t b0) {
   // prefetcher: fetch those of the rows PREFETCH_ROWS ahead now (a no-op past the end).
   if (n + R + PREFETCH_ROWS <= a.N)
     for (int r = 0; r < R; ++r)
-      for (int64_t g = 0; g < a.Gp; g += 16) {
+      for (int64_t g = 0; g < a.Gp; g += 32) {
         _mm_prefetch(reinterpret_cast<const char*>(a.scales + (n + r + PREFETCH_ROWS) * a.Gp + g), _MM_HINT_T0);
         _mm_prefetch(reinterpret_cast<const char*>(a.zeros + (n + r + PREFETCH_ROWS) * a.Gp + g), _MM_HINT_T0);
       }
@@ -309,7 +310,8 @@ void rows_a8_512(const Args& a, int64_t n, int64_t b0) {
     for (int b = 0; b < BT; ++b) {
       const __m512 sxv = _mm512_permutexvar_ps(lx, _mm512_maskz_loadu_ps(xm, a.sx + (b0 + b) * a.Xb + xb0));
       for (int r = 0; r < R; ++r) {
-        const __m512 swv = _mm512_permutexvar_ps(lg, _mm512_maskz_loadu_ps(gm, a.scales + (n + r) * a.Gp + g0));
+        const __m512 swv = _mm512_permutexvar_ps(
+            lg, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(gm, a.scales + (n + r) * a.Gp + g0)));
         racc[r][b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(reduce8(acc[r][b])), _mm512_mul_ps(swv, sxv), racc[r][b]);
       }
     }
@@ -395,8 +397,8 @@ void dispatch(const Args& a, int64_t bits, bool scalar) {
 void check_weight(const torch::Tensor& words, const torch::Tensor& scales, const torch::Tensor& zeros,
                   const torch::Tensor& xsum, int64_t kpad, int64_t bits) {
   TORCH_CHECK(words.scalar_type() == torch::kInt && words.is_contiguous(), "words: contiguous int32");
-  for (const auto* t : {&scales, &xsum})
-    TORCH_CHECK(t->scalar_type() == torch::kFloat && t->is_contiguous(), "scales, xsum: contiguous fp32");
+  TORCH_CHECK(scales.scalar_type() == torch::kHalf && scales.is_contiguous(), "scales: contiguous fp16");
+  TORCH_CHECK(xsum.scalar_type() == torch::kFloat && xsum.is_contiguous(), "xsum: contiguous fp32");
   TORCH_CHECK(zeros.scalar_type() == torch::kByte && zeros.is_contiguous() && zeros.sizes() == scales.sizes(),
               "zeros: contiguous uint8 shaped like scales");
   TORCH_CHECK(words.size(1) * 32 == kpad * bits, "x width does not match the packed weight");
@@ -458,7 +460,7 @@ torch::Tensor matmul_f32(torch::Tensor x, torch::Tensor xsum, torch::Tensor word
   check_weight(words, scales, zeros, xsum, x.size(1), bits);
   auto y = torch::empty({x.size(0), words.size(0)}, x.options());
   Args a{reinterpret_cast<const uint32_t*>(words.data_ptr<int32_t>()), x.data_ptr<float>(), nullptr, nullptr,
-         scales.data_ptr<float>(), zeros.data_ptr<uint8_t>(), xsum.data_ptr<float>(), y.data_ptr<float>(),
+         scales.data_ptr<at::Half>(), zeros.data_ptr<uint8_t>(), xsum.data_ptr<float>(), y.data_ptr<float>(),
          x.size(0), words.size(0), x.size(1), scales.size(1), words.size(1), 0, (int)gshift, 0};
   dispatch(a, bits, scalar);
   return y;
@@ -478,7 +480,7 @@ torch::Tensor matmul_a8(torch::Tensor x, torch::Tensor words, torch::Tensor scal
   check_weight(words, scales, zeros, xsum, kpad, bits);
   auto y = torch::empty({x.size(0), words.size(0)}, x.options());
   Args a{reinterpret_cast<const uint32_t*>(words.data_ptr<int32_t>()), nullptr, act.q.data(), act.sx.data(),
-         scales.data_ptr<float>(), zeros.data_ptr<uint8_t>(), act.xsum.data(), y.data_ptr<float>(), x.size(0),
+         scales.data_ptr<at::Half>(), zeros.data_ptr<uint8_t>(), act.xsum.data(), y.data_ptr<float>(), x.size(0),
          words.size(0), kpad, gp, words.size(1), kpad / (int64_t(32) << xshift), (int)gshift, (int)xshift};
   if (!act.qp.empty()) a.xqp = act.qp.data();
   dispatch(a, bits, scalar);
