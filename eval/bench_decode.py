@@ -142,7 +142,9 @@ def run(size: str = "0.5b", new_tokens: int = 64, prompt_tokens: int = 32, repea
             logger.info("%s: %.2f tokens/s", r["backend"], r["tokens_per_s"])
             r["speedup_vs_fp32"] = round(r["tokens_per_s"] / ref["tokens_per_s"], 2)
             r["agree"] = round(float((r.pop("tokens") == ref["tokens"]).double().mean()), 3)
-        return {"size": size, "parameters": n_params, "format": f"int{BITS}-g{GROUP} sym, lm_head included",
+        from compress.eval.bench_quality import machine
+
+        return {"machine": machine(), "size": size, "parameters": n_params, "format": f"int{BITS}-g{GROUP} sym, lm_head included",
                 "new_tokens": new_tokens, "prompt_tokens": prompt_tokens, "repeats": repeats,
                 "threads": torch.get_num_threads(), "rows": rows}
     finally:
@@ -150,9 +152,11 @@ def run(size: str = "0.5b", new_tokens: int = 64, prompt_tokens: int = 32, repea
 
 
 def markdown(result: dict) -> str:
+    from compress.eval.bench_quality import machine_text
+
     lines = [f"Greedy decoding, random Llama {result['size']} ({result['parameters'] / 1e6:.1f}M parameters), batch 1, "
              f"{result['prompt_tokens']}-token prompt, {result['new_tokens']} new tokens, {result['threads']} threads, "
-             f"best of {result['repeats']}; int4 = {result['format']}.", "",
+             f"best of {result['repeats']}; int4 = {result['format']}.{machine_text(result.get('machine'))}", "",
              "| backend | tokens/s | ms/token | prefill s | vs torch fp32 | tokens equal to fp32 |",
              "|---|---:|---:|---:|---:|---:|"]
     for r in result["rows"]:

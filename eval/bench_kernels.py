@@ -30,6 +30,7 @@ import time
 import numpy as np
 import torch
 
+from compress.eval.bench_quality import machine, machine_text
 from compress.kernels import cpu
 from compress.kernels.backends import Reference
 from compress.qweight import QuantizedWeight
@@ -177,7 +178,7 @@ def run(quick: bool = False, repeats: int = 10, threads: int | None = None) -> d
         evict = Evict(16 if quick else EVICT_MIB)
         bw = read_bandwidth_gbps(64 if quick else 512, repeats, evict)
         rows = [r for n, k in shapes for r in bench_shape(n, k, batches, repeats, bw, evict)]
-        return {"read_bandwidth_gbps": round(bw, 2), "threads": torch.get_num_threads(),
+        return {"machine": machine(), "read_bandwidth_gbps": round(bw, 2), "threads": torch.get_num_threads(),
                 "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", ""),
                 "cpu_kernel": cpu.extension() is not None, "rows": rows}
     finally:
@@ -186,7 +187,8 @@ def run(quick: bool = False, repeats: int = 10, threads: int | None = None) -> d
 
 def markdown(result: dict) -> str:
     """One table: shape, batch, format, backend, ms min / median, GB/s, fraction of read bandwidth."""
-    lines = [f"Streaming read bandwidth: {result['read_bandwidth_gbps']} GB/s, {result['threads']} threads.", "",
+    lines = [f"Streaming read bandwidth: {result['read_bandwidth_gbps']} GB/s, {result['threads']} threads."
+             f"{machine_text(result.get('machine'))}", "",
              "| shape | batch | format | backend | ms min | ms median | GB/s | of read bw | rel. error |",
              "|---|---:|---|---|---:|---:|---:|---:|---:|"]
     for r in result["rows"]:

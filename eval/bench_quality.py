@@ -250,18 +250,23 @@ def pm(row: dict, key: str, digits: int = 4) -> str:
     return f"{_fmt(row[key], digits)} ± {_fmt(row[key + '_sd'], digits)}" if key in row else "-"
 
 
+def machine_text(m: dict | None) -> str:
+    """' Machine: 2 CPUs, <model> (<simd flags>).' for a benchmark's markdown, '' for results without it."""
+    return f" Machine: {m['nproc']} CPUs, {m['cpu']} ({', '.join(m.get('simd', []))})." if m else ""
+
+
 def machine() -> dict:
-    cpu = platform.processor() or "?"
+    cpu, flags = platform.processor() or "?", []
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        cpu = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), cpu)
+        have = set(next((ln.split(":", 1)[1].split() for ln in lines if ln.startswith("flags")), []))
+        flags = [f for f in ("avx2", "fma", "avx_vnni", "avx512f", "avx512_vnni", "amx_int8") if f in have]
     except OSError:
         pass
     import torch
 
-    return {"nproc": os.cpu_count(), "cpu": cpu, "torch_threads": torch.get_num_threads(),
+    return {"nproc": os.cpu_count(), "cpu": cpu, "simd": flags, "torch_threads": torch.get_num_threads(),
             "load_average": [round(x, 2) for x in os.getloadavg()]}
 
 
