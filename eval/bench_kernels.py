@@ -131,9 +131,9 @@ def rel_err(y, ref: torch.Tensor) -> float:
     return ((y - ref).abs().max() / ref.abs().max()).item()
 
 
-def bench_shape(n: int, k: int, batches, repeats: int, bw: float, evict) -> list[dict]:
-    shape, rows = f"{n}x{k}", []
-    w = torch.randn(n, k) * 0.02
+def dense_rows(shape: str, n: int, k: int, batches, repeats: int, bw: float, evict) -> list[dict]:
+    """torch fp32 and bf16 matmul rows (the dense weights are freed on return)."""
+    rows, w = [], torch.randn(n, k) * 0.02
     wb = w.bfloat16()
     for b in batches:
         x = torch.randn(b, k)
@@ -142,7 +142,12 @@ def bench_shape(n: int, k: int, batches, repeats: int, bw: float, evict) -> list
                          w.numel() * 4, bw, 0.0))
         rows.append(_row(shape, b, "dense", "torch-bf16", timed(lambda: xb @ wb.T, repeats, evict),
                          w.numel() * 2, bw, rel_err(xb @ wb.T, ref)))
-    del w, wb
+    return rows
+
+
+def bench_shape(n: int, k: int, batches, repeats: int, bw: float, evict) -> list[dict]:
+    shape = f"{n}x{k}"
+    rows = dense_rows(shape, n, k, batches, repeats, bw, evict)
     for bits, group in FORMATS:
         fmt = f"int{bits}-g{group}"
         qw = random_qweight(n, k, bits, group)
