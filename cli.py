@@ -294,6 +294,8 @@ def bench_kernels(
     quick: bool = typer.Option(False, "--quick", help="one small shape, few repeats, for a smoke test"),
     repeats: int = typer.Option(10, "--repeats", help="timed runs per measurement (min and median reported)"),
     threads: Optional[int] = typer.Option(None, "--threads", help="threads for every backend (default: torch's)"),
+    avx512: bool = typer.Option(True, "--avx512/--no-avx512",
+                                help="--no-avx512: run `cpu-a8` on its AVX2 code, as an AVX2-only CPU would"),
 ):
     """Packed GEMM speed: our CPU kernel vs the reference path, torch fp32/bf16/int4 and OpenVINO int4/int2.
 
@@ -302,7 +304,7 @@ def bench_kernels(
     from compress.eval.bench_kernels import markdown, run as run_kernels
 
     _setup_logging(False)
-    result = run_kernels(quick=quick, repeats=repeats, threads=threads)
+    result = run_kernels(quick=quick, repeats=repeats, threads=threads, avx512=avx512)
     md = markdown(result)
     _emit_bench(result, md, json_out, md_out)
 

@@ -145,7 +145,7 @@ def dense_rows(shape: str, n: int, k: int, batches, repeats: int, bw: float, evi
     return rows
 
 
-def bench_shape(n: int, k: int, batches, repeats: int, bw: float, evict) -> list[dict]:
+def bench_shape(n: int, k: int, batches, repeats: int, bw: float, evict, avx512: bool = True) -> list[dict]:
     shape = f"{n}x{k}"
     rows = dense_rows(shape, n, k, batches, repeats, bw, evict)
     for bits, group in FORMATS:
@@ -158,7 +158,7 @@ def bench_shape(n: int, k: int, batches, repeats: int, bw: float, evict) -> list
             cases = []  # (backend, fn, bytes)
             if packed is not None:
                 cases += [("ours-cpu", lambda: cpu.matmul(x, packed), packed.nbytes()),
-                          ("ours-cpu-a8", lambda: cpu.matmul(x, packed, act="int8"), packed.nbytes())]
+                          ("ours-cpu-a8", lambda: cpu.matmul(x, packed, act="int8", avx512=avx512), packed.nbytes())]
             cases.append(("reference", lambda: Reference().matmul(x, qw), qw.storage_bits() // 8))
             if bits == 4:
                 fn4, nbytes4 = torch_int4(qw)
@@ -174,7 +174,8 @@ def bench_shape(n: int, k: int, batches, repeats: int, bw: float, evict) -> list
     return rows
 
 
-def run(quick: bool = False, repeats: int = 10, threads: int | None = None) -> dict:
+def run(quick: bool = False, repeats: int = 10, threads: int | None = None, avx512: bool = True) -> dict:
+    """`avx512=False` runs our int8-activation kernel on its AVX2 code (what an AVX2-only CPU runs)."""
     previous = torch.get_num_threads()
     torch.set_num_threads(threads or previous)
     try:
@@ -182,18 +183,27 @@ def run(quick: bool = False, repeats: int = 10, threads: int | None = None) -> d
         repeats = QUICK["repeats"] if quick else repeats
         evict = Evict(16 if quick else EVICT_MIB)
         bw = read_bandwidth_gbps(64 if quick else 512, repeats, evict)
-        rows = [r for n, k in shapes for r in bench_shape(n, k, batches, repeats, bw, evict)]
+        rows = [r for n, k in shapes for r in bench_shape(n, k, batches, repeats, bw, evict, avx512)]
         return {"machine": machine(), "read_bandwidth_gbps": round(bw, 2), "threads": torch.get_num_threads(),
                 "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", ""),
-                "cpu_kernel": cpu.extension() is not None, "rows": rows}
+                "cpu_kernel": cpu.extension() is not None, "a8_isa": a8_isa(avx512), "rows": rows}
     finally:
         torch.set_num_threads(previous)
 
 
+def a8_isa(avx512: bool) -> str:
+    """The code our `cpu-a8` rows run: avx512-vnni, avx2 or scalar/none."""
+    ext = cpu.extension()
+    if ext is None:
+        return "none"
+    return "avx512-vnni" if avx512 and ext.has_avx512() else "avx2" if ext.has_avx2() else "scalar"
+
+
 def markdown(result: dict) -> str:
     """One table: shape, batch, format, backend, ms min / median, GB/s, fraction of read bandwidth."""
+    isa = f" `cpu-a8` code: {result['a8_isa']}." if "a8_isa" in result else ""
     lines = [f"Streaming read bandwidth: {result['read_bandwidth_gbps']} GB/s, {result['threads']} threads."
-             f"{machine_text(result.get('machine'))}", "",
+             f"{machine_text(result.get('machine'))}{isa}", "",
              "| shape | batch | format | backend | ms min | ms median | GB/s | of read bw | rel. error |",
              "|---|---:|---|---|---:|---:|---:|---:|---:|"]
     for r in result["rows"]:

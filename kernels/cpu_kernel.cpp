@@ -26,8 +26,8 @@
 namespace {
 
 constexpr int PREFETCH_WORDS = 256;  // AVX2 int8 path: prefetch this far ahead in each row (1 KiB)
-constexpr int PREFETCH_ROWS = 8;  // AVX-512 int8 path: prefetch the scales of the row this far ahead
-constexpr int64_t PREFETCH_BYTES = 8192;  // AVX-512 int8 path: prefetch the codes this far ahead
+constexpr int PREFETCH_ROWS = 8;  // int8 paths: prefetch the scales of the row this far ahead
+constexpr int64_t PREFETCH_BYTES = 8192;  // deferred int8 paths: prefetch the codes this far ahead
 
 struct Args {
   const uint32_t* words; const float* x; const int8_t* xq; const float* sx;
@@ -195,7 +195,94 @@ void rows_a8(const Args& a, int64_t n, int64_t b0) {
       a.y[(b0 + b) * a.N + n + r] = hsum(racc[r][b]) - zero_correction(a, n + r, b0 + b);
 }
 
-// Rows [n, end) for int8 activations: batch tiles of 4, 2, 1, each with 4/BT rows at a time.
+// One batch row of int8 activations, row n, scale conversions deferred: each flush (one x-block of
+// 2^XS 32-column blocks) is accumulated in its own register; eight flushes are reduced together into one
+// vector of eight sums (x-blocks xb0..xb0+7, in order), converted once and multiplied by the eight
+// combined scales scale_w * scale_x, instead of a conversion, a broadcast and an FMA per flush.
+// The scales and zero points of a row advance one line per many lines of codes, too slowly for the
+// hardware prefetcher: the int8 paths fetch those of the row PREFETCH_ROWS ahead (nothing past the end).
+inline void prefetch_meta(const Args& a, int64_t n) {
+  if (n >= a.N) return;
+  for (int64_t g = 0; g < a.Gp; g += 32) {
+    _mm_prefetch(reinterpret_cast<const char*>(a.scales + n * a.Gp + g), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(a.zeros + n * a.Gp + g), _MM_HINT_T0);
+  }
+}
+
+// Eight floats from p (fp32, or fp16 converted), zeros past `avail`.
+inline __m256 load8(const float* p, int64_t avail) {
+  if (avail >= 8) return _mm256_loadu_ps(p);
+  alignas(32) float t[8] = {};
+  std::copy_n(p, avail, t);
+  return _mm256_load_ps(t);
+}
+
+inline __m256 load8(const at::Half* p, int64_t avail) {
+  alignas(32) float t[8] = {};
+#ifdef __F16C__
+  if (avail >= 8) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#endif
+  for (int64_t i = 0; i < std::min<int64_t>(8, avail); ++i) t[i] = (float)p[i];
+  return _mm256_load_ps(t);
+}
+
+inline __m256i reduce8_256(const __m256i* v) {
+  const __m256i u0 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+  const __m256i u1 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+  // u0 = [s0 s1 s2 s3 | s0' s1' s2' s3'] (low and high 128-bit partial sums of v0..v3), u1 likewise for v4..v7
+  return _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20), _mm256_permute2x128_si256(u0, u1, 0x31));
+}
+
+template <int BITS, int XS>
+void row_a8_deferred(const Args& a, int64_t n, int64_t b) {
+  constexpr int P = 8 / BITS, BX = 1 << XS;
+  constexpr int CPF = BX > P ? BX / P : 1;  // chunks per flush
+  constexpr int FPC = BX > P ? 1 : P / BX;  // flushes per chunk
+  constexpr int CH8 = 8 * CPF / FPC;        // chunks per eight flushes
+  const __m256i mask = _mm256_set1_epi8((char)((1 << BITS) - 1));
+  const uint32_t* row = a.words + n * a.W;
+  const int8_t* xq = a.xq + b * a.Kpad;
+  const int64_t chunks = a.Kpad / (32 * P), D = std::min(a.gshift - XS, 31), xb_all = a.Xb;
+  const __m256i lg = _mm256_srli_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), (int)D);
+  const int64_t pf = std::max<int64_t>(PREFETCH_BYTES / 4, a.W);  // codes about PREFETCH_BYTES ahead
+  prefetch_meta(a, n + PREFETCH_ROWS);
+  __m256 racc = _mm256_setzero_ps();
+  for (int64_t c0 = 0; c0 < chunks; c0 += CH8) {
+    __m256i acc[8];
+    for (int k = 0; k < 8; ++k) acc[k] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int cc = 0; cc < CH8; ++cc) {
+      const int64_t c = c0 + cc;
+      if (c >= chunks) break;
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c * 8));
+      _mm_prefetch(reinterpret_cast<const char*>(row + c * 8 + pf), _MM_HINT_T0);
+#pragma GCC unroll 8
+      for (int f = 0; f < P; ++f) {
+        const int k = (cc * P + f) / BX;  // flush of block (c0 + cc) * P + f, relative to c0 * P / BX
+        const __m256i q = _mm256_and_si256(f == 0 ? v : _mm256_srli_epi32(v, f * BITS), mask);
+        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + (c * P + f) * 32));
+        acc[k] = dot_u8s8(acc[k], q, x);
+      }
+    }
+    const int64_t xb0 = c0 * P / BX, g0 = xb0 >> D;
+    const __m256 swv = _mm256_permutevar8x32_ps(load8(a.scales + n * a.Gp + g0, a.Gp - g0), lg);
+    const __m256 sxv = load8(a.sx + b * xb_all + xb0, xb_all - xb0);
+    racc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(reduce8_256(acc)), _mm256_mul_ps(swv, sxv), racc);
+  }
+  a.y[b * a.N + n] = hsum(racc) - zero_correction(a, n, b);
+}
+
+template <int BITS>
+void row_a8_deferred_xs(const Args& a, int64_t n, int64_t b) {
+  switch (a.xshift) {  // activation blocks of 32, 64 or 128 columns (XBLOCK)
+    case 0: row_a8_deferred<BITS, 0>(a, n, b); break;
+    case 1: row_a8_deferred<BITS, 1>(a, n, b); break;
+    default: row_a8_deferred<BITS, 2>(a, n, b); break;
+  }
+}
+
+// Rows [n, end) for int8 activations: batch tiles of 4 and 2 (4/BT rows at a time, each activation load
+// serving them all), then a last single batch row with deferred scaling.
 template <int BITS>
 void rows_a8_all(const Args& a, int64_t n, int64_t end) {
   auto tile = [&](auto bt, int64_t b) {
@@ -207,7 +294,8 @@ void rows_a8_all(const Args& a, int64_t n, int64_t end) {
   int64_t b = 0;
   for (; b + 4 <= a.B; b += 4) tile(std::integral_constant<int, 4>{}, b);
   if (b + 2 <= a.B) { tile(std::integral_constant<int, 2>{}, b); b += 2; }
-  if (b < a.B) tile(std::integral_constant<int, 1>{}, b);
+  if (b < a.B)
+    for (int64_t m = n; m < end; ++m) row_a8_deferred_xs<BITS>(a, m, b);
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VNNI__)
@@ -268,14 +356,7 @@ void rows_a8_512(const Args& a, int64_t n, int64_t b0) {
   __m512 racc[R][BT];
   for (int r = 0; r < R; ++r)
     for (int b = 0; b < BT; ++b) racc[r][b] = _mm512_setzero_ps();
-  // The scales and zero-point rows advance one line per many lines of codes, too slowly for the hardware
-  // prefetcher: fetch those of the rows PREFETCH_ROWS ahead now (a no-op past the end).
-  if (n + R + PREFETCH_ROWS <= a.N)
-    for (int r = 0; r < R; ++r)
-      for (int64_t g = 0; g < a.Gp; g += 32) {
-        _mm_prefetch(reinterpret_cast<const char*>(a.scales + (n + r + PREFETCH_ROWS) * a.Gp + g), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(a.zeros + (n + r + PREFETCH_ROWS) * a.Gp + g), _MM_HINT_T0);
-      }
+  for (int r = 0; r < R; ++r) prefetch_meta(a, n + r + PREFETCH_ROWS);
   for (int64_t c0 = 0; c0 < pairs; c0 += F::SPAIRS) {
     const int64_t np = std::min<int64_t>(F::SPAIRS, pairs - c0);
     __m512i acc[R][BT][8];

@@ -11,6 +11,7 @@ def test_bench_kernels_quick_json_and_markdown(tmp_path):
     assert rc == 0, err
     result = json.loads(js.read_text())
     assert result["read_bandwidth_gbps"] > 0.5 and result["threads"] == 1
+    assert result["a8_isa"] in ("avx512-vnni", "avx2", "scalar") and result["machine"]["nproc"] >= 1
     rows = result["rows"]
     keys = {"shape", "batch", "format", "backend", "ms_min", "ms_median", "gbps", "bw_fraction", "rel_err"}
     assert all(set(r) == keys and 0 < r["ms_min"] <= r["ms_median"] for r in rows)
@@ -26,3 +27,14 @@ def test_bench_kernels_quick_json_and_markdown(tmp_path):
     assert err[("int3-g128", "ours-cpu")] < 1e-5 and err[("int3-g128", "ours-cpu-a8")] < 3e-2
     assert err[("int4-g128", "ours-cpu-a8")] < 3e-2 and err[("int4-g128", "openvino-int4")] < 3e-2
     assert "| 1024x1024 | 1 | int4-g128 | ours-cpu |" in md.read_text() and "| ours-cpu |" in stdout
+
+
+def test_bench_kernels_no_avx512_runs_the_avx2_code(tmp_path):
+    js = tmp_path / "k.json"
+    rc, _, err = invoke("bench", "kernels", "--quick", "--threads", "1", "--no-avx512", "--json", js)
+    assert rc == 0, err
+    result = json.loads(js.read_text())
+    from compress.kernels import cpu
+
+    assert result["a8_isa"] == ("avx2" if cpu.extension().has_avx2() else "scalar")
+    assert all(r["rel_err"] < 3e-2 for r in result["rows"] if r["backend"] == "ours-cpu-a8")
