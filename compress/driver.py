@@ -7,8 +7,8 @@
         propagate the compressed block's outputs as the inputs of block i+1
 
 Methods declare what they need (`BlockQuantizer.needs_hessian`, `.needs_fp_targets`, and
-`.needs_head` for an objective through the frozen LM head on the last block); the driver
-never branches on a method's class. A block whose checkpoint exists (resume) is loaded instead of
+`.needs_head` for an objective through the frozen LM head on the last block, which then gets no
+Hessians: it is tuned through the head); the driver never branches on a method's class. A block whose checkpoint exists (resume) is loaded instead of
 recomputed, and its outputs are recomputed by a forward pass, so a resumed run is bit-identical
 to an uninterrupted one.
 """
@@ -242,7 +242,7 @@ def run_blockwise(
             data = BlockData(i, block, linears, {nm: specs(nm, m) for nm, m in linears.items()},
                              q_in or [], kw or [], fp_out, fp_in, seed=seed * 1000 + i,
                              head=head if i == n - 1 else None, tokens=batches)
-            if quantizer.needs_hessian:
+            if quantizer.needs_hessian and data.head is None:  # a block handed the head is tuned through it
                 data.hessians = collect_hessians(block, linears, q_in, kw)
             done = quantizer.quantize_block(data)
             for name, qw in done.items():

@@ -77,7 +77,7 @@ def _quantize(model, quantizer, cfg, tokens):
     orig = quantizer.quantize_block
 
     def spy(data):
-        seen.append((data.index, data.head is not None))
+        seen.append((data.index, data.head is not None) + ((bool(data.hessians),) if quantizer.needs_hessian else ()))
         return orig(data)
 
     quantizer.quantize_block = spy
@@ -113,8 +113,9 @@ def test_gptq_final_block_lfq_tunes_the_last_block_with_autoround():
     cfg = GPTQConfig(bits=3, group_size=32, sym=False, final_block="lfq", final_iters=10)
     plain_cfg = GPTQConfig(bits=3, group_size=32, sym=False)
     lfq, seen = _quantize(tiny_causal("llama"), GPTQ(cfg), cfg, tokens)
-    plain, _ = _quantize(tiny_causal("llama"), GPTQ(plain_cfg), plain_cfg, tokens)
-    assert seen == [(0, False), (1, True)]
+    plain, seen_plain = _quantize(tiny_causal("llama"), GPTQ(plain_cfg), plain_cfg, tokens)
+    assert seen == [(0, False, True), (1, True, False)]  # (block, head, hessians): no Hessians for the tuned block
+    assert seen_plain == [(0, False, True), (1, False, True)]
     diff = {n for n in plain if not torch.equal(plain[n].codes, lfq[n].codes)}
     assert diff and all(n.startswith("model.layers.1.") for n in diff)
 
