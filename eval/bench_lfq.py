@@ -26,7 +26,7 @@ METRICS = ("ppl", "kl", "top1", "gen_prefix", "gen_agree", "gen_kl", "gen_top1")
 
 @dataclass(frozen=True)
 class LfqSettings:
-    base: bq.Settings = replace(bq.FULL, iters=100, ar_batch_size=8)  # half auto-round's default: 2-core budget
+    base: bq.Settings = replace(bq.FULL, iters=100, ar_batch_size=8, eval_tokens=30_000)  # half auto-round's default: 2-core budget
     seeds: tuple[int, ...] = (0, 1, 2)
     widths: tuple[int, ...] = (2, 3, 4)
     prompts: int = 16

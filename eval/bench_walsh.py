@@ -48,7 +48,7 @@ ENCODER_METRICS = ("cosine", "probe_acc")
 
 @dataclass(frozen=True)
 class WalshSettings:
-    base: bq.Settings = replace(bq.FULL, iters=100)  # half auto-round's default: 2-core budget (as --suite lfq)
+    base: bq.Settings = replace(bq.FULL, iters=100, eval_tokens=30_000)  # half auto-round's default: 2-core budget (as --suite lfq)
     seeds: tuple[int, ...] = (0, 1, 2)  # for W2; W3 and W4 run seed 0 only
     widths: tuple[int, ...] = (2, 3, 4)
     encoder_widths: tuple[int, ...] = (2, 3)
