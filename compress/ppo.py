@@ -18,6 +18,18 @@ PPO: clip 0.2, gamma 1 (episodic), GAE lambda 0.95, Adam, entropy bonus, value l
 `episodes` parallel episodes per update, `epochs` passes over minibatches of `minibatch` steps.
 Policy and critic: separate 2-layer tanh MLPs. Everything is seeded from `seed` (torch.Generator for
 sampling and minibatch order, `torch.manual_seed` under a fork_rng for the initial weights).
+
+Warm start (`warm_start` > 0, needs a `reference` plan, e.g. the greedy knapsack plan): before PPO, the
+policy is behaviour-cloned toward the reference for `warm_start` Adam steps (cross-entropy of the masked
+policy on the states along the reference episode), so that PPO starts near the baseline's plan and the
+terminal reward moves it from there; the reference plan is also one of the final candidates. This means the
+controller's plan is never worse than the reference *by the selection score* (a calibration-data measure);
+it can still be worse on other text.
+
+Final plan: candidates are the argmax decode, the `keep_best` best training episodes by return, the 4
+best-proxy of `final_samples` fresh samples and the reference plan, each filled toward the budget; the plan
+is the best by `select(choice)` (a real-model score on a larger calibration slice than the training
+terminal, so the pick is not fitted to the training reward's noise), else by terminal - normalised proxy.
 """
 
 from __future__ import annotations
@@ -49,6 +61,9 @@ class PPOSettings:
     hidden: int = 256
     seed: int = 0
     final_samples: int = 32  # plans sampled from the trained policy, besides its argmax plan
+    keep_best: int = 1  # best training episodes (by return) kept as final candidates
+    warm_start: int = 0  # behaviour-cloning steps toward the reference plan before PPO
+    warm_lr: float = 1e-3
 
 
 @dataclass
@@ -125,27 +140,32 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, lam: float) -> torch.Tensor
 
 
 def train(p: Problem, terminal: Callable[[torch.Tensor], float] | None, s: PPOSettings,
-          progress: Callable[[int, dict], None] | None = None) -> PPOResult:
+          progress: Callable[[int, dict], None] | None = None, reference: torch.Tensor | None = None,
+          select: Callable[[torch.Tensor], float] | None = None) -> PPOResult:
     """Train the controller, then return the better (by terminal reward, else proxy) of the argmax plan
     and the best sampled episode, each filled greedily toward the budget. The controller's tensors are
     tiny (E x 256), so it runs on one intra-op thread (several threads only add synchronisation)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _train(p, terminal, s, progress)
+        return _train(p, terminal, s, progress, reference, select)
     finally:
         torch.set_num_threads(threads)
 
 
-def _train(p: Problem, terminal, s: PPOSettings, progress) -> PPOResult:
+def _train(p: Problem, terminal, s: PPOSettings, progress, reference, select) -> PPOResult:
     t0 = time.time()
     ro = Rollout(p)
     with torch.random.fork_rng():
         torch.manual_seed(s.seed)
         policy, critic = mlp(ro.n_features, ro.n_opt, s.hidden), mlp(ro.n_features, 1, s.hidden)
+    if s.warm_start:
+        if reference is None:
+            raise ValueError("warm_start needs a reference plan")
+        clone(policy, ro, reference, s.warm_start, s.warm_lr)
     opt = torch.optim.Adam(list(policy.parameters()) + list(critic.parameters()), lr=s.lr)
     gen = torch.Generator().manual_seed(s.seed)
-    best = (-float("inf"), None)
+    best: list[tuple[float, int, torch.Tensor]] = []  # the keep_best best episodes: (return, serial, plan)
     curve = []
     for upd in range(s.updates):
         S, A, M, LP, R = ro.run(policy, s.episodes, gen)
@@ -153,35 +173,74 @@ def _train(p: Problem, terminal, s: PPOSettings, progress) -> PPOResult:
         term = torch.tensor([terminal(c) if terminal else 0.0 for c in choices])
         R[-1] += term
         ret = R.sum(0)
-        i = int(ret.argmax())
-        if float(ret[i]) > best[0]:
-            best = (float(ret[i]), choices[i].clone())
+        for i in range(len(choices)):
+            if not any(torch.equal(b[2], choices[i]) for b in best):
+                best.append((float(ret[i]), upd * s.episodes + i, choices[i].clone()))
+        best = sorted(best, key=lambda b: (-b[0], b[1]))[: max(s.keep_best, 1)]
         with torch.no_grad():
             V = critic(S).squeeze(-1)
         adv = gae(R, V, s.gae_lambda)
         _update(policy, critic, opt, S, A, M, LP, adv, adv + V, s, gen)
         proxy = torch.stack([torch.tensor(p.err_of(c)) for c in choices]) / ro.dense_norm
         row = {"update": upd, "return": float(ret.mean()), "proxy": float(proxy.mean()),
-               "terminal": float(term.mean()), "best_return": best[0]}
+               "terminal": float(term.mean()), "best_return": best[0][0]}
         curve.append(row)
         if progress:
             progress(upd, row)
-    return PPOResult(*_final(p, ro, policy, terminal, best[1], s, gen), curve=curve, seconds=time.time() - t0)
+    seen = [b[2] for b in best]
+    return PPOResult(*_final(p, ro, policy, terminal, seen, s, gen, reference, select), curve=curve,
+                     seconds=time.time() - t0)
 
 
-def _final(p: Problem, ro: Rollout, policy, terminal, best_seen, s: PPOSettings, gen):
-    """The plan: among the argmax decode, the best training episode and `final_samples` fresh samples of the
-    trained policy, each filled toward the budget, the one with the best proxy error; with a terminal reward,
-    the best by (terminal - normalised proxy) among the argmax, the best seen and the 4 best-proxy samples."""
+def clone(policy: nn.Module, ro: Rollout, reference: torch.Tensor, steps: int, lr: float) -> float:
+    """Behaviour cloning: `steps` full-batch Adam steps of masked cross-entropy toward `reference`'s action
+    on every state of the reference episode; returns the final mean probability of the reference actions."""
+    p = ro.p
+    used = torch.zeros(1, dtype=torch.int64)
+    prev = torch.full((1,), ro.n_opt, dtype=torch.int64)
+    S, M = [], []
+    for u in range(p.n_units):
+        S.append(ro.state(u, used, prev)[0]), M.append(action_mask(p, u, used, ro.tail)[0])
+        if not M[-1][reference[u]]:
+            raise ValueError(f"the reference plan leaves the budget at unit {u}")
+        used, prev = used + p.cost[u, reference[u]], reference[u].view(1)
+    S, M = torch.stack(S), torch.stack(M)
+    opt = torch.optim.Adam(policy.parameters(), lr=lr)
+    for _ in range(steps):
+        logits = policy(S).masked_fill(~M, -1e9)
+        loss = nn.functional.cross_entropy(logits, reference)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    with torch.no_grad():
+        prob = policy(S).masked_fill(~M, -1e9).softmax(1).gather(1, reference.view(-1, 1)).mean()
+    log.info("warm start: %d cloning steps, mean probability of the reference action %.3f", steps, float(prob))
+    return float(prob)
+
+
+def _final(p: Problem, ro: Rollout, policy, terminal, seen, s: PPOSettings, gen, reference, select):
+    """The plan among the candidates (module docstring), each filled toward the budget: the best by
+    `select`, else by terminal - normalised proxy (proxy alone without a terminal)."""
     _, A, *_ = ro.run(policy, 1, None, sample=False)
-    cands = {"argmax": fill(p, A[:, 0]), "best-seen": fill(p, best_seen)}
+    cands = {"argmax": fill(p, A[:, 0])}
+    cands.update({("best-seen" if k == 0 else f"best-seen-{k}"): fill(p, c) for k, c in enumerate(seen)})
     if s.final_samples:
         _, A, *_ = ro.run(policy, s.final_samples, gen)
         filled = sorted((fill(p, a) for a in A.T), key=p.err_of)
         cands.update({f"sample-{k}": c for k, c in enumerate(filled[:4])})
-    score = {k: (terminal(c) if terminal else 0.0) - p.err_of(c) / ro.dense_norm for k, c in cands.items()}
+    if reference is not None:
+        cands["reference"] = fill(p, reference)
+    unique = {}
+    for k, c in cands.items():  # score each distinct plan once
+        if not any(torch.equal(c, d) for d in unique.values()):
+            unique[k] = c
+    if select is not None:
+        score = {k: select(c) for k, c in unique.items()}
+    else:
+        score = {k: (terminal(c) if terminal else 0.0) - p.err_of(c) / ro.dense_norm for k, c in unique.items()}
     picked = max(score, key=score.get)
-    return cands[picked], picked
+    log.info("final candidates %s; picked %s", {k: round(v, 4) for k, v in score.items()}, picked)
+    return unique[picked], picked
 
 
 def _update(policy, critic, opt, S, A, M, LP, adv, ret, s: PPOSettings, gen) -> None:
