@@ -147,6 +147,29 @@ def test_ppo_beats_uniform_and_approaches_greedy():
     assert torch.equal(again.choice, res3.choice)  # deterministic for a seed
 
 
+def test_ppo_layer_steps_factorised():
+    from compress.ppo import PPOSettings, Rollout, train
+
+    p, _ = problem(tiny(), 3.0)
+    ro = Rollout(p, layer_steps=True)
+    assert len(ro.first) == len(p.layers) and torch.equal(ro.step_of, p.unit_layer)
+    # every chunk of a layer sees the state at the layer's start: within a layer the budget columns agree
+    S, A, M, LP, R = ro.run(torch.nn.Linear(ro.n_features, ro.n_opt), 4, torch.Generator().manual_seed(0))
+    layer0 = (p.unit_layer == 0).nonzero().view(-1)
+    budget_cols = slice(p.features.shape[1], p.features.shape[1] + 2)
+    assert torch.equal(S[layer0[0], :, budget_cols], S[layer0[-1], :, budget_cols])
+    used = p.cost.gather(1, A).sum(0)
+    assert int(used.max()) <= p.budget  # masks still keep every episode feasible
+    res = train(p, None, PPOSettings(updates=20, steps="layer", seed=0))
+    assert p.bits_of(res.choice) <= p.budget
+    assert p.err_of(res.choice) < p.err_of(uniform(p, nearest_uniform(p)))
+    assert p.err_of(res.choice) <= 1.25 * p.err_of(greedy(p))
+    assert res.curve[-1]["return"] > res.curve[0]["return"]
+    assert torch.equal(train(p, None, PPOSettings(updates=20, steps="layer", seed=0)).choice, res.choice)
+    with pytest.raises(ValueError, match="steps must be"):
+        train(p, None, PPOSettings(updates=1, steps="chunk"))
+
+
 def test_reweight_scales_errors_per_layer_and_adds_a_feature():
     p, _ = problem(tiny(), 3.0)
     L = len(p.layers)
@@ -201,7 +224,7 @@ def test_rl_stage_with_sensitivity_and_warm_start(tmp_path):
     assert set(info["layer_sensitivity"]) == set(plan["layers"]) and min(info["layer_sensitivity"].values()) > 0
     assert info["picked"] and info["final_select"] <= 0
     out = tmp_path / "rl0"
-    rc, _, err = invoke("run", recipe(tmp_path, method="rl", warm_start=0, sensitivity="none", **common),
+    rc, _, err = invoke("run", recipe(tmp_path, method="rl", warm_start=0, sensitivity="none", steps="layer", **common),
                         "--output", out, "--json")
     assert rc == 0, err
     info = json.loads((out / "plan.json").read_text())["info"]

@@ -147,6 +147,8 @@ class RLConfig(AllocateConfig):
     warm_start: int = Field(100, ge=0, description="behaviour-cloning steps toward the greedy plan before PPO "
                                                    "(0 = none); that plan is also a final candidate")
     keep_best: int = Field(8, ge=1, description="best training episodes kept as final candidates")
+    steps: Literal["unit", "layer"] = Field("unit", description="PPO steps: one per unit, or one per layer with "
+                                                                "factorised per-chunk actions")
     seed: Optional[int] = Field(None, ge=0, description="PPO seed (default: calibration.seed)")
 
 
@@ -468,7 +470,7 @@ def _search_rl(ctx, cfg: RLConfig, layers, hats, p: Problem):
             p = reweight(p, w, per_unit=True)
     s = PPOSettings(updates=cfg.updates, episodes=cfg.episodes, epochs=cfg.epochs, minibatch=cfg.minibatch,
                     lr=cfg.lr, entropy=cfg.entropy, hidden=cfg.hidden, keep_best=cfg.keep_best,
-                    warm_start=cfg.warm_start, seed=cfg.seed if cfg.seed is not None else ctx.seed)
+                    warm_start=cfg.warm_start, steps=cfg.steps, seed=cfg.seed if cfg.seed is not None else ctx.seed)
     reference = greedy(p) if cfg.warm_start else None
     bar = ctx.progress(total=cfg.updates, desc=f"{ctx.key} PPO", unit="update")
     res = train(p, terminal, s, lambda i, row: bar.update(1), reference=reference, select=select)
