@@ -15,23 +15,24 @@ The proxy error of every unit and option is computed from those statistics (`all
 Terminal reward of the RL controller (`terminal`): `ppl` = -kappa * (log ppl_Q - log ppl_FP) and
 `kl` = -kappa * mean KL(p_FP || p_Q) of the next-token distributions (the same scale as the log-ppl
 increase, without the variance of the sampled labels), `hidden_mse` = -kappa * relative MSE of the final
-hidden states, all on the first `reward_samples`
-calibration sequences cut to `reward_seqlen` tokens, with every planned linear replaced by its plan's
-fake-quantized weight; `none` = proxy reward only. The terminal reward keeps every option's fake-quantized
+hidden states, all on the first `reward_samples` calibration sequences cut to `reward_seqlen` tokens,
+with every planned linear replaced by its plan's fake-quantized weight; `none` = proxy reward only. The terminal reward keeps every option's fake-quantized
 copy of every planned layer in memory (|options| x the planned weights in fp32): meant for small and mid-size
 models; use `terminal: none` (or `greedy` / `lagrangian`) where that does not fit.
 
 Real-model calibration of the RL controller (all on calibration tokens; the evaluation text is never seen).
 With a terminal reward, a second, larger *selection slice* (the first `select_samples` calibration
-sequences cut to `select_seqlen` tokens) serves two purposes:
-- `sensitivity: true`: per layer l, the terminal loss increase dL_l when layer l alone is at its cheapest
-  option (every other layer full precision) over its proxy error at that option gives a weight
+sequences cut to `select_seqlen` tokens; it contains the training slice) serves two purposes:
+- `sensitivity: layer` (default): per layer l, the terminal loss increase dL_l when layer l alone is at its
+  cheapest option (every other layer full precision) over its proxy error at that option gives a weight
   w_l = dL_l / e_l (floored at 1% of the largest); the controller's problem has err(u, o) scaled by the
   weight of u's layer (`allocation.reweight`), so the dense reward, the bit-price shaping and the state
   (plus the log weight as a feature) see an estimate of the loss increase instead of per-layer output
-  errors on incomparable scales. Costs one forward per planned layer.
+  errors on incomparable scales. Costs one forward per planned layer. `unit`: the same per unit (one
+  forward per unit; on stories-llama-1m @ 3.0 it was no better than `layer`); `none`: the plain proxy.
 - the final plan is picked among the controller's candidates (compress/ppo.py) by the terminal score on the
-  selection slice, not by the small training slice it was trained on.
+  selection slice, not by the small training slice it was trained on. (Taking the selection slice from the
+  calibration sequences the training slice does not use was tried and was not better.)
 `warm_start` > 0: PPO starts from a policy behaviour-cloned toward the greedy knapsack plan of the
 controller's (sensitivity-weighted, if on) problem, and that plan is one of the final candidates: the RL
 plan is never worse than it by the selection score. The non-RL `greedy` method uses the unweighted proxy.
