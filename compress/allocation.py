@@ -13,12 +13,17 @@ effective bits (scales, zero points and the plan's own per-unit option index inc
 the best error decrease per extra bit that still fits), `lagrangian` (per unit argmin err + lambda*cost,
 lambda bisected to the smallest value that fits, then the same greedy fill), `uniform` (one option
 everywhere), and `fill` (the greedy upgrade loop from any feasible plan, never above the budget).
+
+`reweight` scales every layer's (or unit's) proxy errors by a weight (the RL controller's real-model
+sensitivity, compress/methods/allocate.py: the loss increase per unit of proxy error when that layer or
+unit alone is at its cheapest option) and appends the log weight to the state features; the proxy then estimates the
+model's loss increase rather than a sum of per-layer output errors on incomparable scales.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from fractions import Fraction
 
 import torch
@@ -167,6 +172,16 @@ def build_problem(layers: dict[str, tuple[torch.Tensor, torch.Tensor, int]], n_b
                 feats.float(), budget_bits(budget, int(weights.sum())))
     p.check_feasible()
     return p, hats
+
+
+def reweight(p: Problem, weight: torch.Tensor, per_unit: bool = False) -> Problem:
+    """The problem with err(u, o) scaled by weight[layer of u] (or weight[u] with `per_unit`; > 0) and the
+    standardised log weight appended to the features (a constant column, i.e. zeros, when all weights are equal)."""
+    w = weight.double().clamp_min(1e-30)
+    w = w if per_unit else w[p.unit_layer]
+    logw = torch.log(w).float().view(-1, 1)
+    logw = (logw - logw.mean()) / logw.std().clamp_min(1e-6) if p.n_units > 1 else logw * 0
+    return replace(p, err=p.err * w.view(-1, 1), features=torch.cat([p.features, logw], 1))
 
 
 # -- solvers ----------------------------------------------------------------------------------------

@@ -44,11 +44,19 @@ class MixedSettings:
     episodes: int = 8
     reward_samples: int = 8
     reward_seqlen: int = 128
+    select_samples: int = 32
+    select_seqlen: int = 256
+    sensitivity: str = "layer"  # layer | unit | none
+    warm_start: int = 100
+    keep_best: int = 8
 
 
 FULL = MixedSettings()
 QUICK = MixedSettings(base=replace(bq.QUICK, eval_tokens=512), seeds=(0,), budgets=(3.0,), updates=2, episodes=2,
-                      reward_samples=2, reward_seqlen=32)
+                      reward_samples=2, reward_seqlen=32, select_samples=4, select_seqlen=64, warm_start=10,
+                      keep_best=2)
+RL_FIELDS = ("updates", "episodes", "reward_samples", "reward_seqlen", "select_samples", "select_seqlen",
+             "sensitivity", "warm_start", "keep_best")
 
 
 def group_for(budget: float) -> int:
@@ -61,8 +69,8 @@ def recipe(bench, path, calib, method, budget, seed, s: MixedSettings) -> dict:
     rec = bq.recipe(bench, path, calib, "rtn", 4, base)
     alloc = {"stage": "allocate", "method": method, "budget": budget, "group_size": g, "chunk_size": g, "sym": False}
     if method == "rl":
-        alloc.update(updates=s.updates, episodes=s.episodes, reward_samples=s.reward_samples,
-                     reward_seqlen=min(s.reward_seqlen, base.seqlen), terminal="ppl", seed=seed)
+        alloc.update({k: getattr(s, k) for k in RL_FIELDS}, terminal="ppl", seed=seed,
+                     reward_seqlen=min(s.reward_seqlen, base.seqlen), select_seqlen=min(s.select_seqlen, base.seqlen))
     rec["stages"] = [alloc, {"stage": "quantize", "method": "rtn", "group_size": g, "sym": False}]
     rec["eval"]["generation"] = {"prompts": 0}
     rec["description"] = f"bench mixed: {bench.name} {method} budget {budget} seed {seed}"
@@ -172,8 +180,7 @@ def run_mixed(quick: bool = False, only: list[str] | None = None, curve_png: Pat
     meta["wall_seconds"] = round(time.time() - t0, 1)
     summary = summarize(cells)
     result = {"meta": meta, "settings": {**s.base.__dict__, "seeds": list(s.seeds), "budgets": list(s.budgets),
-                                         "updates": s.updates, "episodes": s.episodes,
-                                         "reward_samples": s.reward_samples, "reward_seqlen": s.reward_seqlen},
+                                         **{k: getattr(s, k) for k in RL_FIELDS}},
               "summary": summary, "cells": cells, "infeasible": infeasible,
               "targets": targets(summary, infeasible)}
     if curve_png is not None:
@@ -190,6 +197,20 @@ def write_curves(cells: list[dict], path: Path) -> None:
                 labels=[f"{c['model']} @{c['budget']} seed {c['seed']}" for c in rl])
 
 
+def rl_extras(s: dict) -> str:
+    """The RL settings beyond updates and the training reward (absent from results recorded before them)."""
+    if "select_samples" not in s:
+        return ""
+    out = [f"final plan picked on {s['select_samples']} x {s['select_seqlen']} calibration tokens among the "
+           f"argmax, the {s['keep_best']} best training episodes and 4 sampled plans"]
+    if s["sensitivity"] != "none":
+        out.append(f"proxy errors weighted per {s['sensitivity']} by the measured loss sensitivity (same slice)")
+    if s["warm_start"]:
+        out.append(f"policy warm-started by {s['warm_start']} behaviour-cloning steps toward the (weighted) greedy "
+                   "plan, which is also a final candidate")
+    return "; " + "; ".join(out)
+
+
 def markdown(result: dict) -> str:
     m, s = result["meta"], result["settings"]
     f, pm = bq._fmt, bq.pm
@@ -201,7 +222,7 @@ def markdown(result: dict) -> str:
         f"calibration {s['nsamples']} x {s['seqlen']} tokens from the first 80% of TinyStories val; seeds "
         f"{s['seeds']} (calibration windows and PPO seed)",
         f"- RL: {s['updates']} PPO updates x {s['episodes']} episodes, terminal reward -10 x (log ppl_Q - log ppl_FP) "
-        f"on {s['reward_samples']} x {s['reward_seqlen']} calibration tokens",
+        f"on {s['reward_samples']} x {s['reward_seqlen']} calibration tokens" + rl_extras(s),
         f"- perplexity/KL/top-1: {s['window']}-token windows over the first {s['eval_tokens']} tokens of the last "
         "20% of TinyStories val; eff. bits = exact effective bits of the plan (codes, fp16 scales, zero points, "
         "plan metadata); alloc s = statistics + search seconds",

@@ -11,7 +11,7 @@ import yaml
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from compress.allocation import (Option, action_mask, build_problem, fill, greedy, lagrangian, nearest_uniform,
-                                 suffix_min, uniform)
+                                 reweight, suffix_min, uniform)
 from compress.errors import BadInput
 from compress.kernels.backends import QuantLinear
 from compress.kernels.packing import mixed_pack, mixed_unpack
@@ -145,6 +145,98 @@ def test_ppo_beats_uniform_and_approaches_greedy():
     assert len(res3.curve) == 20 and res3.curve[-1]["return"] > res3.curve[0]["return"]
     again = train(p3, None, PPOSettings(updates=20, seed=0))
     assert torch.equal(again.choice, res3.choice)  # deterministic for a seed
+
+
+def test_ppo_layer_steps_factorised():
+    from compress.ppo import PPOSettings, Rollout, train
+
+    p, _ = problem(tiny(), 3.0)
+    ro = Rollout(p, layer_steps=True)
+    assert len(ro.first) == len(p.layers) and torch.equal(ro.step_of, p.unit_layer)
+    # every chunk of a layer sees the state at the layer's start: within a layer the budget columns agree
+    S, A, M, LP, R = ro.run(torch.nn.Linear(ro.n_features, ro.n_opt), 4, torch.Generator().manual_seed(0))
+    layer0 = (p.unit_layer == 0).nonzero().view(-1)
+    budget_cols = slice(p.features.shape[1], p.features.shape[1] + 2)
+    assert torch.equal(S[layer0[0], :, budget_cols], S[layer0[-1], :, budget_cols])
+    used = p.cost.gather(1, A).sum(0)
+    assert int(used.max()) <= p.budget  # masks still keep every episode feasible
+    res = train(p, None, PPOSettings(updates=20, steps="layer", seed=0))
+    assert p.bits_of(res.choice) <= p.budget
+    assert p.err_of(res.choice) < p.err_of(uniform(p, nearest_uniform(p)))
+    assert p.err_of(res.choice) <= 1.25 * p.err_of(greedy(p))
+    assert res.curve[-1]["return"] > res.curve[0]["return"]
+    assert torch.equal(train(p, None, PPOSettings(updates=20, steps="layer", seed=0)).choice, res.choice)
+    with pytest.raises(ValueError, match="steps must be"):
+        train(p, None, PPOSettings(updates=1, steps="chunk"))
+
+
+def test_reweight_scales_errors_per_layer_and_adds_a_feature():
+    p, _ = problem(tiny(), 3.0)
+    L = len(p.layers)
+    w = torch.linspace(0.5, 4.0, L, dtype=torch.float64)
+    rp = reweight(p, w)
+    assert torch.allclose(rp.err, p.err * w[p.unit_layer].view(-1, 1))
+    assert rp.features.shape == (p.n_units, p.features.shape[1] + 1)
+    assert torch.equal(rp.cost, p.cost) and rp.budget == p.budget
+    assert torch.equal(greedy(reweight(p, torch.full((L,), 3.0))), greedy(p))  # a common scale changes nothing
+    # a layer made very sensitive gets more bits from the same solver
+    hot = torch.ones(L, dtype=torch.float64)
+    hot[0] = 1e4
+    layer0 = p.unit_layer == 0
+    bits = lambda c: int(p.cost[layer0].gather(1, c[layer0].view(-1, 1)).sum())  # noqa: E731
+    assert bits(greedy(reweight(p, hot))) > bits(greedy(p))
+
+
+def test_warm_start_clones_the_reference_and_select_picks_the_plan():
+    from compress.ppo import PPOSettings, Rollout, clone, mlp, train
+
+    p, _ = problem(tiny(), 3.0)
+    ref = greedy(p)
+    ro = Rollout(p)
+    torch.manual_seed(0)
+    policy = mlp(ro.n_features, ro.n_opt, 64)
+    assert clone(policy, ro, ref, 0, 1e-3) < 0.5  # untrained: far from the reference
+    assert clone(policy, ro, ref, 200, 1e-3) > 0.9
+    _, A, *_ = ro.run(policy, 1, None, sample=False)
+    assert (A[:, 0] == ref).float().mean() > 0.9  # the argmax decode follows the reference
+    with pytest.raises(ValueError, match="needs a reference"):
+        train(p, None, PPOSettings(updates=1, warm_start=5))
+    s = PPOSettings(updates=3, warm_start=100, keep_best=4, hidden=64, seed=1)
+    res = train(p, None, s, reference=ref, select=lambda c: -p.err_of(c))
+    assert p.bits_of(res.choice) <= p.budget and p.err_of(res.choice) <= p.err_of(fill(p, ref))
+    # the selection score, not the proxy, decides: a score that only likes the reference plan picks it (under
+    # whichever candidate name produced it first), one that dislikes it picks another candidate
+    res = train(p, None, s, reference=ref, select=lambda c: float(torch.equal(c, fill(p, ref))))
+    assert torch.equal(res.choice, fill(p, ref))
+    res = train(p, None, s, reference=ref, select=lambda c: -float(torch.equal(c, fill(p, ref))))
+    assert not torch.equal(res.choice, fill(p, ref)) and res.picked != "reference"
+
+
+def test_rl_stage_with_sensitivity_and_warm_start(tmp_path):
+    common = dict(updates=2, episodes=2, reward_samples=2, reward_seqlen=32, select_samples=4, select_seqlen=64)
+    out = tmp_path / "rl"
+    rc, _, err = invoke("run", recipe(tmp_path, method="rl", warm_start=20, keep_best=2, **common),
+                        "--output", out, "--json")
+    assert rc == 0, err
+    plan = json.loads((out / "plan.json").read_text())
+    info = plan["info"]
+    assert 2.49 < plan["effective_bits"] <= 2.5
+    assert set(info["layer_sensitivity"]) == set(plan["layers"]) and min(info["layer_sensitivity"].values()) > 0
+    assert info["picked"] and info["final_select"] <= 0
+    out = tmp_path / "rl0"
+    rc, _, err = invoke("run", recipe(tmp_path, method="rl", warm_start=0, sensitivity="none", steps="layer", **common),
+                        "--output", out, "--json")
+    assert rc == 0, err
+    info = json.loads((out / "plan.json").read_text())["info"]
+    assert "layer_sensitivity" not in info and info["picked"] != "reference"
+    out = tmp_path / "rlu"
+    rc, _, err = invoke("run", recipe(tmp_path, method="rl", sensitivity="unit", terminal="kl", **common),
+                        "--output", out, "--json")
+    assert rc == 0, err
+    plan = json.loads((out / "plan.json").read_text())
+    w = plan["info"]["unit_sensitivity"]
+    assert len(w) == sum(len(v["options"]) for v in plan["layers"].values()) and min(w) > 0
+    assert plan["effective_bits"] <= 2.5 and plan["info"]["final_select"] <= 0  # -kappa * KL
 
 
 # -- (4) mixed weights through packing, kernels, workspace, export -------------------------------------------

@@ -13,11 +13,29 @@ trajectory** (allocation runs before any quantization; after a `rotate` stage, t
 The proxy error of every unit and option is computed from those statistics (`allocation.layer_units`).
 
 Terminal reward of the RL controller (`terminal`): `ppl` = -kappa * (log ppl_Q - log ppl_FP) and
-`hidden_mse` = -kappa * relative MSE of the final hidden states, both on the first `reward_samples`
-calibration sequences cut to `reward_seqlen` tokens, with every planned linear replaced by its plan's
-fake-quantized weight; `none` = proxy reward only. The terminal reward keeps every option's fake-quantized
+`kl` = -kappa * mean KL(p_FP || p_Q) of the next-token distributions (the same scale as the log-ppl
+increase, without the variance of the sampled labels), `hidden_mse` = -kappa * relative MSE of the final
+hidden states, all on the first `reward_samples` calibration sequences cut to `reward_seqlen` tokens,
+with every planned linear replaced by its plan's fake-quantized weight; `none` = proxy reward only. The terminal reward keeps every option's fake-quantized
 copy of every planned layer in memory (|options| x the planned weights in fp32): meant for small and mid-size
 models; use `terminal: none` (or `greedy` / `lagrangian`) where that does not fit.
+
+Real-model calibration of the RL controller (all on calibration tokens; the evaluation text is never seen).
+With a terminal reward, a second, larger *selection slice* (the first `select_samples` calibration
+sequences cut to `select_seqlen` tokens; it contains the training slice) serves two purposes:
+- `sensitivity: layer` (default): per layer l, the terminal loss increase dL_l when layer l alone is at its
+  cheapest option (every other layer full precision) over its proxy error at that option gives a weight
+  w_l = dL_l / e_l (floored at 1% of the largest); the controller's problem has err(u, o) scaled by the
+  weight of u's layer (`allocation.reweight`), so the dense reward, the bit-price shaping and the state
+  (plus the log weight as a feature) see an estimate of the loss increase instead of per-layer output
+  errors on incomparable scales. Costs one forward per planned layer. `unit`: the same per unit (one
+  forward per unit; on stories-llama-1m @ 3.0 it was no better than `layer`); `none`: the plain proxy.
+- the final plan is picked among the controller's candidates (compress/ppo.py) by the terminal score on the
+  selection slice, not by the small training slice it was trained on. (Taking the selection slice from the
+  calibration sequences the training slice does not use was tried and was not better.)
+`warm_start` > 0: PPO starts from a policy behaviour-cloned toward the greedy knapsack plan of the
+controller's (sensitivity-weighted, if on) problem, and that plan is one of the final candidates: the RL
+plan is never worse than it by the selection score. The non-RL `greedy` method uses the unweighted proxy.
 """
 
 from __future__ import annotations
@@ -33,7 +51,8 @@ from typing import Literal, Optional
 import torch
 from pydantic import Field, field_validator, model_validator
 
-from compress.allocation import Option, Problem, build_problem, greedy, lagrangian, map_bits, nearest_uniform, uniform
+from compress.allocation import (Option, Problem, build_problem, greedy, lagrangian, map_bits, nearest_uniform,
+                                 reweight, uniform)
 from compress.config import StrictModel, check_group_size
 from compress.driver import LayerSpec, MixedSpec, collect_energy
 from compress.errors import BadInput
@@ -115,10 +134,22 @@ class RLConfig(AllocateConfig):
     lr: float = Field(3e-4, gt=0)
     entropy: float = Field(0.01, ge=0)
     hidden: int = Field(256, ge=8)
-    terminal: Literal["ppl", "hidden_mse", "none"] = Field("ppl", description="terminal reward from the real model")
+    terminal: Literal["ppl", "kl", "hidden_mse", "none"] = Field("ppl", description="terminal reward from the real "
+                                                                                   "model")
     kappa: float = Field(10.0, ge=0, description="terminal reward scale")
     reward_samples: int = Field(8, ge=1, description="calibration sequences for the terminal reward")
     reward_seqlen: int = Field(128, ge=2, description="tokens per terminal-reward sequence")
+    select_samples: int = Field(32, ge=1, description="calibration sequences of the selection slice (final-plan "
+                                                      "pick and layer sensitivities)")
+    select_seqlen: int = Field(256, ge=2, description="tokens per selection-slice sequence")
+    sensitivity: Literal["layer", "unit", "none"] = Field(
+        "layer", description="weight each layer's (or unit's) proxy errors by its measured loss sensitivity (needs "
+                             "a terminal reward)")
+    warm_start: int = Field(100, ge=0, description="behaviour-cloning steps toward the greedy plan before PPO "
+                                                   "(0 = none); that plan is also a final candidate")
+    keep_best: int = Field(8, ge=1, description="best training episodes kept as final candidates")
+    steps: Literal["unit", "layer"] = Field("unit", description="PPO steps: one per unit, or one per layer with "
+                                                                "factorised per-chunk actions")
     seed: Optional[int] = Field(None, ge=0, description="PPO seed (default: calibration.seed)")
 
 
@@ -297,7 +328,7 @@ def collect_stats(ctx, layers: dict) -> dict[str, torch.Tensor]:
 
 
 class Terminal:
-    """The real-model terminal reward: plan -> -kappa * (log ppl_Q - log ppl_FP) (or relative hidden MSE)."""
+    """The real-model terminal reward: plan -> -kappa * (log ppl_Q - log ppl_FP) (or KL, or relative hidden MSE)."""
 
     def __init__(self, model, layers: dict, hats: dict, p: Problem, tokens: torch.Tensor, kind: str, kappa: float,
                  chunk_size: int):
@@ -312,18 +343,23 @@ class Terminal:
         out = self.model(input_ids=self.tokens, use_cache=False, output_hidden_states=self.kind == "hidden_mse")
         if self.kind == "hidden_mse":
             return out.hidden_states[-1].float()
+        if self.kind == "kl":
+            return torch.log_softmax(out.logits.float(), -1)
         logits = out.logits[:, :-1].float()
         return float(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
                                                        self.tokens[:, 1:].reshape(-1)))
 
     @torch.no_grad()
-    def apply(self, choice: torch.Tensor) -> None:
+    def apply(self, choice: torch.Tensor, only: int | None = None) -> None:
+        """Every planned layer (or layer index `only`) takes its plan's fake-quantized weight."""
         start = 0
         for li, name in enumerate(self.p.layers):
             hat = self.hats[name]
             n = int((self.p.unit_layer == li).sum())
             cols = choice[start:start + n].repeat_interleave(self.c)[: hat.shape[2]]
             start += n
+            if only is not None and li != only:
+                continue
             idx = cols.view(1, 1, -1).expand(1, hat.shape[1], -1)
             self.lins[name].weight.copy_(hat.gather(0, idx)[0])
 
@@ -332,15 +368,51 @@ class Terminal:
         for n, lin in self.lins.items():
             lin.weight.copy_(self.fp[n])
 
-    def __call__(self, choice: torch.Tensor) -> float:
-        self.apply(choice)
+    def loss(self, choice: torch.Tensor, only: int | None = None) -> float:
+        """Increase of the loss (log ppl, or relative hidden MSE) over the FP model under the plan."""
+        self.apply(choice, only)
         try:
             q = self._measure()
         finally:
             self.restore()
+        return self._delta(q)
+
+    def unit_loss(self, u: int, option: int) -> float:
+        """Loss increase with unit u alone at `option` (every other weight full precision)."""
+        name = self.p.layers[int(self.p.unit_layer[u])]
+        j = int(self.p.unit_chunk[u])
+        with torch.no_grad():
+            cols = slice(j * self.c, (j + 1) * self.c)
+            self.lins[name].weight[:, cols] = self.hats[name][option, :, cols]
+        try:
+            return self._delta(self._measure())
+        finally:
+            self.restore()
+
+    def _delta(self, q) -> float:
         if self.kind == "hidden_mse":
-            return -self.kappa * float(((q - self.ref) ** 2).mean() / (self.ref ** 2).mean())
-        return -self.kappa * (q - self.ref)
+            return float(((q - self.ref) ** 2).mean() / (self.ref ** 2).mean())
+        if self.kind == "kl":
+            return float((self.ref.exp() * (self.ref - q)).sum(-1).mean())
+        return q - self.ref
+
+    def __call__(self, choice: torch.Tensor) -> float:
+        return -self.kappa * self.loss(choice)
+
+
+def sensitivity(term: Terminal, p: Problem, level: str) -> torch.Tensor:
+    """Loss increase per unit of proxy error of every layer (`layer`: (L,)) or unit (`unit`: (U,)) alone at its
+    cheapest option, floored at 1% of the largest (one whose measured increase is noise-level still costs
+    something)."""
+    cheap = p.cheapest()
+    e = p.err.gather(1, cheap.view(-1, 1))[:, 0]
+    if level == "layer":
+        e = torch.zeros(len(p.layers), dtype=torch.float64).index_add_(0, p.unit_layer, e)
+        dl = [term.loss(cheap, only=li) for li in range(len(p.layers))]
+    else:
+        dl = [term.unit_loss(u, int(cheap[u])) for u in range(p.n_units)]
+    w = torch.tensor(dl, dtype=torch.float64).clamp_min(0) / e.clamp_min(1e-30)
+    return w.clamp_min(0.01 * float(w.max())) if float(w.max()) > 0 else torch.ones_like(w)
 
 
 def _apply(ctx, cfg) -> dict:
@@ -381,17 +453,31 @@ def _apply(ctx, cfg) -> dict:
 def _search_rl(ctx, cfg: RLConfig, layers, hats, p: Problem):
     from compress.ppo import PPOSettings, train
 
-    terminal = None
+    terminal = select = None
+    info = {}
     if cfg.terminal != "none":
-        toks = ctx.calibration_tokens()[: cfg.reward_samples, : cfg.reward_seqlen]
-        terminal = Terminal(ctx.model, layers, hats, p, toks, cfg.terminal, cfg.kappa, cfg.chunk_size)
+        toks = ctx.calibration_tokens()
+        terminal = Terminal(ctx.model, layers, hats, p, toks[: cfg.reward_samples, : cfg.reward_seqlen],
+                            cfg.terminal, cfg.kappa, cfg.chunk_size)
+        select = Terminal(ctx.model, layers, hats, p, toks[: cfg.select_samples, : cfg.select_seqlen],
+                          cfg.terminal, cfg.kappa, cfg.chunk_size)
+        if cfg.sensitivity == "layer":
+            w = sensitivity(select, p, "layer")
+            info["layer_sensitivity"] = {n: float(v) for n, v in zip(p.layers, w)}
+            p = reweight(p, w)
+        elif cfg.sensitivity == "unit":
+            w = sensitivity(select, p, "unit")
+            info["unit_sensitivity"] = [float(v) for v in w]
+            p = reweight(p, w, per_unit=True)
     s = PPOSettings(updates=cfg.updates, episodes=cfg.episodes, epochs=cfg.epochs, minibatch=cfg.minibatch,
-                    lr=cfg.lr, entropy=cfg.entropy, hidden=cfg.hidden,
-                    seed=cfg.seed if cfg.seed is not None else ctx.seed)
+                    lr=cfg.lr, entropy=cfg.entropy, hidden=cfg.hidden, keep_best=cfg.keep_best,
+                    warm_start=cfg.warm_start, steps=cfg.steps, seed=cfg.seed if cfg.seed is not None else ctx.seed)
+    reference = greedy(p) if cfg.warm_start else None
     bar = ctx.progress(total=cfg.updates, desc=f"{ctx.key} PPO", unit="update")
-    res = train(p, terminal, s, lambda i, row: bar.update(1))
+    res = train(p, terminal, s, lambda i, row: bar.update(1), reference=reference, select=select)
     bar.close()
-    info = {"picked": res.picked, "final_terminal": terminal(res.choice) if terminal else None}
+    info.update(picked=res.picked, final_terminal=terminal(res.choice) if terminal else None,
+                final_select=select(res.choice) if select else None)
     return res.choice, res.curve, info
 
 
