@@ -4,7 +4,8 @@ On the models that are sensitive at low bits (stories260K, stories-llama-1m), at
 2.5 and 3.0 bits, every cell is one real pipeline run (`allocate` then `quantize: rtn`) with the same
 calibration and evaluation: `uniform` (the single option whose uniform plan has the most bits within the
 budget: the nearest feasible width), `greedy` (error-per-bit knapsack), `lagrangian` (multiple-choice
-knapsack by Lagrangian relaxation) and `rl` (PPO controller with the perplexity terminal reward), for
+knapsack by Lagrangian relaxation), `greedy-sens` (greedy on the proxy weighted by the measured layer
+sensitivities the RL controller uses) and `rl` (PPO controller with the perplexity terminal reward), for
 three seeds (the seed picks the calibration windows and the PPO seed). The final rounding of every unit is
 plain fitting (min-max or the activation-weighted clipping search of its option), not AutoRound, so that
 the matrix fits a 2-core machine; the allocators are compared on the same rounding.
@@ -30,7 +31,7 @@ import yaml
 
 from compress.eval import bench_quality as bq
 
-METHODS = ("uniform", "greedy", "lagrangian", "rl")
+METHODS = ("uniform", "greedy", "lagrangian", "greedy-sens", "rl")  # baselines first, rl last
 METRICS = ("ppl", "kl", "top1", "effective_bits", "alloc_seconds", "search_seconds")
 GROUPS = (32, 64, 128)
 
@@ -71,6 +72,9 @@ def recipe(bench, path, calib, method, budget, seed, s: MixedSettings) -> dict:
     if method == "rl":
         alloc.update({k: getattr(s, k) for k in RL_FIELDS}, terminal="ppl", seed=seed,
                      reward_seqlen=min(s.reward_seqlen, base.seqlen), select_seqlen=min(s.select_seqlen, base.seqlen))
+    if method == "greedy-sens":  # the greedy baseline with the RL controller's measured layer sensitivities
+        alloc.update(method="greedy", sensitivity=s.sensitivity if s.sensitivity != "none" else "layer",
+                     select_samples=s.select_samples, select_seqlen=min(s.select_seqlen, base.seqlen))
     rec["stages"] = [alloc, {"stage": "quantize", "method": "rtn", "group_size": g, "sym": False}]
     rec["eval"]["generation"] = {"prompts": 0}
     rec["description"] = f"bench mixed: {bench.name} {method} budget {budget} seed {seed}"
@@ -82,7 +86,8 @@ def run_cell(rec: dict, tmp: Path) -> tuple[dict, dict, list]:
     from compress import pipeline
     from compress.recipe import load_recipe
 
-    name = f"{Path(rec['model']['path']).name}-{rec['stages'][0]['method']}-{rec['stages'][0]['budget']}"
+    a = rec["stages"][0]
+    name = f"{Path(rec['model']['path']).name}-{a['method']}{'-' + a['sensitivity'] if 'sensitivity' in a else ''}-{a['budget']}"
     path = tmp / f"{name}.yaml"
     path.write_text(yaml.safe_dump(rec, sort_keys=False))
     out = tmp / name
@@ -144,9 +149,9 @@ def targets(summary: list[dict], infeasible: list[dict]) -> list[dict]:
         out.append({"target": f"{model} @ {budget}: RL ppl <= 0.95 x best baseline ({best['method']})",
                     "met": r["ppl"] <= 0.95 * best["ppl"],
                     "value": f"{r['ppl']:.4f} vs {best['ppl']:.4f} (x{r['ppl'] / best['ppl']:.4f})"})
-        mix = [by[(model, budget, m)] for m in ("greedy", "lagrangian", "rl") if (model, budget, m) in by]
+        mix = [by[(model, budget, m)] for m in METHODS[1:] if (model, budget, m) in by]
         lo, hi = min(m["min_effective_bits"] for m in mix), max(m["max_effective_bits"] for m in mix)
-        out.append({"target": f"{model} @ {budget}: realised b_eff in [budget - 0.01, budget] (greedy, lagrangian, rl)",
+        out.append({"target": f"{model} @ {budget}: realised b_eff in [budget - 0.01, budget] ({', '.join(METHODS[1:])})",
                     "met": budget - 0.01 <= lo and hi <= budget, "value": f"{lo:.5f} .. {hi:.5f}"})
         out.append({"target": f"{model} @ {budget}: RL allocation < 20 min", "met": r["alloc_seconds"] < 1200,
                     "value": f"{r['alloc_seconds']:.1f} s mean (statistics + search)"})
@@ -216,6 +221,8 @@ def markdown(result: dict) -> str:
     f, pm = bq._fmt, bq.pm
     lines = [
         "# Mixed-precision benchmark: RL (PPO) allocation vs uniform, greedy and Lagrangian\n",
+        "- `greedy-sens`: the greedy knapsack on the proxy errors weighted by the same measured layer sensitivities "
+        "as the RL controller (same selection slice): the baseline with the RL controller's statistics",
         bq.suite_header(m),
         f"- every cell: `allocate` (9 options: 2/3/4/8 bits x min-max/clip-search, plus 16-bit keep; asymmetric; "
         f"chunk = group) then `quantize: rtn` fitting each unit with its option (plain fitting, no AutoRound); "

@@ -239,6 +239,24 @@ def test_rl_stage_with_sensitivity_and_warm_start(tmp_path):
     assert plan["effective_bits"] <= 2.5 and plan["info"]["final_select"] <= 0  # -kappa * KL
 
 
+def test_greedy_with_the_rl_controllers_statistics(tmp_path):
+    """`sensitivity: layer` on greedy measures the same layer weights as the rl stage (same selection slice)
+    and solves the weighted problem; the weights change the plan."""
+    sl = dict(select_samples=4, select_seqlen=64)
+    plans = {}
+    for name, extra in [("plain", {}), ("sens", {"sensitivity": "layer", **sl}),
+                        ("rl", dict(updates=1, episodes=2, reward_samples=2, reward_seqlen=32, warm_start=1, **sl))]:
+        out = tmp_path / name
+        method = "rl" if name == "rl" else "greedy"
+        rc, _, err = invoke("run", recipe(tmp_path, method=method, **extra), "--output", out, "--json")
+        assert rc == 0, err
+        plans[name] = json.loads((out / "plan.json").read_text())
+    sens = plans["sens"]["info"]["layer_sensitivity"]
+    assert sens == plans["rl"]["info"]["layer_sensitivity"] and "layer_sensitivity" not in plans["plain"]["info"]
+    assert 2.49 < plans["sens"]["effective_bits"] <= 2.5
+    assert plans["sens"]["layers"] != plans["plain"]["layers"]
+
+
 # -- (4) mixed weights through packing, kernels, workspace, export -------------------------------------------
 def mixed_of(W, seed, with_keep=True):
     gen = torch.Generator().manual_seed(seed)

@@ -35,7 +35,9 @@ sequences cut to `select_seqlen` tokens; it contains the training slice) serves 
   calibration sequences the training slice does not use was tried and was not better.)
 `warm_start` > 0: PPO starts from a policy behaviour-cloned toward the greedy knapsack plan of the
 controller's (sensitivity-weighted, if on) problem, and that plan is one of the final candidates: the RL
-plan is never worse than it by the selection score. The non-RL `greedy` method uses the unweighted proxy.
+plan is never worse than it by the selection score. The non-RL `greedy` and `lagrangian` methods use the
+unweighted proxy by default; `sensitivity: layer|unit` gives them the same measured weights (the benchmark's
+`greedy-sens` row: the baseline with the RL controller's statistics).
 """
 
 from __future__ import annotations
@@ -113,11 +115,24 @@ class AllocateConfig(StrictModel):
         return [Option(o.bits, o.treatment) for o in self.options]
 
 
-class GreedyConfig(AllocateConfig):
+class SelectionSlice(StrictModel):
+    """The calibration slice that measures layer sensitivities (and picks the RL controller's final plan)."""
+    select_samples: int = Field(32, ge=1, description="calibration sequences of the selection slice (final-plan "
+                                                      "pick and layer sensitivities)")
+    select_seqlen: int = Field(256, ge=2, description="tokens per selection-slice sequence")
+
+
+class KnapsackConfig(AllocateConfig, SelectionSlice):
+    sensitivity: Literal["layer", "unit", "none"] = Field(
+        "none", description="weight each layer's (or unit's) proxy errors by its measured perplexity sensitivity "
+                            "on the selection slice, as the rl controller does by default")
+
+
+class GreedyConfig(KnapsackConfig):
     method: Literal["greedy"] = "greedy"
 
 
-class LagrangianConfig(AllocateConfig):
+class LagrangianConfig(KnapsackConfig):
     method: Literal["lagrangian"] = "lagrangian"
 
 
@@ -125,7 +140,7 @@ class UniformConfig(AllocateConfig):
     method: Literal["uniform"] = "uniform"
 
 
-class RLConfig(AllocateConfig):
+class RLConfig(AllocateConfig, SelectionSlice):
     method: Literal["rl"] = "rl"
     updates: int = Field(50, ge=1, description="PPO updates")
     episodes: int = Field(8, ge=1, description="episodes per update")
@@ -139,9 +154,6 @@ class RLConfig(AllocateConfig):
     kappa: float = Field(10.0, ge=0, description="terminal reward scale")
     reward_samples: int = Field(8, ge=1, description="calibration sequences for the terminal reward")
     reward_seqlen: int = Field(128, ge=2, description="tokens per terminal-reward sequence")
-    select_samples: int = Field(32, ge=1, description="calibration sequences of the selection slice (final-plan "
-                                                      "pick and layer sensitivities)")
-    select_seqlen: int = Field(256, ge=2, description="tokens per selection-slice sequence")
     sensitivity: Literal["layer", "unit", "none"] = Field(
         "layer", description="weight each layer's (or unit's) proxy errors by its measured loss sensitivity (needs "
                              "a terminal reward)")
@@ -428,17 +440,19 @@ def _apply(ctx, cfg) -> dict:
         plan.energy = energy
         return _finish(ctx, plan, None, time.time() - t0)
     data = {n: (lin.weight.data, energy[n], i) for n, (lin, i) in layers.items()}
-    needs_hats = cfg.method == "rl" and cfg.terminal != "none"
+    needs_hats = (cfg.method == "rl" and cfg.terminal != "none") or getattr(cfg, "sensitivity", "none") != "none"
     p, hats = build_problem(data, len(ctx.adapter.blocks), cfg.option_list(), cfg.chunk_size, cfg.group_size,
                             cfg.sym, cfg.budget, keep_hats=needs_hats)
     stats_s = time.time() - t0
     curve, info = None, {}
     if cfg.method == "rl":
         choice, curve, info = _search_rl(ctx, cfg, layers, hats, p)
-    elif cfg.method == "greedy":
-        choice = greedy(p)
-    elif cfg.method == "lagrangian":
-        choice = lagrangian(p)
+    elif cfg.method in ("greedy", "lagrangian"):
+        if cfg.sensitivity != "none":
+            select = Terminal(ctx.model, layers, hats, p, _slice(ctx, cfg.select_samples, cfg.select_seqlen), "ppl",
+                              1.0, cfg.chunk_size)
+            p, info = _weighted(select, p, cfg.sensitivity)
+        choice = greedy(p) if cfg.method == "greedy" else lagrangian(p)
     else:
         o = nearest_uniform(p)
         if o is None:
@@ -456,19 +470,12 @@ def _search_rl(ctx, cfg: RLConfig, layers, hats, p: Problem):
     terminal = select = None
     info = {}
     if cfg.terminal != "none":
-        toks = ctx.calibration_tokens()
-        terminal = Terminal(ctx.model, layers, hats, p, toks[: cfg.reward_samples, : cfg.reward_seqlen],
+        terminal = Terminal(ctx.model, layers, hats, p, _slice(ctx, cfg.reward_samples, cfg.reward_seqlen),
                             cfg.terminal, cfg.kappa, cfg.chunk_size)
-        select = Terminal(ctx.model, layers, hats, p, toks[: cfg.select_samples, : cfg.select_seqlen],
+        select = Terminal(ctx.model, layers, hats, p, _slice(ctx, cfg.select_samples, cfg.select_seqlen),
                           cfg.terminal, cfg.kappa, cfg.chunk_size)
-        if cfg.sensitivity == "layer":
-            w = sensitivity(select, p, "layer")
-            info["layer_sensitivity"] = {n: float(v) for n, v in zip(p.layers, w)}
-            p = reweight(p, w)
-        elif cfg.sensitivity == "unit":
-            w = sensitivity(select, p, "unit")
-            info["unit_sensitivity"] = [float(v) for v in w]
-            p = reweight(p, w, per_unit=True)
+        if cfg.sensitivity != "none":
+            p, info = _weighted(select, p, cfg.sensitivity)
     s = PPOSettings(updates=cfg.updates, episodes=cfg.episodes, epochs=cfg.epochs, minibatch=cfg.minibatch,
                     lr=cfg.lr, entropy=cfg.entropy, hidden=cfg.hidden, keep_best=cfg.keep_best,
                     warm_start=cfg.warm_start, steps=cfg.steps, seed=cfg.seed if cfg.seed is not None else ctx.seed)
@@ -479,6 +486,19 @@ def _search_rl(ctx, cfg: RLConfig, layers, hats, p: Problem):
     info.update(picked=res.picked, final_terminal=terminal(res.choice) if terminal else None,
                 final_select=select(res.choice) if select else None)
     return res.choice, res.curve, info
+
+
+def _slice(ctx, samples: int, seqlen: int) -> torch.Tensor:
+    return ctx.calibration_tokens()[:samples, :seqlen]
+
+
+def _weighted(select: "Terminal", p: Problem, level: str) -> tuple[Problem, dict]:
+    """The problem with each layer's (`layer`) or unit's (`unit`) errors scaled by its measured sensitivity,
+    and the sensitivities for the plan's info."""
+    w = sensitivity(select, p, level)
+    if level == "layer":
+        return reweight(p, w), {"layer_sensitivity": {n: float(v) for n, v in zip(p.layers, w)}}
+    return reweight(p, w, per_unit=True), {"unit_sensitivity": [float(v) for v in w]}
 
 
 def _resumed_plan(ctx) -> Plan | None:
