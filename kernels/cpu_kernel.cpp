@@ -272,12 +272,13 @@ void row_a8_deferred(const Args& a, int64_t n, int64_t b) {
   a.y[b * a.N + n] = hsum(racc) - zero_correction(a, n, b);
 }
 
-template <int BITS>
-void row_a8_deferred_xs(const Args& a, int64_t n, int64_t b) {
-  switch (a.xshift) {  // activation blocks of 32, 64 or 128 columns (XBLOCK)
-    case 0: row_a8_deferred<BITS, 0>(a, n, b); break;
-    case 1: row_a8_deferred<BITS, 1>(a, n, b); break;
-    default: row_a8_deferred<BITS, 2>(a, n, b); break;
+// fn(std::integral_constant<int, XS>) for the activation-block shift: blocks of 32, 64 or 128 columns (XBLOCK)
+template <class Fn>
+void with_xshift(int xshift, Fn&& fn) {
+  switch (xshift) {
+    case 0: fn(std::integral_constant<int, 0>{}); break;
+    case 1: fn(std::integral_constant<int, 1>{}); break;
+    default: fn(std::integral_constant<int, 2>{}); break;
   }
 }
 
@@ -295,7 +296,9 @@ void rows_a8_all(const Args& a, int64_t n, int64_t end) {
   for (; b + 4 <= a.B; b += 4) tile(std::integral_constant<int, 4>{}, b);
   if (b + 2 <= a.B) { tile(std::integral_constant<int, 2>{}, b); b += 2; }
   if (b < a.B)
-    for (int64_t m = n; m < end; ++m) row_a8_deferred_xs<BITS>(a, m, b);
+    with_xshift(a.xshift, [&](auto xs) {
+      for (int64_t m = n; m < end; ++m) row_a8_deferred<BITS, decltype(xs)::value>(a, m, b);
+    });
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VNNI__)
@@ -416,11 +419,7 @@ void rows_a8_512_xs(const Args& a, int64_t n, int64_t end) {
 
 template <int BITS>
 void rows_a8_512_all(const Args& a, int64_t n, int64_t end) {
-  switch (a.xshift) {  // activation blocks of 32, 64 or 128 columns (XBLOCK)
-    case 0: rows_a8_512_xs<BITS, 0>(a, n, end); break;
-    case 1: rows_a8_512_xs<BITS, 1>(a, n, end); break;
-    default: rows_a8_512_xs<BITS, 2>(a, n, end); break;
-  }
+  with_xshift(a.xshift, [&](auto xs) { rows_a8_512_xs<BITS, decltype(xs)::value>(a, n, end); });
 }
 #endif
 
