@@ -86,8 +86,7 @@ def run_cell(rec: dict, tmp: Path) -> tuple[dict, dict, list]:
     from compress import pipeline
     from compress.recipe import load_recipe
 
-    a = rec["stages"][0]
-    name = f"{Path(rec['model']['path']).name}-{a['method']}{'-' + a['sensitivity'] if 'sensitivity' in a else ''}-{a['budget']}"
+    name = f"{Path(rec['model']['path']).name}-{rec['stages'][0]['method']}-{rec['stages'][0]['budget']}"
     path = tmp / f"{name}.yaml"
     path.write_text(yaml.safe_dump(rec, sort_keys=False))
     out = tmp / name

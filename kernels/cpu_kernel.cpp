@@ -35,7 +35,7 @@ struct Args {
   int64_t B, N, Kpad, Gp, W, Xb;  // Xb: x scale blocks per row (int8 path)
   int gshift;  // group of 32-column block `blk` is blk >> gshift
   int xshift;  // x scale block of `blk` is blk >> xshift (int8 path)
-  const int8_t* xqp = nullptr;  // int8 path, AVX-512: xq with blocks in chunk-pair order (ActInt8::qp)
+  bool pair_order = false;  // int8 path: xq's 32-column blocks are in chunk-pair order (AVX-512, ActInt8)
 };
 
 float zero_correction(const Args& a, int64_t n, int64_t b) {
@@ -305,7 +305,7 @@ void rows_a8_all(const Args& a, int64_t n, int64_t end) {
 #define COMPRESS_AVX512 1
 // AVX-512 VNNI, int8 activations. One 64-byte load holds chunks 2c and 2c+1 of a row (a "pair"); after the
 // shift and mask of field f, its low half is block 2cP + f and its high half block 2cP + P + f. The
-// activations come in the same order (ActInt8::qp), so one u8 x s8 dot product covers 64 weights.
+// activations come in the same order (ActInt8, pair order), so one u8 x s8 dot product covers 64 weights.
 // A "flush" is the run of fields over which both halves stay in one activation-scale block (x-block of
 // 2^XS blocks): FPP = 2^XS fields when 2^XS <= P (the halves then lie in different x-blocks), else the
 // whole pair (2^XS == 2P: both halves in one x-block). Rather than converting and scaling each flush's
@@ -350,12 +350,12 @@ void rows_a8_512(const Args& a, int64_t n, int64_t b0) {
   using F = Flush512<BITS, XS>;
   constexpr int P = F::P;
   const __m512i mask = _mm512_set1_epi8((char)((1 << BITS) - 1));
-  const int8_t* xq = a.xqp + b0 * a.Kpad;
+  const int8_t* xq = a.xq + b0 * a.Kpad;
   const int64_t pairs = a.Kpad / (64 * P);
   // prefetch the codes of the row tile about PREFETCH_BYTES ahead, at the same column
   const int64_t pf_words = std::max<int64_t>(1, (PREFETCH_BYTES / 4 + R * a.W - 1) / (R * a.W)) * R * a.W;
   const int D = std::min(a.gshift - XS, 31);  // weight group of x-block i: i >> D (D >= 31: one group)
-  const __m512i lx = F::lane_xblock(), lg = _mm512_srli_epi32(lx, std::min(D, 31));
+  const __m512i lx = F::lane_xblock(), lg = _mm512_srli_epi32(lx, D);
   __m512 racc[R][BT];
   for (int r = 0; r < R; ++r)
     for (int b = 0; b < BT; ++b) racc[r][b] = _mm512_setzero_ps();
@@ -451,7 +451,7 @@ void run(const Args& a, bool scalar) {
 #ifdef __AVX2__
     if (!scalar && a.xq) {
 #ifdef COMPRESS_AVX512
-      if constexpr (BITS < 8) if (a.xqp) { rows_a8_512_all<BITS>(a, begin, end); return; }
+      if constexpr (BITS < 8) if (a.pair_order) { rows_a8_512_all<BITS>(a, begin, end); return; }
 #endif
       if constexpr (BITS < 8) { rows_a8_all<BITS>(a, begin, end); return; }
     }
@@ -487,17 +487,28 @@ void check_weight(const torch::Tensor& words, const torch::Tensor& scales, const
 
 // Activations for the int8 path, from fp32 x (B, K), K <= Kpad, zero padded: per block of 32 << xshift
 // columns, symmetric int8 with scale max|x| / 127 (round half to even, as torch.round), and per weight
-// group the sum of the rounded activations (the zero-point term). With AVX-512 VNNI the blocks are also
-// laid out in chunk-pair order for rows_a8_512: per pair c and field f, block 2cP + f, then (2c+1)P + f.
+// group the sum of the rounded activations (the zero-point term). With AVX-512 VNNI (`pairs`) the 32-column
+// blocks are written in chunk-pair order for rows_a8_512: per pair c and field f, block 2cP + f, then
+// block (2c+1)P + f; otherwise in natural order.
 struct ActInt8 {
-  std::vector<int8_t> q, qp;  // natural order; pair order (AVX-512 path) or empty
+  std::vector<int8_t> q;  // (B, Kpad)
   std::vector<float> sx, xsum;  // (B, Xb); (B, Gp)
+  bool pair_order = false;
 };
 
 ActInt8 quantize_act(const torch::Tensor& x, int64_t kpad, int64_t gp, int64_t bits, int xshift, bool pairs) {
   const int64_t B = x.size(0), K = x.size(1), block = int64_t(32) << xshift, xb = kpad / block, gcols = kpad / gp;
+  const int64_t P = 8 / bits;
   const float* xf = x.data_ptr<float>();
-  ActInt8 r{std::vector<int8_t>(B * kpad, 0), {}, std::vector<float>(B * xb), std::vector<float>(B * gp, 0.f)};
+  ActInt8 r{std::vector<int8_t>(B * kpad, 0), std::vector<float>(B * xb), std::vector<float>(B * gp, 0.f)};
+#ifdef COMPRESS_AVX512
+  r.pair_order = pairs && bits < 8 && kpad % (64 * P) == 0;
+#else
+  (void)pairs;
+#endif
+  auto dst = [&](int64_t blk) {  // offset of 32-column block blk within its row of q
+    return r.pair_order ? (2 * (blk / (2 * P)) * P + 2 * (blk % P) + (blk / P) % 2) * 32 : blk * 32;
+  };
   for (int64_t b = 0; b < B; ++b)
     for (int64_t j = 0; j < xb; ++j) {
       const float* v = xf + b * K + j * block;
@@ -506,28 +517,16 @@ ActInt8 quantize_act(const torch::Tensor& x, int64_t kpad, int64_t gp, int64_t b
       for (int64_t i = 0; i < n; ++i) m = std::max(m, std::fabs(v[i]));
       const float sc = std::max(m / 127.f, 1e-30f);
       int32_t sum = 0;
-      int8_t* q = r.q.data() + b * kpad + j * block;
-      for (int64_t i = 0; i < n; ++i) {
-        q[i] = (int8_t)std::min(127.f, std::max(-127.f, std::nearbyint(v[i] / sc)));
-        sum += q[i];
+      for (int64_t i0 = 0; i0 < n; i0 += 32) {
+        int8_t* q = r.q.data() + b * kpad + dst((j * block + i0) / 32);
+        for (int64_t i = i0; i < std::min<int64_t>(n, i0 + 32); ++i) {
+          q[i - i0] = (int8_t)std::min(127.f, std::max(-127.f, std::nearbyint(v[i] / sc)));
+          sum += q[i - i0];
+        }
       }
       r.sx[b * xb + j] = sc;
       r.xsum[b * gp + j * block / gcols] += (float)sum * sc;
     }
-#ifdef COMPRESS_AVX512
-  const int64_t P = 8 / bits;
-  if (pairs && bits < 8 && kpad % (64 * P) == 0) {
-    r.qp.resize(B * kpad);
-    for (int64_t b = 0; b < B; ++b)
-      for (int64_t c = 0; c < kpad / (64 * P); ++c)
-        for (int64_t f = 0; f < P; ++f)
-          for (int64_t h = 0; h < 2; ++h)
-            std::copy_n(r.q.data() + b * kpad + ((2 * c + h) * P + f) * 32, 32,
-                        r.qp.data() + b * kpad + (2 * c * P + 2 * f + h) * 32);
-  }
-#else
-  (void)bits; (void)pairs;
-#endif
   return r;
 }
 
@@ -562,7 +561,7 @@ torch::Tensor matmul_a8(torch::Tensor x, torch::Tensor words, torch::Tensor scal
   Args a{reinterpret_cast<const uint32_t*>(words.data_ptr<int32_t>()), nullptr, act.q.data(), act.sx.data(),
          scales.data_ptr<at::Half>(), zeros.data_ptr<uint8_t>(), act.xsum.data(), y.data_ptr<float>(), x.size(0),
          words.size(0), kpad, gp, words.size(1), kpad / (int64_t(32) << xshift), (int)gshift, (int)xshift};
-  if (!act.qp.empty()) a.xqp = act.qp.data();
+  a.pair_order = act.pair_order;
   dispatch(a, bits, scalar);
   return y;
 }
