@@ -89,6 +89,7 @@ def quantize_stage(ctx, cfg: QuantizeConfig, quantizer: BlockQuantizer) -> dict:
         from compress.methods.lfq import LogitHead
 
         head = LogitHead.of(adapter)
+        log.info("last block: `final_block: %s`, tuned through the frozen final norm and LM head", cfg.final_block)
     tokens = ctx.calibration_tokens() if quantizer.needs_data else None
     bar = ctx.progress(total=len(adapter.blocks), desc=f"{ctx.key} blocks", unit="block")
     qweights = run_blockwise(

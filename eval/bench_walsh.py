@@ -1,7 +1,8 @@
 """`compress bench quality --suite walsh`: AutoRound with and without a rotation in front of it.
 
 On the models that are sensitive at low bits (stories260K, stories-llama-1m), every cell is one real
-pipeline run with the same calibration, AutoRound settings and seed; only the `rotate` stage differs:
+pipeline run with the same calibration, AutoRound settings and seed (auto-round's own block objective in
+every block, `final_block: same`, so the rotation is measured alone); only the `rotate` stage differs:
 
 * `autoround`: no rotation (vanilla AutoRound);
 * `autoround_hadamard`: auto-round's own QuaRot-style Hadamard rotation (`rotate/autoround_hadamard`,
@@ -65,7 +66,7 @@ def group_for(bench: bq.Bench, bits: int, hidden: int) -> int:
 
 
 def cell(bench, path, calib, bits, group_size, variant, seed, s: WalshSettings, tmp: Path) -> dict:
-    rec = bq.recipe(bench, path, calib, "autoround", bits, replace(s.base, seed=seed))
+    rec = bq.recipe(bench, path, calib, "autoround-plain", bits, replace(s.base, seed=seed))
     rec["stages"][0]["group_size"] = group_size
     if VARIANTS[variant]:
         rec["stages"].insert(0, copy.deepcopy(VARIANTS[variant]))
@@ -155,7 +156,8 @@ def markdown(result: dict) -> str:
     lines = [
         "# Walsh benchmark: AutoRound after no rotation, auto-round's Hadamard, and the walsh modes\n",
         bq.suite_header(m),
-        f"- every cell: AutoRound asymmetric, {s['iters']} iterations per block (batch {s['ar_batch_size']}), "
+        f"- every cell: AutoRound asymmetric (`final_block: same`), {s['iters']} iterations per block "
+        f"(batch {s['ar_batch_size']}), "
         f"calibration {s['nsamples']} x {s['seqlen']} tokens (causal: first 80% of TinyStories val; MiniLM: SST-2 "
         f"held-out train sentences, {s['encoder_seqlen']} tokens); W2 over seeds {s['seeds']}, W3/W4 seed "
         f"{s['seeds'][0]}; seconds = rotate + quantize stages",

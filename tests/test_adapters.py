@@ -44,7 +44,7 @@ def test_roles_and_rtn_on_every_causal_family(model_type):
 def test_autoround_runs_through_driver(model_type):
     model = tiny_causal(model_type)
     tokens = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(1))
-    _, qw = quantize(model, AutoRound(AutoRoundConfig(bits=4, group_size=32, iters=4, batch_size=2)), tokens)
+    _, qw = quantize(model, AutoRound(AutoRoundConfig(bits=4, group_size=32, iters=4, batch_size=2, final_block="same")), tokens)
     assert len(qw) > 0 and all(q.bits == 4 for q in qw.values())
 
 
@@ -56,7 +56,7 @@ def test_bert_encoder_adapter():
                                         ("attention.self.query", "attention.self.key", "attention.self.value",
                                          "attention.output.dense", "intermediate.dense", "output.dense")}
     tokens = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(1))
-    _, qw = quantize(model, AutoRound(AutoRoundConfig(bits=4, group_size=32, iters=2, batch_size=2)), tokens)
+    _, qw = quantize(model, AutoRound(AutoRoundConfig(bits=4, group_size=32, iters=2, batch_size=2, final_block="same")), tokens)
     assert len(qw) == 12
 
 

@@ -96,7 +96,8 @@ def test_autoround_lfq_touches_only_the_last_block_and_leaves_the_head_frozen(mo
     kw = dict(bits=2, group_size=32, sym=False, iters=20, batch_size=4)
     plain_model, lfq_model = tiny_causal("llama"), tiny_causal("llama")
     head_before = _digest(lfq_model.lm_head) + _digest(lfq_model.model.norm)
-    plain, seen_plain = _quantize(plain_model, AutoRound(AutoRoundConfig(**kw)), AutoRoundConfig(**kw), tokens)
+    plain_cfg = AutoRoundConfig(**kw, final_block="same")
+    plain, seen_plain = _quantize(plain_model, AutoRound(plain_cfg), plain_cfg, tokens)
     cfg = AutoRoundConfig(**kw, final_block=mode)
     lfq, seen = _quantize(lfq_model, AutoRound(cfg), cfg, tokens)
     assert seen == [(0, False), (1, True)] and seen_plain == [(0, False), (1, False)]
@@ -126,3 +127,27 @@ def test_final_block_objective_needs_a_causal_lm():
 
     with pytest.raises(BadInput, match="needs a causal LM"):
         LogitHead.of(ModelAdapter(tiny_bert()))
+
+
+@pytest.mark.parametrize("method", ["autoround", "gptq"])
+def test_final_block_auto_is_lfq_on_causal_lms_and_same_on_encoders(method, monkeypatch):
+    """`auto` (AutoRound's default) resolves per model before the quantizer is built; an explicit value
+    is kept; a quantizer handed an unresolved `auto` refuses instead of guessing."""
+    from types import SimpleNamespace
+
+    import compress.quantize_stage
+    from compress.registry import get
+    from tiny import tiny_bert
+
+    entry = get("quantize", method)
+    Config, apply = entry.config, entry.apply
+    assert Config(bits=4).final_block == ("auto" if method == "autoround" else "same")
+    built = []
+    monkeypatch.setattr(compress.quantize_stage, "quantize_stage", lambda ctx, cfg, q: built.append((cfg, q)))
+    for model, explicit, expected in [(tiny_causal("llama"), "auto", "lfq"), (tiny_bert(), "auto", "same"),
+                                      (tiny_causal("llama"), "same", "same"), (tiny_causal("llama"), "hard_ce", "hard_ce")]:
+        apply(SimpleNamespace(adapter=ModelAdapter(model)), Config(bits=4, final_block=explicit))
+        cfg, q = built.pop()
+        assert cfg.final_block == expected and q.needs_head == (expected != "same")
+    with pytest.raises(ValueError, match="resolve"):
+        (AutoRound if method == "autoround" else GPTQ)(Config(bits=4, final_block="auto"))

@@ -25,7 +25,7 @@ from pydantic import Field
 
 from compress.config import QuantizeConfig
 from compress.driver import BlockData, LayerSpec, block_forward
-from compress.methods.lfq import FINAL_BLOCK_HELP, FinalBlock, logit_loss_backward
+from compress.methods.lfq import FINAL_BLOCK_HELP, FinalBlock, logit_loss_backward, resolve_final_block, uses_head
 from compress.primitives import assemble_mixed, group_view, resolve_group
 from compress.qweight import KEEP_BITS, QuantizedWeight
 from compress.registry import register
@@ -38,7 +38,7 @@ class AutoRoundConfig(QuantizeConfig):
     batch_size: int = Field(8, gt=0, description="calibration samples per step")
     minmax_tuning: bool = Field(True, description="also tune the per-group range (alpha, beta)")
     quanted_input: bool = Field(True, description="feed each block the quantized model's inputs")
-    final_block: FinalBlock = Field("same", description=FINAL_BLOCK_HELP)
+    final_block: FinalBlock = Field("auto", description=FINAL_BLOCK_HELP)
     chunk_tokens: int = Field(512, gt=0, description="tokens per full-vocabulary logit chunk (final_block)")
 
 
@@ -196,7 +196,7 @@ class AutoRound:
     def __init__(self, cfg: AutoRoundConfig):
         self.cfg = cfg
         self.batch_size = cfg.batch_size
-        self.needs_head = cfg.final_block != "same"
+        self.needs_head = uses_head(cfg)
 
     def quantize_block(self, data: BlockData) -> dict[str, QuantizedWeight]:
         with torch.enable_grad():
@@ -207,4 +207,5 @@ class AutoRound:
 def apply(ctx, cfg: AutoRoundConfig):
     from compress.quantize_stage import quantize_stage
 
+    cfg = resolve_final_block(cfg, ctx.adapter)
     return quantize_stage(ctx, cfg, AutoRound(cfg))

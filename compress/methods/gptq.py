@@ -16,7 +16,7 @@ from compress.config import QuantizeConfig
 from compress.errors import RunFailure
 from compress.primitives import choose_qparams, quantize_codes, resolve_group
 from compress.qweight import QuantizedWeight
-from compress.methods.lfq import FINAL_BLOCK_HELP, FinalBlock
+from compress.methods.lfq import FINAL_BLOCK_HELP, FinalBlock, resolve_final_block, uses_head
 from compress.registry import register
 
 CHOLESKY_TRIES = 4  # damp, then 10x, 100x, 1000x damp
@@ -170,7 +170,7 @@ class GPTQ:
 
     def __init__(self, cfg: GPTQConfig):
         self.cfg = cfg
-        self.needs_head = self.needs_fp_targets = cfg.final_block != "same"
+        self.needs_head = self.needs_fp_targets = uses_head(cfg)
 
     def quantize_block(self, data) -> dict[str, QuantizedWeight]:
         c = self.cfg
@@ -193,4 +193,5 @@ class GPTQ:
 def apply(ctx, cfg: GPTQConfig):
     from compress.quantize_stage import quantize_stage
 
+    cfg = resolve_final_block(cfg, ctx.adapter)
     return quantize_stage(ctx, cfg, GPTQ(cfg))

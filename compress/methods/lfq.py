@@ -24,9 +24,25 @@ from torch import nn
 
 from compress.errors import BadInput
 
-FinalBlock = Literal["same", "lfq", "hard_ce"]
+FinalBlock = Literal["auto", "same", "lfq", "hard_ce"]
 FINAL_BLOCK_HELP = ("objective of the last decoder block: `same` (the method's own), `lfq` (KL to the FP model's "
-                    "token distribution through the frozen head), `hard_ce` (next-token CE, for comparison)")
+                    "token distribution through the frozen head), `hard_ce` (next-token CE, for comparison), "
+                    "`auto` (`lfq` on a causal LM with an LM head, `same` otherwise)")
+
+
+def resolve_final_block(cfg, adapter):
+    """`cfg` with `final_block: auto` replaced by what it means for this model (unchanged otherwise)."""
+    if cfg.final_block != "auto":
+        return cfg
+    causal = adapter.kind == "causal" and adapter.lm_head()[1] is not None
+    return cfg.model_copy(update={"final_block": "lfq" if causal else "same"})
+
+
+def uses_head(cfg) -> bool:
+    """Whether a resolved config tunes the last block through the LM head."""
+    if cfg.final_block == "auto":
+        raise ValueError("`final_block: auto` depends on the model: resolve it with resolve_final_block(cfg, adapter)")
+    return cfg.final_block != "same"
 
 
 class LogitHead(nn.Module):
