@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import traceback
 from pathlib import Path
@@ -33,7 +34,7 @@ bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks whose numbers go 
                         "Example: compress bench quality --quick")
 app.add_typer(bench_app, name="bench")
 
-STATE = {"debug": False}
+STATE = {"debug": False, "argv": []}  # argv: this invocation's arguments (for a command that restarts itself)
 REPO = Path(__file__).resolve().parent
 RECIPES = REPO / "recipes"
 
@@ -294,17 +295,27 @@ def bench_kernels(
     quick: bool = typer.Option(False, "--quick", help="one small shape, few repeats, for a smoke test"),
     repeats: int = typer.Option(10, "--repeats", help="timed runs per measurement (min and median reported)"),
     threads: Optional[int] = typer.Option(None, "--threads", help="threads for every backend (default: torch's)"),
-    avx512: bool = typer.Option(True, "--avx512/--no-avx512",
-                                help="--no-avx512: run `cpu-a8` on its AVX2 code, as an AVX2-only CPU would"),
+    isa: str = typer.Option("native", "--isa",
+                            help="native, or avx2: our `cpu-a8`, torch's kernels and MKL's GEMM on their AVX2 code, "
+                                 "as an AVX2-only CPU runs them (OpenVINO stays native; the command restarts itself "
+                                 "with ATEN_CPU_CAPABILITY and MKL_ENABLE_INSTRUCTIONS set)"),
 ):
     """Packed GEMM speed: our CPU kernel vs the reference path, torch fp32/bf16/int4 and OpenVINO int4/int2.
 
     Example: compress bench kernels --json bench-kernels.json --markdown bench-kernels.md
     """
-    from compress.eval.bench_kernels import markdown, run as run_kernels
+    from compress.errors import BadInput
+    from compress.eval.bench_kernels import isa_env_missing, markdown, run as run_kernels
 
+    try:
+        missing = isa_env_missing(isa)
+    except ValueError as e:
+        raise BadInput(str(e)) from None
+    if missing:  # torch and MKL read them once, at start: run this command again in a process that has them
+        restart = "import sys, cli; sys.exit(cli.main())"
+        os.execve(sys.executable, [sys.executable, "-c", restart, *STATE["argv"]], {**os.environ, **missing})
     _setup_logging(False)
-    result = run_kernels(quick=quick, repeats=repeats, threads=threads, avx512=avx512)
+    result = run_kernels(quick=quick, repeats=repeats, threads=threads, isa=isa)
     md = markdown(result)
     _emit_bench(result, md, json_out, md_out)
 
@@ -343,6 +354,7 @@ def main(argv=None) -> int:
     """Console entry point with the documented exit codes."""
     from compress.errors import CompressError
 
+    STATE["argv"] = list(sys.argv[1:] if argv is None else argv)
     try:
         rc = app(args=argv, standalone_mode=False)  # an explicit typer.Exit(code) comes back as its code
         if rc == 130:  # typer turns Ctrl-C inside a command into Exit(130)

@@ -15,6 +15,13 @@ to the reference's largest magnitude (dense rows: the bf16 rounding of the weigh
 Every timed call starts with cold caches (`Evict`: the L3 of these VMs holds 300 MiB, more than a
 packed 8192x8192 weight, and decoding a real model streams its weights from DRAM).
 
+`isa="avx2"` (`compress bench kernels --isa avx2`) measures what an AVX2-only CPU runs, on an AVX-512 one:
+our `cpu-a8` on its AVX2 code, torch's own kernels (int4, and its CPU ops in general) dispatched for AVX2
+(`ATEN_CPU_CAPABILITY=avx2`) and MKL's fp32 GEMM limited to AVX2 (`MKL_ENABLE_INSTRUCTIONS=AVX2`), both read
+when the process starts (the CLI restarts itself with them). torch's bf16 matmul (oneDNN) and OpenVINO stay on
+the native ISA: OpenVINO 2026.4's CPU plugin cannot compile its MatMul with oneDNN capped to AVX2
+(`ONEDNN_MAX_CPU_ISA=AVX2`: "could not create a primitive descriptor"). The JSON records each side's ISA.
+
 On a machine whose cores are shared with other work, run it with `OMP_WAIT_POLICY=PASSIVE` in the
 environment (read when torch starts): spinning OpenMP workers otherwise cost the torch and ours-cpu
 rows up to 10x at 2 threads. The value in effect is recorded in the JSON (`omp_wait_policy`).
@@ -174,8 +181,23 @@ def bench_shape(n: int, k: int, batches, repeats: int, bw: float, evict, avx512:
     return rows
 
 
-def run(quick: bool = False, repeats: int = 10, threads: int | None = None, avx512: bool = True) -> dict:
-    """`avx512=False` runs our int8-activation kernel on its AVX2 code (what an AVX2-only CPU runs)."""
+ISA_ENV = {"avx2": {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}}  # read at process start
+
+
+def isa_env_missing(isa: str) -> dict:
+    """The environment variables `isa` needs that this process did not start with ({} for `native`)."""
+    if isa not in ("native", *ISA_ENV):
+        raise ValueError(f"unknown isa {isa!r} (known: native, {', '.join(ISA_ENV)})")
+    return {k: v for k, v in ISA_ENV.get(isa, {}).items() if os.environ.get(k) != v}
+
+
+def run(quick: bool = False, repeats: int = 10, threads: int | None = None, isa: str = "native") -> dict:
+    """`isa="avx2"`: our int8-activation kernel on its AVX2 code, and (with `ISA_ENV` set when the process
+    started) torch and MKL on theirs, as on an AVX2-only CPU."""
+    missing = isa_env_missing(isa)
+    if missing:
+        raise ValueError(f"isa {isa!r} needs {missing} in the environment before torch starts")
+    avx512 = isa == "native"
     previous = torch.get_num_threads()
     torch.set_num_threads(threads or previous)
     try:
@@ -186,7 +208,8 @@ def run(quick: bool = False, repeats: int = 10, threads: int | None = None, avx5
         rows = [r for n, k in shapes for r in bench_shape(n, k, batches, repeats, bw, evict, avx512)]
         return {"machine": machine(), "read_bandwidth_gbps": round(bw, 2), "threads": torch.get_num_threads(),
                 "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", ""),
-                "cpu_kernel": cpu.extension() is not None, "a8_isa": a8_isa(avx512), "rows": rows}
+                "cpu_kernel": cpu.extension() is not None, "isa": isa, "a8_isa": a8_isa(avx512),
+                "torch_isa": torch.backends.cpu.get_cpu_capability(), "rows": rows}
     finally:
         torch.set_num_threads(previous)
 
@@ -202,6 +225,8 @@ def a8_isa(avx512: bool) -> str:
 def markdown(result: dict) -> str:
     """One table: shape, batch, format, backend, ms min / median, GB/s, fraction of read bandwidth."""
     isa = f" `cpu-a8` code: {result['a8_isa']}." if "a8_isa" in result else ""
+    if "torch_isa" in result:
+        isa += f" torch kernels: {result['torch_isa']}; OpenVINO and torch bf16: native."
     lines = [f"Streaming read bandwidth: {result['read_bandwidth_gbps']} GB/s, {result['threads']} threads."
              f"{machine_text(result.get('machine'))}{isa}", "",
              "| shape | batch | format | backend | ms min | ms median | GB/s | of read bw | rel. error |",

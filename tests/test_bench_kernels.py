@@ -1,6 +1,7 @@
 """`compress bench kernels --quick`: one process, every backend, JSON in the documented schema."""
 
 import json
+import os
 
 from conftest import invoke
 
@@ -29,12 +30,28 @@ def test_bench_kernels_quick_json_and_markdown(tmp_path):
     assert "| 1024x1024 | 1 | int4-g128 | ours-cpu |" in md.read_text() and "| ours-cpu |" in stdout
 
 
-def test_bench_kernels_no_avx512_runs_the_avx2_code(tmp_path):
+def test_bench_kernels_isa_avx2_runs_every_side_on_its_avx2_code(tmp_path):
+    """`--isa avx2` restarts the command with torch and MKL capped to AVX2 (read at process start), and runs
+    `cpu-a8` on its AVX2 code; run in a child process, since the command replaces its process."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
     js = tmp_path / "k.json"
-    rc, _, err = invoke("bench", "kernels", "--quick", "--threads", "1", "--no-avx512", "--json", js)
-    assert rc == 0, err
+    env = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS")}
+    proc = subprocess.run([sys.executable, "-c", "import sys, cli; sys.exit(cli.main())", "bench", "kernels",
+                           "--quick", "--threads", "1", "--isa", "avx2", "--json", str(js)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
     result = json.loads(js.read_text())
     from compress.kernels import cpu
 
+    assert result["isa"] == "avx2" and result["torch_isa"] in ("AVX2", "DEFAULT")
     assert result["a8_isa"] == ("avx2" if cpu.extension().has_avx2() else "scalar")
-    assert all(r["rel_err"] < 3e-2 for r in result["rows"] if r["backend"] == "ours-cpu-a8")
+    assert all(r["rel_err"] < 3e-2 for r in result["rows"] if r["backend"] in ("ours-cpu-a8", "torch-int4"))
+
+
+def test_bench_kernels_rejects_an_unknown_isa():
+    rc, _, err = invoke("bench", "kernels", "--quick", "--isa", "avx9")
+    assert rc == 1 and "unknown isa" in err
