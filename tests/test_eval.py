@@ -295,6 +295,30 @@ def test_compare_encoder_on_toy_model():
     assert set(out) == {"cosine", "fp_probe_acc", "probe_acc"} and out["cosine"] < 0.999
 
 
+def test_compare_encoder_reuses_the_fp_side_until_the_fp_weights_or_data_change(monkeypatch):
+    """The FP probe and embeddings are computed once per FP model and data: a second compressed model costs
+    one pass over the test sentences; changing one FP weight or one sentence recomputes them."""
+    import compress.eval.encoder as enc
+
+    model, tok = _toy_bert(), _toy_tokenizer()
+    sentences = _toy_sentences(60, seed=4)
+    labels = [i % 2 for i in range(60)]
+    train, test = (sentences[:40], labels[:40]), (sentences[40:], labels[40:])
+    calls = []
+    real = enc.embed
+    monkeypatch.setattr(enc, "embed", lambda m, *a, **k: calls.append(m) or real(m, *a, **k))
+    first = compare_encoder(model, copy.deepcopy(model), tok, probe_train=train, probe_test=test)
+    assert len(calls) == 3  # FP train, FP test, compressed test
+    again = compare_encoder(model, copy.deepcopy(model), tok, probe_train=train, probe_test=test)
+    assert len(calls) == 4 and again == first
+    with torch.no_grad():
+        next(model.parameters()).view(-1)[0] += 1.0
+    compare_encoder(model, model, tok, probe_train=train, probe_test=test)
+    assert len(calls) == 7
+    compare_encoder(model, model, tok, probe_train=train, probe_test=(test[0][:-1] + ["w1"], test[1]))
+    assert len(calls) == 10
+
+
 # --- slow ------------------------------------------------------------------------------------
 
 
