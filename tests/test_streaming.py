@@ -32,14 +32,14 @@ def build(tmp_path, layers, hidden, inter):
     return out
 
 
-def recipe(tmp_path, model, stream: bool, method="gptq"):
+def recipe(tmp_path, model, stream: bool, method="gptq", extra=""):
     path = tmp_path / f"r-{stream}-{method}.yaml"
     path.write_text(textwrap.dedent(f"""
         version: 1
         model: {{path: {model}, stream: {str(stream).lower()}}}
         calibration: {{sources: [{TEXT / 'tinystories' / 'tinystories_val.txt'}], nsamples: 8, seqlen: 128}}
         stages:
-          - {{stage: quantize, method: {method}, bits: 4, group_size: 32, sym: false}}
+          - {{stage: quantize, method: {method}, bits: 4, group_size: 32, sym: false{extra}}}
         eval: {{enabled: false}}
         export: {{formats: [hf]}}
     """))
@@ -55,11 +55,14 @@ def tensor_hashes(directory):
     return out
 
 
-def test_streamed_export_equals_in_memory_export(tmp_path):
+@pytest.mark.parametrize("method,extra", [("gptq", ""), ("autoround", ", iters: 4, batch_size: 4")])
+def test_streamed_export_equals_in_memory_export(tmp_path, method, extra):
+    """GPTQ, and AutoRound with its default final block (LFQ: the last block tuned through the streamed
+    model's resident final norm and LM head)."""
     model = build(tmp_path, 3, 128, 256)
     for stream in (False, True):
-        assert cli.main(["run", str(recipe(tmp_path, model, stream)), "-o", str(tmp_path / f"o-{stream}"),
-                         "--quiet"]) == 0
+        assert cli.main(["run", str(recipe(tmp_path, model, stream, method, extra)), "-o",
+                         str(tmp_path / f"o-{stream}"), "--quiet"]) == 0
     a, b = tensor_hashes(tmp_path / "o-False" / "hf"), tensor_hashes(tmp_path / "o-True" / "hf")
     assert a == b and any(k.endswith("qweight") for k in a)
     from transformers import AutoModelForCausalLM
