@@ -112,6 +112,7 @@ def plan(loaded) -> dict:
     from accelerate import init_empty_weights
     from transformers import AutoModel, AutoModelForCausalLM
 
+    from compress.methods.lfq import resolve_final_block
     from compress.models.adapters import ARCHS
     from compress.quantize_stage import planned_layers
 
@@ -131,6 +132,8 @@ def plan(loaded) -> dict:
         if entry.check is not None:
             entry.check(adapter, cfg, r)
         layers = planned_layers(adapter, cfg) if cfg.stage == "quantize" else {}
+        if hasattr(cfg, "final_block"):  # what `auto` means for this model, and lfq on an encoder refused
+            cfg = resolve_final_block(cfg, adapter)
         stages.append({"key": stage_key(i, cfg), "stage": cfg.stage, "method": cfg.method,
                        "layers": len(layers), "config": cfg.model_dump()})
     for fmt in r.export.formats:  # export formats with a plan-time check (e.g. OpenVINO's NPU target)

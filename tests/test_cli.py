@@ -84,9 +84,26 @@ def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path):
     rc, out, err = invoke("run", QUICKSTART, "--model", STORIES1M, "--output", out_dir, "--dry-run")
     assert rc == 0, err
     assert "(llama, 4 blocks, 918,656 parameters)" in out
-    assert "00-quantize-autoround: 28 layers" in out
+    assert "00-quantize-autoround: 28 layers; last block: `final_block: lfq`" in out  # `auto` on a causal LM
     assert "estimated peak memory:" in out and "export: hf" in out
     assert not out_dir.exists()
+
+
+@pytest.mark.parametrize("final_block,rc", [("lfq", 1), ("hard_ce", 1), ("auto", 0), ("same", 0)])
+def test_dry_run_refuses_a_final_block_objective_on_an_encoder(tmp_path, final_block, rc):
+    """Checked at plan time, before any weight is loaded; `auto` is plain AutoRound on an encoder."""
+    from tiny import tiny_bert
+
+    tiny_bert().save_pretrained(tmp_path / "bert")
+    recipe = tmp_path / "r.yaml"
+    text = QUICKSTART.read_text().replace("seqlen: 256", "seqlen: 64").replace("group_size: 128", "group_size: 32")
+    recipe.write_text(text.replace("    sym: true", f"    sym: true\n    final_block: {final_block}"))
+    got, out, err = invoke("run", recipe, "--model", tmp_path / "bert", "-o", tmp_path / "o", "--dry-run")
+    assert got == rc, err
+    if rc:
+        assert f"`final_block: {final_block}` needs a causal LM with an LM head; `bert` has none" in err
+    else:
+        assert "00-quantize-autoround:" in out and "last block" not in out
 
 
 def test_dry_run_json(tmp_path):

@@ -31,11 +31,15 @@ FINAL_BLOCK_HELP = ("objective of the last decoder block: `same` (the method's o
 
 
 def resolve_final_block(cfg, adapter):
-    """`cfg` with `final_block: auto` replaced by what it means for this model (unchanged otherwise)."""
-    if cfg.final_block != "auto":
-        return cfg
+    """`cfg` with `final_block: auto` replaced by what it means for this model; an objective through the LM
+    head on a model without one is a BadInput (raised at plan time, before anything is loaded)."""
     causal = adapter.kind == "causal" and adapter.lm_head()[1] is not None
-    return cfg.model_copy(update={"final_block": "lfq" if causal else "same"})
+    if cfg.final_block == "auto":
+        return cfg.model_copy(update={"final_block": "lfq" if causal else "same"})
+    if cfg.final_block != "same" and not causal:
+        raise BadInput(f"`final_block: {cfg.final_block}` needs a causal LM with an LM head; `{adapter.model_type}` "
+                       "has none (use `same`, or `auto`, which is `same` here)")
+    return cfg
 
 
 def uses_head(cfg) -> bool:
