@@ -120,7 +120,8 @@ def _print_plan(p: dict) -> None:
     typer.echo(f"model: {p['model']} ({p['model_type']}, {p['blocks']} blocks, {p['parameters']:,} parameters)")
     for s in p["stages"]:
         last = s["config"].get("final_block", "same")
-        typer.echo(f"  {s['key']}: {s['layers']} layers" + (f"; last block: `final_block: {last}`" if last != "same" else ""))
+        tail = f"; last block: `final_block: {last}`" if last != "same" else ""
+        typer.echo(f"  {s['key']}: {s['layers']} layers{tail}")
     typer.echo(f"export: {', '.join(p['export']) or '-'}")
     typer.echo(f"estimated peak memory: {p['estimated_peak_memory_mb']} MB")
 
