@@ -298,9 +298,10 @@ def bench_kernels(
     repeats: int = typer.Option(10, "--repeats", help="timed runs per measurement (min and median reported)"),
     threads: Optional[int] = typer.Option(None, "--threads", help="threads for every backend (default: torch's)"),
     isa: str = typer.Option("native", "--isa",
-                            help="native, or avx2: our `cpu-a8`, torch's kernels and MKL's GEMM on their AVX2 code, "
-                                 "as an AVX2-only CPU runs them (OpenVINO stays native; the command restarts itself "
-                                 "with ATEN_CPU_CAPABILITY and MKL_ENABLE_INSTRUCTIONS set)"),
+                            help="native, or avx2: our kernel built for AVX2, torch's kernels and MKL's GEMM on "
+                                 "their AVX2 code, as an AVX2-only CPU runs them (OpenVINO stays native; the command "
+                                 "restarts itself with COMPRESS_CPU_ISA, ATEN_CPU_CAPABILITY and "
+                                 "MKL_ENABLE_INSTRUCTIONS set)"),
 ):
     """Packed GEMM speed: our CPU kernel vs the reference path, torch fp32/bf16/int4 and OpenVINO int4/int2.
 

@@ -16,7 +16,8 @@ Every timed call starts with cold caches (`Evict`: the L3 of these VMs holds 300
 packed 8192x8192 weight, and decoding a real model streams its weights from DRAM).
 
 `isa="avx2"` (`compress bench kernels --isa avx2`) measures what an AVX2-only CPU runs, on an AVX-512 one:
-our `cpu-a8` on its AVX2 code, torch's own kernels (int4, and its CPU ops in general) dispatched for AVX2
+our kernel built for AVX2 (`COMPRESS_CPU_ISA=avx2`: `-march=haswell`, no AVX-512 instruction anywhere in
+it), torch's own kernels (int4, and its CPU ops in general) dispatched for AVX2
 (`ATEN_CPU_CAPABILITY=avx2`) and MKL's fp32 GEMM limited to AVX2 (`MKL_ENABLE_INSTRUCTIONS=AVX2`), both read
 when the process starts (the CLI restarts itself with them). torch's bf16 matmul (oneDNN) and OpenVINO stay on
 the native ISA: OpenVINO 2026.4's CPU plugin cannot compile its MatMul with oneDNN capped to AVX2
@@ -181,7 +182,8 @@ def bench_shape(n: int, k: int, batches, repeats: int, bw: float, evict, avx512:
     return rows
 
 
-ISA_ENV = {"avx2": {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}}  # read at process start
+ISA_ENV = {"avx2": {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",  # read at process start
+                    "COMPRESS_CPU_ISA": "avx2"}}
 
 
 def isa_env_missing(isa: str) -> dict:
@@ -208,7 +210,8 @@ def run(quick: bool = False, repeats: int = 10, threads: int | None = None, isa:
         rows = [r for n, k in shapes for r in bench_shape(n, k, batches, repeats, bw, evict, avx512)]
         return {"machine": machine(), "read_bandwidth_gbps": round(bw, 2), "threads": torch.get_num_threads(),
                 "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", ""),
-                "cpu_kernel": cpu.extension() is not None, "isa": isa, "a8_isa": a8_isa(avx512),
+                "cpu_kernel": cpu.extension() is not None, "isa": isa, "kernel_build": cpu.build_isa(),
+                "a8_isa": a8_isa(avx512),
                 "torch_isa": torch.backends.cpu.get_cpu_capability(), "rows": rows}
     finally:
         torch.set_num_threads(previous)
@@ -225,6 +228,8 @@ def a8_isa(avx512: bool) -> str:
 def markdown(result: dict) -> str:
     """One table: shape, batch, format, backend, ms min / median, GB/s, fraction of read bandwidth."""
     isa = f" `cpu-a8` code: {result['a8_isa']}." if "a8_isa" in result else ""
+    if "kernel_build" in result:
+        isa += f" Our kernel built for: {result['kernel_build']}."
     if "torch_isa" in result:
         isa += f" torch kernels: {result['torch_isa']}; OpenVINO and torch bf16: native."
     lines = [f"Streaming read bandwidth: {result['read_bandwidth_gbps']} GB/s, {result['threads']} threads."

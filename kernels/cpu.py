@@ -27,6 +27,11 @@ float rounding; with int8 activations
 (symmetric, one scale per min(group, 128) columns of each row of x, like onnxruntime's
 accuracy_level 4 and OpenVINO's dynamic quantization) exactly that of the rounded activations.
 Groups must be powers of two >= 32 columns (or per-channel); other weights use the reference backend.
+
+The kernel is compiled for this CPU (`-march=native`, with the AVX-512 VNNI path where the CPU has it).
+`COMPRESS_CPU_ISA=avx2` in the environment (read once per process) builds it for an AVX2/FMA/F16C CPU
+instead (`-march=haswell`), so an AVX-512 machine runs exactly the code an AVX2-only one would
+(`compress bench kernels --isa avx2`). Each build has its own cache directory.
 """
 
 from __future__ import annotations
@@ -204,8 +209,20 @@ def _cpu_flags() -> bytes:
     return next((ln for ln in text.splitlines() if ln.startswith("flags")), "").encode()
 
 
+ISA_FLAGS = {"native": ["-march=native"], "avx2": ["-march=haswell", "-mtune=native"]}
+
+
+def build_isa() -> str:
+    """The instruction set the kernel is built for: `COMPRESS_CPU_ISA` (native or avx2), default native."""
+    isa = os.environ.get("COMPRESS_CPU_ISA", "native")
+    if isa not in ISA_FLAGS:
+        raise ValueError(f"COMPRESS_CPU_ISA={isa!r}: known values are {', '.join(ISA_FLAGS)}")
+    return isa
+
+
 def _build_dir() -> Path:
-    key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + _cpu_flags()).hexdigest()[:12]
+    flags = " ".join(ISA_FLAGS[build_isa()]).encode()
+    key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + _cpu_flags() + flags).hexdigest()[:12]
     root = Path(os.environ.get("COMPRESS_CACHE", Path.home() / ".cache" / "compress"))
     d = root / "kernels" / f"cpu-{key}"
     d.mkdir(parents=True, exist_ok=True)
@@ -232,8 +249,11 @@ def _compile():
     from torch.utils.cpp_extension import load
 
     try:
+        isa = build_isa()
+        if isa != "native":
+            logger.info("cpu kernel built for %s (COMPRESS_CPU_ISA): %s", isa, " ".join(ISA_FLAGS[isa]))
         return load(name="compress_cpu_kernel", sources=[str(SOURCE)], build_directory=str(_build_dir()),
-                    extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+                    extra_cflags=["-O3", *ISA_FLAGS[isa], "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
     except (OSError, RuntimeError, ImportError) as e:  # compiler present but the build failed
         logger.warning("building the cpu kernel failed, packed layers use the reference path: %s", e)
         return None

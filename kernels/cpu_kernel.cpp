@@ -52,6 +52,16 @@ float zero_correction(const Args& a, int64_t n, int64_t b) {
     v = _mm512_fmadd_ps(_mm512_mul_ps(sf, zf), _mm512_loadu_ps(xs + g), v);
   }
   c = _mm512_reduce_add_ps(v);
+#elif defined(__AVX2__) && defined(__F16C__)
+  __m256 v = _mm256_setzero_ps();  // AVX2-only CPUs: 8 groups per step (scalar, this was most of int2 g64's time)
+  for (; g + 8 <= a.Gp; g += 8) {
+    const __m256 zf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(z + g))));
+    const __m256 sf = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + g)));
+    v = _mm256_fmadd_ps(_mm256_mul_ps(sf, zf), _mm256_loadu_ps(xs + g), v);
+  }
+  alignas(32) float t[8];
+  _mm256_store_ps(t, v);
+  for (float f : t) c += f;
 #endif
   for (; g < a.Gp; ++g) c += ((float)s[g] * (float)z[g]) * xs[g];
   return c;
@@ -256,6 +266,7 @@ void row_a8_deferred(const Args& a, int64_t n, int64_t b) {
       if (c >= chunks) break;
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c * 8));
       _mm_prefetch(reinterpret_cast<const char*>(row + c * 8 + pf), _MM_HINT_T0);
+#ifdef __AVXVNNI__
 #pragma GCC unroll 8
       for (int f = 0; f < P; ++f) {
         const int k = (cc * P + f) / BX;  // flush of block (c0 + cc) * P + f, relative to c0 * P / BX
@@ -263,6 +274,22 @@ void row_a8_deferred(const Args& a, int64_t n, int64_t b) {
         const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + (c * P + f) * 32));
         acc[k] = dot_u8s8(acc[k], q, x);
       }
+#else
+      // No VNNI: the 16-bit pair sums of the chunk's fields that share a flush add up before one widening
+      // multiply-add (codes < 16, at most min(P, BX) <= 8 fields: <= 4 x 2 x 15 x 127 < 32767, no overflow).
+      __m256i p16 = _mm256_setzero_si256();
+#pragma GCC unroll 8
+      for (int f = 0; f < P; ++f) {
+        const int k = (cc * P + f) / BX;
+        const __m256i q = _mm256_and_si256(f == 0 ? v : _mm256_srli_epi32(v, f * BITS), mask);
+        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + (c * P + f) * 32));
+        p16 = _mm256_add_epi16(p16, _mm256_maddubs_epi16(q, x));
+        if (f == P - 1 || (cc * P + f + 1) % BX == 0) {  // the last field of flush k in this chunk
+          acc[k] = _mm256_add_epi32(acc[k], _mm256_madd_epi16(p16, _mm256_set1_epi16(1)));
+          p16 = _mm256_setzero_si256();
+        }
+      }
+#endif
     }
     const int64_t xb0 = c0 * P / BX, g0 = xb0 >> D;
     const __m256 swv = _mm256_permutevar8x32_ps(load8(a.scales + n * a.Gp + g0, a.Gp - g0), lg);

@@ -39,7 +39,8 @@ def test_bench_kernels_isa_avx2_runs_every_side_on_its_avx2_code(tmp_path):
     from conftest import REPO
 
     js = tmp_path / "k.json"
-    env = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS")}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "COMPRESS_CPU_ISA")}
     proc = subprocess.run([sys.executable, "-c", "import sys, cli; sys.exit(cli.main())", "bench", "kernels",
                            "--quick", "--threads", "1", "--isa", "avx2", "--json", str(js)],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
@@ -48,7 +49,7 @@ def test_bench_kernels_isa_avx2_runs_every_side_on_its_avx2_code(tmp_path):
     from compress.kernels import cpu
 
     assert result["isa"] == "avx2" and result["torch_isa"] in ("AVX2", "DEFAULT")
-    assert result["a8_isa"] == ("avx2" if cpu.extension().has_avx2() else "scalar")
+    assert result["kernel_build"] == "avx2" and result["a8_isa"] == ("avx2" if cpu.extension().has_avx2() else "scalar")
     assert all(r["rel_err"] < 3e-2 for r in result["rows"] if r["backend"] in ("ours-cpu-a8", "torch-int4"))
 
 

@@ -61,7 +61,30 @@ def test_int8_activations_match_reference_on_rounded_x(ext, bits, group, shape, 
 def test_avx2_and_avx512_compiled_here(ext):
     flags = cpu._cpu_flags().decode().split()
     assert ext.has_avx2() == ("avx2" in flags)
-    assert ext.has_avx512() == all(f in flags for f in ("avx512f", "avx512bw", "avx512dq", "avx512_vnni"))
+    avx512 = all(f in flags for f in ("avx512f", "avx512bw", "avx512dq", "avx512_vnni"))
+    assert ext.has_avx512() == (avx512 and cpu.build_isa() == "native")
+
+
+@pytest.mark.skipif(cpu.build_isa() != "native", reason="this is the run it starts")
+def test_every_kernel_test_passes_with_the_avx2_build():
+    """The whole file again in a child process with the kernel built for AVX2 (`COMPRESS_CPU_ISA=avx2`,
+    -march=haswell: no AVX-512 instruction, the AVX2 zero-point correction): what AVX2-only CPUs run."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {**os.environ, "COMPRESS_CPU_ISA": "avx2"}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+                          cwd=Path(__file__).parent, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert " passed" in proc.stdout and "skipped" in proc.stdout  # this test skipped itself there
+
+
+def test_build_isa_rejects_an_unknown_value(monkeypatch):
+    monkeypatch.setenv("COMPRESS_CPU_ISA", "avx9")
+    with pytest.raises(ValueError, match="COMPRESS_CPU_ISA='avx9'"):
+        cpu.build_isa()
 
 
 def test_layout_known_answer():
