@@ -38,6 +38,15 @@ struct Args {
   bool pair_order = false;  // int8 path: xq's 32-column blocks are in chunk-pair order (AVX-512, ActInt8)
 };
 
+#ifdef __AVX2__
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#endif
+
 float zero_correction(const Args& a, int64_t n, int64_t b) {
   const at::Half* s = a.scales + n * a.Gp;
   const uint8_t* z = a.zeros + n * a.Gp;
@@ -59,9 +68,7 @@ float zero_correction(const Args& a, int64_t n, int64_t b) {
     const __m256 sf = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + g)));
     v = _mm256_fmadd_ps(_mm256_mul_ps(sf, zf), _mm256_loadu_ps(xs + g), v);
   }
-  alignas(32) float t[8];
-  _mm256_store_ps(t, v);
-  for (float f : t) c += f;
+  c = hsum(v);
 #endif
   for (; g < a.Gp; ++g) c += ((float)s[g] * (float)z[g]) * xs[g];
   return c;
@@ -94,13 +101,6 @@ void row_scalar(const Args& a, int64_t n) {
 }
 
 #ifdef __AVX2__
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
 // fp32 activations: one row n, batch rows b0..b0+BT; x is permuted so field j, lane i is at chunk*32P + 8j + i.
 template <int BITS, int BT>
 void row_f32(const Args& a, int64_t n, int64_t b0) {
@@ -266,30 +266,26 @@ void row_a8_deferred(const Args& a, int64_t n, int64_t b) {
       if (c >= chunks) break;
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c * 8));
       _mm_prefetch(reinterpret_cast<const char*>(row + c * 8 + pf), _MM_HINT_T0);
-#ifdef __AVXVNNI__
+#ifndef __AVXVNNI__
+      // No VNNI: the 16-bit pair sums of the chunk's fields that share a flush add up before one widening
+      // multiply-add (codes < 16, at most min(P, BX) <= 8 fields: <= 4 x 2 x 15 x 127 < 32767, no overflow).
+      __m256i p16 = _mm256_setzero_si256();
+#endif
 #pragma GCC unroll 8
       for (int f = 0; f < P; ++f) {
         const int k = (cc * P + f) / BX;  // flush of block (c0 + cc) * P + f, relative to c0 * P / BX
         const __m256i q = _mm256_and_si256(f == 0 ? v : _mm256_srli_epi32(v, f * BITS), mask);
         const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + (c * P + f) * 32));
+#ifdef __AVXVNNI__
         acc[k] = dot_u8s8(acc[k], q, x);
-      }
 #else
-      // No VNNI: the 16-bit pair sums of the chunk's fields that share a flush add up before one widening
-      // multiply-add (codes < 16, at most min(P, BX) <= 8 fields: <= 4 x 2 x 15 x 127 < 32767, no overflow).
-      __m256i p16 = _mm256_setzero_si256();
-#pragma GCC unroll 8
-      for (int f = 0; f < P; ++f) {
-        const int k = (cc * P + f) / BX;
-        const __m256i q = _mm256_and_si256(f == 0 ? v : _mm256_srli_epi32(v, f * BITS), mask);
-        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + (c * P + f) * 32));
         p16 = _mm256_add_epi16(p16, _mm256_maddubs_epi16(q, x));
         if (f == P - 1 || (cc * P + f + 1) % BX == 0) {  // the last field of flush k in this chunk
           acc[k] = _mm256_add_epi32(acc[k], _mm256_madd_epi16(p16, _mm256_set1_epi16(1)));
           p16 = _mm256_setzero_si256();
         }
-      }
 #endif
+      }
     }
     const int64_t xb0 = c0 * P / BX, g0 = xb0 >> D;
     const __m256 swv = _mm256_permutevar8x32_ps(load8(a.scales + n * a.Gp + g0, a.Gp - g0), lg);
