@@ -153,7 +153,7 @@ def dense_rows(shape: str, n: int, k: int, batches, repeats: int, bw: float, evi
     return rows
 
 
-def bench_shape(n: int, k: int, batches, repeats: int, bw: float, evict, avx512: bool = True) -> list[dict]:
+def bench_shape(n: int, k: int, batches, repeats: int, bw: float, evict) -> list[dict]:
     shape = f"{n}x{k}"
     rows = dense_rows(shape, n, k, batches, repeats, bw, evict)
     for bits, group in FORMATS:
@@ -166,7 +166,7 @@ def bench_shape(n: int, k: int, batches, repeats: int, bw: float, evict, avx512:
             cases = []  # (backend, fn, bytes)
             if packed is not None:
                 cases += [("ours-cpu", lambda: cpu.matmul(x, packed), packed.nbytes()),
-                          ("ours-cpu-a8", lambda: cpu.matmul(x, packed, act="int8", avx512=avx512), packed.nbytes())]
+                          ("ours-cpu-a8", lambda: cpu.matmul(x, packed, act="int8"), packed.nbytes())]
             cases.append(("reference", lambda: Reference().matmul(x, qw), qw.storage_bits() // 8))
             if bits == 4:
                 fn4, nbytes4 = torch_int4(qw)
@@ -194,12 +194,11 @@ def isa_env_missing(isa: str) -> dict:
 
 
 def run(quick: bool = False, repeats: int = 10, threads: int | None = None, isa: str = "native") -> dict:
-    """`isa="avx2"`: our int8-activation kernel on its AVX2 code, and (with `ISA_ENV` set when the process
-    started) torch and MKL on theirs, as on an AVX2-only CPU."""
+    """`isa="avx2"` (with `ISA_ENV` set when the process started): our kernel's AVX2 build, and torch and MKL
+    on their AVX2 code, as on an AVX2-only CPU."""
     missing = isa_env_missing(isa)
     if missing:
         raise ValueError(f"isa {isa!r} needs {missing} in the environment before torch starts")
-    avx512 = isa == "native"
     previous = torch.get_num_threads()
     torch.set_num_threads(threads or previous)
     try:
@@ -207,22 +206,22 @@ def run(quick: bool = False, repeats: int = 10, threads: int | None = None, isa:
         repeats = QUICK["repeats"] if quick else repeats
         evict = Evict(16 if quick else EVICT_MIB)
         bw = read_bandwidth_gbps(64 if quick else 512, repeats, evict)
-        rows = [r for n, k in shapes for r in bench_shape(n, k, batches, repeats, bw, evict, avx512)]
+        rows = [r for n, k in shapes for r in bench_shape(n, k, batches, repeats, bw, evict)]
         return {"machine": machine(), "read_bandwidth_gbps": round(bw, 2), "threads": torch.get_num_threads(),
                 "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", ""),
                 "cpu_kernel": cpu.extension() is not None, "isa": isa, "kernel_build": cpu.build_isa(),
-                "a8_isa": a8_isa(avx512),
+                "a8_isa": a8_isa(),
                 "torch_isa": torch.backends.cpu.get_cpu_capability(), "rows": rows}
     finally:
         torch.set_num_threads(previous)
 
 
-def a8_isa(avx512: bool) -> str:
-    """The code our `cpu-a8` rows run: avx512-vnni, avx2 or scalar/none."""
+def a8_isa() -> str:
+    """The code our `cpu-a8` rows run: avx512-vnni, avx2 or scalar/none (the build's best; see `kernel_build`)."""
     ext = cpu.extension()
     if ext is None:
         return "none"
-    return "avx512-vnni" if avx512 and ext.has_avx512() else "avx2" if ext.has_avx2() else "scalar"
+    return "avx512-vnni" if ext.has_avx512() else "avx2" if ext.has_avx2() else "scalar"
 
 
 def markdown(result: dict) -> str:
