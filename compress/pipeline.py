@@ -112,7 +112,6 @@ def plan(loaded) -> dict:
     from accelerate import init_empty_weights
     from transformers import AutoModel, AutoModelForCausalLM
 
-    from compress.methods.lfq import resolve_final_block
     from compress.models.adapters import ARCHS
     from compress.quantize_stage import planned_layers
 
@@ -130,10 +129,8 @@ def plan(loaded) -> dict:
                            "quantization (they rewrite the weights the quantizer rounds)")
         entry = registry.get(cfg.stage, cfg.method)
         if entry.check is not None:
-            entry.check(adapter, cfg, r)
+            cfg = entry.check(adapter, cfg, r) or cfg
         layers = planned_layers(adapter, cfg) if cfg.stage == "quantize" else {}
-        if hasattr(cfg, "final_block"):  # what `auto` means for this model, and lfq on an encoder refused
-            cfg = resolve_final_block(cfg, adapter)
         stages.append({"key": stage_key(i, cfg), "stage": cfg.stage, "method": cfg.method,
                        "layers": len(layers), "config": cfg.model_dump()})
     for fmt in r.export.formats:  # export formats with a plan-time check (e.g. OpenVINO's NPU target)

@@ -37,7 +37,9 @@ class Entry:
     config: type[BaseModel]
     apply: Callable
     description: str = ""
-    check: Callable | None = None  # check(adapter, cfg, recipe) at plan time, on the weightless skeleton
+    # check(adapter, cfg, recipe) at plan time, on the weightless skeleton: raises BadInput, or returns None or the
+    # config as it will run on this model (model-dependent defaults resolved, e.g. `final_block: auto`)
+    check: Callable | None = None
 
 
 _REGISTRY: dict[tuple[str, str], Entry] = {}

@@ -25,7 +25,8 @@ from pydantic import Field
 
 from compress.config import QuantizeConfig
 from compress.driver import BlockData, LayerSpec, block_forward
-from compress.methods.lfq import FINAL_BLOCK_HELP, FinalBlock, logit_loss_backward, resolve_final_block, uses_head
+from compress.methods.lfq import (FINAL_BLOCK_HELP, FinalBlock, check_final_block, logit_loss_backward,
+                                  resolve_final_block, uses_head)
 from compress.primitives import assemble_mixed, group_view, resolve_group
 from compress.qweight import KEEP_BITS, QuantizedWeight
 from compress.registry import register
@@ -203,7 +204,8 @@ class AutoRound:
             return signround_block(data, self.cfg)
 
 
-@register("quantize", "autoround", AutoRoundConfig, "AutoRound sign-gradient rounding (Intel auto-round)")
+@register("quantize", "autoround", AutoRoundConfig, "AutoRound sign-gradient rounding (Intel auto-round)",
+          check=check_final_block)
 def apply(ctx, cfg: AutoRoundConfig):
     from compress.quantize_stage import quantize_stage
 

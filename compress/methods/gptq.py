@@ -16,7 +16,7 @@ from compress.config import QuantizeConfig
 from compress.errors import RunFailure
 from compress.primitives import choose_qparams, quantize_codes, resolve_group
 from compress.qweight import QuantizedWeight
-from compress.methods.lfq import FINAL_BLOCK_HELP, FinalBlock, resolve_final_block, uses_head
+from compress.methods.lfq import FINAL_BLOCK_HELP, FinalBlock, check_final_block, resolve_final_block, uses_head
 from compress.registry import register
 
 CHOLESKY_TRIES = 4  # damp, then 10x, 100x, 1000x damp
@@ -189,7 +189,8 @@ class GPTQ:
         }
 
 
-@register("quantize", "gptq", GPTQConfig, "GPTQ: Hessian-aware error propagation (our implementation)")
+@register("quantize", "gptq", GPTQConfig, "GPTQ: Hessian-aware error propagation (our implementation)",
+          check=check_final_block)
 def apply(ctx, cfg: GPTQConfig):
     from compress.quantize_stage import quantize_stage
 

@@ -42,6 +42,11 @@ def resolve_final_block(cfg, adapter):
     return cfg
 
 
+def check_final_block(adapter, cfg, recipe):
+    """The plan-time check of a method with `final_block` (registry): the config as it will run on this model."""
+    return resolve_final_block(cfg, adapter)
+
+
 def uses_head(cfg) -> bool:
     """Whether a resolved config tunes the last block through the LM head."""
     if cfg.final_block == "auto":
