@@ -8,8 +8,8 @@
 
 Methods declare what they need (`BlockQuantizer.needs_hessian`, `.needs_fp_targets`, and
 `.needs_head` for an objective through the frozen LM head on the last block, which then gets no
-Hessians: it is tuned through the head); the driver never branches on a method's class. A block whose checkpoint exists (resume) is loaded instead of
-recomputed, and its outputs are recomputed by a forward pass, so a resumed run is bit-identical
+Hessians: it is tuned through the head); the driver never branches on a method's class. A block whose
+checkpoint exists (resume) is loaded instead of recomputed, and its outputs are recomputed by a forward pass, so a resumed run is bit-identical
 to an uninterrupted one.
 """
 

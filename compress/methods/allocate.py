@@ -17,8 +17,9 @@ Terminal reward of the RL controller (`terminal`): `ppl` = -kappa * (log ppl_Q -
 increase, without the variance of the sampled labels), `hidden_mse` = -kappa * relative MSE of the final
 hidden states, all on the first `reward_samples` calibration sequences cut to `reward_seqlen` tokens,
 with every planned linear replaced by its plan's fake-quantized weight; `none` = proxy reward only. The
-terminal reward keeps every option's fake-quantized copy of every planned layer in memory (|options| x the planned weights in fp32): meant for small and mid-size
-models; use `terminal: none` (or `greedy` / `lagrangian`) where that does not fit.
+terminal reward keeps every option's fake-quantized copy of every planned layer in memory (|options| x the
+planned weights in fp32): meant for small and mid-size models; use `terminal: none` (or `greedy` /
+`lagrangian`) where that does not fit.
 
 Real-model calibration of the RL controller (all on calibration tokens; the evaluation text is never seen).
 With a terminal reward, a second, larger *selection slice* (the first `select_samples` calibration
