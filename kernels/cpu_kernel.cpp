@@ -243,12 +243,33 @@ inline __m256i reduce8_256(const __m256i* v) {
   return _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20), _mm256_permute2x128_si256(u0, u1, 0x31));
 }
 
+// The same for eight vectors of 16 int16 sums (no VNNI, small codes): a transpose tree of 16-, 32- and 64-bit
+// unpacks in int16 (no widening multiply-add per flush), then the two 128-bit halves widened and added.
+// Each output is a sum of 16 lanes; the caller keeps 8 lanes' sum within int16.
+inline __m256i reduce8_i16(const __m256i* v) {
+  __m256i t[4], u[2];
+  for (int i = 0; i < 4; ++i)  // per half: [a b a b a b a b], a = v[2i], b = v[2i+1], sums of 2 lanes
+    t[i] = _mm256_add_epi16(_mm256_unpacklo_epi16(v[2 * i], v[2 * i + 1]), _mm256_unpackhi_epi16(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 2; ++i)  // per half: [a b c d a b c d] of v[4i..4i+3], sums of 4 lanes
+    u[i] = _mm256_add_epi16(_mm256_unpacklo_epi32(t[2 * i], t[2 * i + 1]), _mm256_unpackhi_epi32(t[2 * i], t[2 * i + 1]));
+  const __m256i w = _mm256_add_epi16(_mm256_unpacklo_epi64(u[0], u[1]), _mm256_unpackhi_epi64(u[0], u[1]));
+  return _mm256_add_epi32(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(w)),
+                          _mm256_cvtepi16_epi32(_mm256_extracti128_si256(w, 1)));
+}
+
 template <int BITS, int XS>
 void row_a8_deferred(const Args& a, int64_t n, int64_t b) {
   constexpr int P = 8 / BITS, BX = 1 << XS;
   constexpr int CPF = BX > P ? BX / P : 1;  // chunks per flush
   constexpr int FPC = BX > P ? 1 : P / BX;  // flushes per chunk
   constexpr int CH8 = 8 * CPF / FPC;        // chunks per eight flushes
+#ifdef __AVXVNNI__
+  constexpr bool I16 = false;
+#else
+  // Flush sums kept in int16 when no lane can overflow in reduce8_i16: 8 lanes x BX fields x 2 products
+  // x largest code x 128 (int2 with activation blocks up to 128 columns; the int2 path is compute-bound).
+  constexpr bool I16 = 8 * BX * 2 * ((1 << BITS) - 1) * 128 <= 32767;
+#endif
   const __m256i mask = _mm256_set1_epi8((char)((1 << BITS) - 1));
   const uint32_t* row = a.words + n * a.W;
   const int8_t* xq = a.xq + b * a.Kpad;
@@ -279,7 +300,12 @@ void row_a8_deferred(const Args& a, int64_t n, int64_t b) {
 #ifdef __AVXVNNI__
         acc[k] = dot_u8s8(acc[k], q, x);
 #else
-        p16 = _mm256_add_epi16(p16, _mm256_maddubs_epi16(q, x));
+        const __m256i prod = _mm256_maddubs_epi16(q, x);  // no saturation: weights < 16 here
+        if constexpr (I16) {
+          acc[k] = _mm256_add_epi16(acc[k], prod);
+          continue;
+        }
+        p16 = _mm256_add_epi16(p16, prod);
         if (f == P - 1 || (cc * P + f + 1) % BX == 0) {  // the last field of flush k in this chunk
           acc[k] = _mm256_add_epi32(acc[k], _mm256_madd_epi16(p16, _mm256_set1_epi16(1)));
           p16 = _mm256_setzero_si256();
@@ -290,7 +316,7 @@ void row_a8_deferred(const Args& a, int64_t n, int64_t b) {
     const int64_t xb0 = c0 * P / BX, g0 = xb0 >> D;
     const __m256 swv = _mm256_permutevar8x32_ps(load8(a.scales + n * a.Gp + g0, a.Gp - g0), lg);
     const __m256 sxv = load8(a.sx + b * xb_all + xb0, xb_all - xb0);
-    racc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(reduce8_256(acc)), _mm256_mul_ps(swv, sxv), racc);
+    racc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I16 ? reduce8_i16(acc) : reduce8_256(acc)), _mm256_mul_ps(swv, sxv), racc);
   }
   a.y[b * a.N + n] = hsum(racc) - zero_correction(a, n, b);
 }

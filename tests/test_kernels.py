@@ -58,6 +58,22 @@ def test_int8_activations_match_reference_on_rounded_x(ext, bits, group, shape, 
         assert (xhat - x).abs().max() <= x.abs().max() / 254 + 1e-6  # the rounding it documents
 
 
+@pytest.mark.parametrize("bits,group", [(2, 32), (2, 64), (2, 128), (4, 32), (4, 128), (2, -1)])
+@pytest.mark.parametrize("avx512", [True, False])
+def test_int8_activations_at_the_extremes(ext, bits, group, avx512):
+    """Largest codes times activations that all round to +-127: the int16 partial sums of the paths
+    without VNNI must not saturate or wrap (a wrong bound shows here, not on random data)."""
+    n, k = 8, 2048
+    codes = torch.full((n, k), 2**bits - 1, dtype=torch.uint8)
+    ng = 1 if group == -1 else k // group
+    qw = QuantizedWeight(codes=codes, scales=torch.full((n, ng), 2.0**-7), zeros=torch.zeros(n, ng, dtype=torch.uint8),
+                         bits=bits, group_size=group, sym=False)
+    state = cpu.pack(qw)
+    for x in (torch.ones(1, k), -torch.ones(1, k)):
+        y = cpu.matmul(x, state, act="int8", avx512=avx512)
+        assert_close_to_reference(y, Reference().matmul(x, qw))
+
+
 def test_avx2_and_avx512_compiled_here(ext):
     flags = cpu._cpu_flags().decode().split()
     assert ext.has_avx2() == ("avx2" in flags)
