@@ -11,6 +11,8 @@ read bandwidth (a pass over a 512 MiB tensor) is measured in the same run; `gbps
 backend's weight occupies divided by its minimum time, `bw_fraction` that over the read bandwidth,
 and `rel_err` the backend's largest deviation from the fp32 reference output at that batch, relative
 to the reference's largest magnitude (dense rows: the bf16 rounding of the weights, fp32 rows 0).
+`arithmetic_ms` is `ours-cpu-a8`'s batch-1 time on the last shape with memory out of the way (row slices
+that stay in cache, `arithmetic_ms()`): near or above its `ms_min`, the kernel is bound by its instructions.
 
 Every timed call starts with cold caches (`Evict`: the L3 of these VMs holds 300 MiB, more than a
 packed 8192x8192 weight, and decoding a real model streams its weights from DRAM).
@@ -182,6 +184,24 @@ def bench_shape(n: int, k: int, batches, repeats: int, bw: float, evict) -> list
     return rows
 
 
+def arithmetic_ms(n: int, k: int, bits: int, group: int, threads: int, repeats: int, rows=(64, 192)) -> float:
+    """Our `cpu-a8` batch-1 kernel's arithmetic alone for an `n` x `k` weight on `threads` cores, memory out
+    of the way: one thread times two row slices small enough to stay in the cache (64 and 192 rows; int4 at
+    k = 8192: 0.8 MB), the difference (the fixed cost of a call cancels) is scaled to `n` rows and divided by
+    the threads. Against the weight's bytes over the read bandwidth it tells whether the kernel is bound by
+    its instructions or by memory."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        x, ts = torch.randn(1, k), []
+        for r in rows:
+            p = cpu.pack(random_qweight(r, k, bits, group))
+            ts.append(min(timed(lambda: cpu.matmul(x, p, act="int8"), repeats)[0] for _ in range(3)))
+    finally:
+        torch.set_num_threads(previous)
+    return max(ts[1] - ts[0], 0.0) / (rows[1] - rows[0]) * n / threads
+
+
 ISA_ENV = {"avx2": {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",  # read at process start
                     "COMPRESS_CPU_ISA": "avx2"}}
 
@@ -207,11 +227,15 @@ def run(quick: bool = False, repeats: int = 10, threads: int | None = None, isa:
         evict = Evict(16 if quick else EVICT_MIB)
         bw = read_bandwidth_gbps(64 if quick else 512, repeats, evict)
         rows = [r for n, k in shapes for r in bench_shape(n, k, batches, repeats, bw, evict)]
+        (n, k), used = shapes[-1], torch.get_num_threads()
+        arith = ({f"int{b}-g{g}": round(arithmetic_ms(n, k, b, g, used, 30 if quick else 300), 4)
+                  for b, g in ((4, 128), (2, 64))} if cpu.extension() is not None else {})
         return {"machine": machine(), "read_bandwidth_gbps": round(bw, 2), "threads": torch.get_num_threads(),
                 "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", ""),
                 "cpu_kernel": cpu.extension() is not None, "isa": isa, "kernel_build": cpu.build_isa(),
                 "a8_isa": a8_isa(),
-                "torch_isa": torch.backends.cpu.get_cpu_capability(), "rows": rows}
+                "torch_isa": torch.backends.cpu.get_cpu_capability(),
+                "arithmetic_ms": {"shape": f"{n}x{k}", **arith}, "rows": rows}
     finally:
         torch.set_num_threads(previous)
 
@@ -235,6 +259,14 @@ def markdown(result: dict) -> str:
              f"{machine_text(result.get('machine'))}{isa}", "",
              "| shape | batch | format | backend | ms min | ms median | GB/s | of read bw | rel. error |",
              "|---|---:|---|---|---:|---:|---:|---:|---:|"]
+    arith = {f: ms for f, ms in result.get("arithmetic_ms", {}).items() if f != "shape"}
+    if arith:
+        rows = {(r["shape"], r["format"]): r for r in result["rows"] if r["batch"] == 1 and r["backend"] == "ours-cpu-a8"}
+        shape = result["arithmetic_ms"]["shape"]
+        lines.insert(1, f"\n`ours-cpu-a8` at {shape}, batch 1, arithmetic alone (row slices in cache, see "
+                        "`arithmetic_ms`) vs its minimum time from memory: " + "; ".join(
+                            f"{f} {ms:.3f} vs {rows[(shape, f)]['ms_min']:.3f} ms" for f, ms in arith.items()
+                            if (shape, f) in rows) + ".")
     for r in result["rows"]:
         lines.append(f"| {r['shape']} | {r['batch']} | {r['format']} | {r['backend']} | {r['ms_min']:.3f} | "
                      f"{r['ms_median']:.3f} | {r['gbps']:.1f} | {r['bw_fraction']:.0%} | {r['rel_err']:.1e} |")

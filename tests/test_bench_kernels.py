@@ -13,6 +13,9 @@ def test_bench_kernels_quick_json_and_markdown(tmp_path):
     result = json.loads(js.read_text())
     assert result["read_bandwidth_gbps"] > 0.5 and result["threads"] == 1
     assert result["a8_isa"] in ("avx512-vnni", "avx2", "scalar") and result["machine"]["nproc"] >= 1
+    arith = result["arithmetic_ms"]
+    assert arith["shape"] == "1024x1024" and set(arith) == {"shape", "int4-g128", "int2-g64"}
+    assert all(0 <= arith[f] < 50 for f in ("int4-g128", "int2-g64"))  # a timing: tiny at 1024x1024
     rows = result["rows"]
     keys = {"shape", "batch", "format", "backend", "ms_min", "ms_median", "gbps", "bw_fraction", "rel_err"}
     assert all(set(r) == keys and 0 < r["ms_min"] <= r["ms_median"] for r in rows)
@@ -28,6 +31,7 @@ def test_bench_kernels_quick_json_and_markdown(tmp_path):
     assert err[("int3-g128", "ours-cpu")] < 1e-5 and err[("int3-g128", "ours-cpu-a8")] < 3e-2
     assert err[("int4-g128", "ours-cpu-a8")] < 3e-2 and err[("int4-g128", "openvino-int4")] < 3e-2
     assert "| 1024x1024 | 1 | int4-g128 | ours-cpu |" in md.read_text() and "| ours-cpu |" in stdout
+    assert "arithmetic alone" in md.read_text()
 
 
 def test_bench_kernels_isa_avx2_runs_every_side_on_its_avx2_code(tmp_path):
