@@ -36,6 +36,7 @@ struct Args {
   int gshift;  // group of 32-column block `blk` is blk >> gshift
   int xshift;  // x scale block of `blk` is blk >> xshift (int8 path)
   bool pair_order = false;  // int8 path: xq's 32-column blocks are in chunk-pair order (AVX-512, ActInt8)
+  const int32_t* xqsum = nullptr;  // int8 path: (B, Xb) sums of xq per x scale block (row_a8_deferred)
 };
 
 #ifdef __AVX2__
@@ -236,6 +237,21 @@ inline __m256 load8(const at::Half* p, int64_t avail) {
   return _mm256_load_ps(t);
 }
 
+// Eight int32 from p (int32, or uint8 widened), zeros past `avail`.
+inline __m256i load8i(const int32_t* p, int64_t avail) {
+  if (avail >= 8) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  alignas(32) int32_t t[8] = {};
+  std::copy_n(p, std::max<int64_t>(avail, 0), t);
+  return _mm256_load_si256(reinterpret_cast<const __m256i*>(t));
+}
+
+inline __m256i load8i(const uint8_t* p, int64_t avail) {
+  if (avail >= 8) return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  alignas(16) uint8_t t[16] = {};
+  std::copy_n(p, std::max<int64_t>(avail, 0), t);
+  return _mm256_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(t)));
+}
+
 inline __m256i reduce8_256(const __m256i* v) {
   const __m256i u0 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
   const __m256i u1 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
@@ -274,7 +290,7 @@ void row_a8_deferred(const Args& a, int64_t n, int64_t b) {
   const uint32_t* row = a.words + n * a.W;
   const int8_t* xq = a.xq + b * a.Kpad;
   const int64_t chunks = a.Kpad / (32 * P), D = std::min(a.gshift - XS, 31), xb_all = a.Xb;
-  const __m256i lg = _mm256_srli_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), (int)D);
+  const __m256i lg = _mm256_srli_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), (int)D);  // group of x-block
   const int64_t pf = std::max<int64_t>(PREFETCH_BYTES / 4, a.W);  // codes about PREFETCH_BYTES ahead
   prefetch_meta(a, n + PREFETCH_ROWS);
   __m256 racc = _mm256_setzero_ps();
@@ -313,12 +329,17 @@ void row_a8_deferred(const Args& a, int64_t n, int64_t b) {
 #endif
       }
     }
+    // per x-block: (dot - zero * sum(xq)) in int32, then times scale_w * scale_x (the zero-point term
+    // folded in here instead of a pass of zero_correction over the row's groups)
     const int64_t xb0 = c0 * P / BX, g0 = xb0 >> D;
     const __m256 swv = _mm256_permutevar8x32_ps(load8(a.scales + n * a.Gp + g0, a.Gp - g0), lg);
     const __m256 sxv = load8(a.sx + b * xb_all + xb0, xb_all - xb0);
-    racc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I16 ? reduce8_i16(acc) : reduce8_256(acc)), _mm256_mul_ps(swv, sxv), racc);
+    const __m256i zv = _mm256_permutevar8x32_epi32(load8i(a.zeros + n * a.Gp + g0, a.Gp - g0), lg);
+    const __m256i dots = _mm256_sub_epi32(I16 ? reduce8_i16(acc) : reduce8_256(acc),
+                                          _mm256_mullo_epi32(zv, load8i(a.xqsum + b * xb_all + xb0, xb_all - xb0)));
+    racc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), _mm256_mul_ps(swv, sxv), racc);
   }
-  a.y[b * a.N + n] = hsum(racc) - zero_correction(a, n, b);
+  a.y[b * a.N + n] = hsum(racc);
 }
 
 // fn(std::integral_constant<int, XS>) for the activation-block shift: blocks of 32, 64 or 128 columns (XBLOCK)
@@ -542,6 +563,7 @@ void check_weight(const torch::Tensor& words, const torch::Tensor& scales, const
 struct ActInt8 {
   std::vector<int8_t> q;  // (B, Kpad)
   std::vector<float> sx, xsum;  // (B, Xb); (B, Gp)
+  std::vector<int32_t> xqsum;  // (B, Xb): sum of q per x-block
   bool pair_order = false;
 };
 
@@ -549,7 +571,8 @@ ActInt8 quantize_act(const torch::Tensor& x, int64_t kpad, int64_t gp, int64_t b
   const int64_t B = x.size(0), K = x.size(1), block = int64_t(32) << xshift, xb = kpad / block, gcols = kpad / gp;
   const int64_t P = 8 / bits;
   const float* xf = x.data_ptr<float>();
-  ActInt8 r{std::vector<int8_t>(B * kpad, 0), std::vector<float>(B * xb), std::vector<float>(B * gp, 0.f)};
+  ActInt8 r{std::vector<int8_t>(B * kpad, 0), std::vector<float>(B * xb), std::vector<float>(B * gp, 0.f),
+            std::vector<int32_t>(B * xb)};
 #ifdef COMPRESS_AVX512
   r.pair_order = pairs && bits < 8 && kpad % (64 * P) == 0;
 #else
@@ -574,6 +597,7 @@ ActInt8 quantize_act(const torch::Tensor& x, int64_t kpad, int64_t gp, int64_t b
         }
       }
       r.sx[b * xb + j] = sc;
+      r.xqsum[b * xb + j] = sum;
       r.xsum[b * gp + j * block / gcols] += (float)sum * sc;
     }
   return r;
@@ -611,6 +635,7 @@ torch::Tensor matmul_a8(torch::Tensor x, torch::Tensor words, torch::Tensor scal
          scales.data_ptr<at::Half>(), zeros.data_ptr<uint8_t>(), act.xsum.data(), y.data_ptr<float>(), x.size(0),
          words.size(0), kpad, gp, words.size(1), kpad / (int64_t(32) << xshift), (int)gshift, (int)xshift};
   a.pair_order = act.pair_order;
+  a.xqsum = act.xqsum.data();
   dispatch(a, bits, scalar);
   return y;
 }
