@@ -283,7 +283,7 @@ void row_a8_deferred(const Args& a, int64_t n, int64_t b) {
   constexpr bool I16 = false;
 #else
   // Flush sums kept in int16 when no lane can overflow in reduce8_i16: 8 lanes x BX fields x 2 products
-  // x largest code x 128 (int2 with activation blocks up to 128 columns; the int2 path is compute-bound).
+  // x largest code x 128: int2 with activation blocks up to 128 columns (its compute-bound case) and int4 g32.
   constexpr bool I16 = 8 * BX * 2 * ((1 << BITS) - 1) * 128 <= 32767;
 #endif
   const __m256i mask = _mm256_set1_epi8((char)((1 << BITS) - 1));
