@@ -232,6 +232,49 @@ def bit_price(p: Problem, iters: int = 60) -> float:
     return hi
 
 
+def _neighbour(p: Problem, u: int, cur: int, up: bool) -> int | None:
+    """Unit u's next option up (the least costly of those that cost more and have a smaller proxy error) or
+    down (the costliest of those that cost less, least error on ties); None when there is none."""
+    c, e = p.cost[u], p.err[u]
+    if up:
+        ok = [o for o in range(len(c)) if c[o] > c[cur] and e[o] < e[cur]]
+        return min(ok, key=lambda o: (int(c[o]), float(e[o]))) if ok else None
+    ok = [o for o in range(len(c)) if c[o] < c[cur]]
+    return max(ok, key=lambda o: (int(c[o]), -float(e[o]))) if ok else None
+
+
+def refine(p: Problem, choice: torch.Tensor, loss, tries: int, seed: int, step=None) -> tuple[torch.Tensor, dict]:
+    """Local search on a real-model loss (our design, ALGORITHMS 2 leaves the final plan to the allocator):
+    `tries` random pair moves, one unit one option up and another one option down (`_neighbour`), each kept
+    when the plan stays within the budget and `loss(plan)` decreases. Deterministic for `seed`; never above the
+    budget and never a larger loss than the plan it starts from. `step()` is called once per try (progress)."""
+    g = torch.Generator().manual_seed(seed)
+    choice = choice.clone()
+    if p.bits_of(choice) > p.budget:
+        raise ValueError("refine: the starting plan is above the budget")
+    best = start = loss(choice)
+    evaluated = accepted = 0
+    for _ in range(tries):
+        v, u = torch.randint(p.n_units, (2,), generator=g).tolist()
+        if step is not None:
+            step()
+        if u == v:
+            continue
+        up, down = _neighbour(p, v, int(choice[v]), True), _neighbour(p, u, int(choice[u]), False)
+        if up is None or down is None:
+            continue
+        new = choice.clone()
+        new[v], new[u] = up, down
+        if p.bits_of(new) > p.budget:
+            continue
+        evaluated += 1
+        value = loss(new)
+        if value < best:
+            best, choice, accepted = value, new, accepted + 1
+    return choice, {"tries": tries, "evaluated": evaluated, "accepted": accepted, "loss_start": start,
+                    "loss_end": best}
+
+
 def uniform(p: Problem, option: int) -> torch.Tensor:
     return torch.full((p.n_units,), option, dtype=torch.int64)
 

@@ -11,7 +11,7 @@ import yaml
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from compress.allocation import (Option, action_mask, build_problem, fill, greedy, lagrangian, nearest_uniform,
-                                 reweight, suffix_min, uniform)
+                                 refine, reweight, suffix_min, uniform)
 from compress.errors import BadInput
 from compress.kernels.backends import QuantLinear
 from compress.kernels.packing import mixed_pack, mixed_unpack
@@ -118,6 +118,29 @@ def test_solvers_respect_the_budget_and_fill_toward_it():
             # no single upgrade fits any more: within one unit's largest step of the budget
             assert p.budget - p.bits_of(choice) < int((p.cost.max(1).values - p.cost.min(1).values).max())
         assert p.err_of(lagrangian(p)) <= 1.02 * p.err_of(greedy(p))
+
+
+def test_refine_keeps_only_moves_that_lower_the_loss_within_the_budget():
+    """A loss the proxy does not see (per-unit weights): refine lowers it from the greedy plan, stays within the
+    budget, repeats for a seed, and never ends above where it started."""
+    p, _ = problem(tiny(), 3.0)
+    w = torch.rand(p.n_units, generator=torch.Generator().manual_seed(1), dtype=torch.float64) ** 3 * 10
+    calls = []
+
+    def loss(choice):
+        calls.append(1)
+        return float((p.err.gather(1, choice.view(-1, 1))[:, 0] * w).sum())
+
+    start = greedy(p)
+    out, info = refine(p, start, loss, 300, seed=0, step=lambda: None)
+    assert p.bits_of(out) <= p.budget and loss(out) == info["loss_end"] < info["loss_start"] == loss(start)
+    assert 0 < info["accepted"] <= info["evaluated"] <= info["tries"] == 300 and len(calls) == info["evaluated"] + 3
+    again, _ = refine(p, start, loss, 300, seed=0)
+    assert torch.equal(again, out)
+    flat, info0 = refine(p, start, lambda c: 1.0, 50, seed=0)  # nothing lowers a constant: the plan is kept
+    assert torch.equal(flat, start) and info0["accepted"] == 0
+    with pytest.raises(ValueError, match="above the budget"):
+        refine(p, torch.full_like(start, len(OPTS) - 1), loss, 1, seed=0)
 
 
 def test_budget_below_cheapest_option_is_rejected():
@@ -255,6 +278,18 @@ def test_greedy_with_the_rl_controllers_statistics(tmp_path):
     assert sens == plans["rl"]["info"]["layer_sensitivity"] and "layer_sensitivity" not in plans["plain"]["info"]
     assert 2.49 < plans["sens"]["effective_bits"] <= 2.5
     assert plans["sens"]["layers"] != plans["plain"]["layers"]
+
+
+def test_refine_in_the_stage(tmp_path):
+    """`refine` after greedy: the plan records the moves, its selection loss did not rise, the budget holds."""
+    out = tmp_path / "refined"
+    rc, _, err = invoke("run", recipe(tmp_path, method="greedy", refine=40, select_samples=4, select_seqlen=64),
+                        "--output", out, "--json")
+    assert rc == 0, err
+    plan = json.loads((out / "plan.json").read_text())
+    r = plan["info"]["refine"]
+    assert r["tries"] == 40 and r["evaluated"] > 0 and r["loss_end"] <= r["loss_start"]
+    assert plan["effective_bits"] <= 2.5
 
 
 # -- (4) mixed weights through packing, kernels, workspace, export -------------------------------------------

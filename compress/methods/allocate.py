@@ -39,6 +39,12 @@ controller's (sensitivity-weighted, if on) problem, and that plan is one of the 
 plan is never worse than it by the selection score. The non-RL `greedy` and `lagrangian` methods use the
 unweighted proxy by default; `sensitivity: layer|unit` gives them the same measured weights (the benchmark's
 `greedy-sens` row: the baseline with the RL controller's statistics).
+
+`refine: N` (every method with a selection slice: `rl`, `greedy`, `lagrangian`; default 0): after the search,
+N random pair moves on the plan (one unit one option up, another one option down, `allocation.refine`), each
+kept when the plan stays within the budget and the selection slice's loss falls. One forward per feasible move.
+It searches the real model's loss directly, where every solver above optimises its proxy (not yet a row of the
+mixed-precision benchmark).
 """
 
 from __future__ import annotations
@@ -55,7 +61,7 @@ import torch
 from pydantic import Field, field_validator, model_validator
 
 from compress.allocation import (Option, Problem, build_problem, greedy, lagrangian, map_bits, nearest_uniform,
-                                 reweight, uniform)
+                                 refine, reweight, uniform)
 from compress.config import StrictModel, check_group_size
 from compress.driver import LayerSpec, MixedSpec, collect_energy
 from compress.errors import BadInput
@@ -117,10 +123,15 @@ class AllocateConfig(StrictModel):
 
 
 class SelectionSlice(StrictModel):
-    """The calibration slice that measures layer sensitivities (and picks the RL controller's final plan)."""
+    """The calibration slice that measures layer sensitivities, picks the RL controller's final plan and
+    scores the `refine` moves."""
     select_samples: int = Field(32, ge=1, description="calibration sequences of the selection slice (final-plan "
-                                                      "pick and layer sensitivities)")
+                                                      "pick, layer sensitivities, refine)")
     select_seqlen: int = Field(256, ge=2, description="tokens per selection-slice sequence")
+    refine: int = Field(0, ge=0, description="after the search, this many random pair moves (one unit one option "
+                                             "up, another one down), each kept when it lowers the selection slice's "
+                                             "loss (rl: its terminal's kind; else perplexity) within the budget; "
+                                             "0 = off")
 
 
 class KnapsackConfig(AllocateConfig, SelectionSlice):
@@ -441,17 +452,18 @@ def _apply(ctx, cfg) -> dict:
         plan.energy = energy
         return _finish(ctx, plan, None, time.time() - t0)
     data = {n: (lin.weight.data, energy[n], i) for n, (lin, i) in layers.items()}
-    needs_hats = (cfg.method == "rl" and cfg.terminal != "none") or getattr(cfg, "sensitivity", "none") != "none"
+    needs_hats = ((cfg.method == "rl" and cfg.terminal != "none") or getattr(cfg, "sensitivity", "none") != "none"
+                  or getattr(cfg, "refine", 0) > 0)
     p, hats = build_problem(data, len(ctx.adapter.blocks), cfg.option_list(), cfg.chunk_size, cfg.group_size,
                             cfg.sym, cfg.budget, keep_hats=needs_hats)
     stats_s = time.time() - t0
-    curve, info = None, {}
+    curve, info, select = None, {}, None
     if cfg.method == "rl":
-        choice, curve, info = _search_rl(ctx, cfg, layers, hats, p)
+        choice, curve, info, select = _search_rl(ctx, cfg, layers, hats, p)
     elif cfg.method in ("greedy", "lagrangian"):
+        if cfg.sensitivity != "none" or cfg.refine:
+            select = _ppl_terminal(ctx, cfg, layers, hats, p)
         if cfg.sensitivity != "none":
-            select = Terminal(ctx.model, layers, hats, p, _slice(ctx, cfg.select_samples, cfg.select_seqlen), "ppl",
-                              1.0, cfg.chunk_size)
             p, info = _weighted(select, p, cfg.sensitivity)
         choice = greedy(p) if cfg.method == "greedy" else lagrangian(p)
     else:
@@ -459,6 +471,12 @@ def _apply(ctx, cfg) -> dict:
         if o is None:
             raise BadInput(f"no single option fits the budget {cfg.budget} uniformly")
         choice = uniform(p, o)
+    if getattr(cfg, "refine", 0):
+        select = select or _ppl_terminal(ctx, cfg, layers, hats, p)
+        seed = cfg.seed if getattr(cfg, "seed", None) is not None else ctx.seed
+        bar = ctx.progress(total=cfg.refine, desc=f"{ctx.key} refine", unit="move")
+        choice, info["refine"] = refine(p, choice, select.loss, cfg.refine, seed, lambda: bar.update(1))
+        bar.close()
     info.update(proxy_error=p.err_of(choice), statistics_seconds=round(stats_s, 3),
                 search_seconds=round(time.time() - t0 - stats_s, 3), units=p.n_units)
     plan = plan_from_choice(p, choice, shapes, cfg, cfg.method, energy, info)
@@ -486,7 +504,13 @@ def _search_rl(ctx, cfg: RLConfig, layers, hats, p: Problem):
     bar.close()
     info.update(picked=res.picked, final_terminal=terminal(res.choice) if terminal else None,
                 final_select=select(res.choice) if select else None)
-    return res.choice, res.curve, info
+    return res.choice, res.curve, info, select
+
+
+def _ppl_terminal(ctx, cfg, layers, hats, p: Problem) -> Terminal:
+    """Perplexity on the selection slice: the layer sensitivities of the knapsack solvers, and `refine`."""
+    return Terminal(ctx.model, layers, hats, p, _slice(ctx, cfg.select_samples, cfg.select_seqlen), "ppl", 1.0,
+                    cfg.chunk_size)
 
 
 def _slice(ctx, samples: int, seqlen: int) -> torch.Tensor:
