@@ -246,12 +246,15 @@ def _neighbour(p: Problem, u: int, cur: int, up: bool) -> int | None:
 def refine(p: Problem, choice: torch.Tensor, loss, tries: int, seed: int, step=None) -> tuple[torch.Tensor, dict]:
     """Local search on a real-model loss (our design, ALGORITHMS 2 leaves the final plan to the allocator):
     `tries` random pair moves, one unit one option up and another one option down (`_neighbour`), each kept
-    when the plan stays within the budget and `loss(plan)` decreases. Deterministic for `seed`; never above the
-    budget and never a larger loss than the plan it starts from. `step()` is called once per try (progress)."""
+    when `loss(plan)` decreases and the plan's bits stay within [floor, budget], floor = the lower of the start
+    plan's bits and the budget less 0.005 bits per weight (a move may not spend the budget on nothing).
+    Deterministic for `seed`; never above the budget and never a larger loss than the plan it starts from.
+    `step()` is called once per try (progress)."""
     g = torch.Generator().manual_seed(seed)
     choice = choice.clone()
     if p.bits_of(choice) > p.budget:
         raise ValueError("refine: the starting plan is above the budget")
+    floor = min(p.bits_of(choice), p.budget - int(0.005 * p.total_weights()))
     best = start = loss(choice)
     evaluated = accepted = 0
     for _ in range(tries):
@@ -265,7 +268,7 @@ def refine(p: Problem, choice: torch.Tensor, loss, tries: int, seed: int, step=N
             continue
         new = choice.clone()
         new[v], new[u] = up, down
-        if p.bits_of(new) > p.budget:
+        if not floor <= p.bits_of(new) <= p.budget:
             continue
         evaluated += 1
         value = loss(new)

@@ -133,10 +133,14 @@ def test_refine_keeps_only_moves_that_lower_the_loss_within_the_budget():
 
     start = greedy(p)
     out, info = refine(p, start, loss, 300, seed=0, step=lambda: None)
-    assert p.bits_of(out) <= p.budget and loss(out) == info["loss_end"] < info["loss_start"] == loss(start)
+    floor = min(p.bits_of(start), p.budget - int(0.005 * p.total_weights()))  # the budget stays used
+    assert floor <= p.bits_of(out) <= p.budget
+    assert loss(out) == info["loss_end"] < info["loss_start"] == loss(start)
     assert 0 < info["accepted"] <= info["evaluated"] <= info["tries"] == 300 and len(calls) == info["evaluated"] + 3
     again, _ = refine(p, start, loss, 300, seed=0)
     assert torch.equal(again, out)
+    thrifty, _ = refine(p, start, lambda c: float(p.bits_of(c)), 300, seed=0)  # a loss that only wants fewer bits
+    assert floor <= p.bits_of(thrifty) <= p.bits_of(start)
     flat, info0 = refine(p, start, lambda c: 1.0, 50, seed=0)  # nothing lowers a constant: the plan is kept
     assert torch.equal(flat, start) and info0["accepted"] == 0
     with pytest.raises(ValueError, match="above the budget"):
