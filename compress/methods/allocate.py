@@ -43,8 +43,9 @@ unweighted proxy by default; `sensitivity: layer|unit` gives them the same measu
 `refine: N` (every method with a selection slice: `rl`, `greedy`, `lagrangian`; default 0): after the search,
 N random pair moves on the plan (one unit one option up, another one option down, `allocation.refine`), each
 kept when the plan stays within the budget and the selection slice's loss falls. One forward per feasible move.
-It searches the real model's loss directly, where every solver above optimises its proxy (not yet a row of the
-mixed-precision benchmark).
+It searches the real model's loss directly, where every solver above optimises its proxy (the mixed-precision
+benchmark's `greedy-sens+refine` and `rl+refine` rows). A move keeps the plan's bits at or above the lower of
+the start plan's and the budget less 0.005 bits per weight.
 """
 
 from __future__ import annotations
