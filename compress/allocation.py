@@ -254,7 +254,8 @@ def refine(p: Problem, choice: torch.Tensor, loss, tries: int, seed: int, step=N
     choice = choice.clone()
     if p.bits_of(choice) > p.budget:
         raise ValueError("refine: the starting plan is above the budget")
-    floor = min(p.bits_of(choice), p.budget - int(0.005 * p.total_weights()))
+    used = p.bits_of(choice)
+    floor = min(used, p.budget - int(0.005 * p.total_weights()))
     best = start = loss(choice)
     evaluated = accepted = 0
     for _ in range(tries):
@@ -263,17 +264,19 @@ def refine(p: Problem, choice: torch.Tensor, loss, tries: int, seed: int, step=N
             step()
         if u == v:
             continue
-        up, down = _neighbour(p, v, int(choice[v]), True), _neighbour(p, u, int(choice[u]), False)
+        cv, cu = int(choice[v]), int(choice[u])
+        up, down = _neighbour(p, v, cv, True), _neighbour(p, u, cu, False)
         if up is None or down is None:
+            continue
+        bits = used + int(p.cost[v, up] - p.cost[v, cv] + p.cost[u, down] - p.cost[u, cu])
+        if not floor <= bits <= p.budget:
             continue
         new = choice.clone()
         new[v], new[u] = up, down
-        if not floor <= p.bits_of(new) <= p.budget:
-            continue
         evaluated += 1
         value = loss(new)
         if value < best:
-            best, choice, accepted = value, new, accepted + 1
+            best, choice, used, accepted = value, new, bits, accepted + 1
     return choice, {"tries": tries, "evaluated": evaluated, "accepted": accepted, "loss_start": start,
                     "loss_end": best}
 
