@@ -2,7 +2,8 @@
 
 For each weight shape (N x K), batch and format (int4 g128, int2 g64, int3 g128) it times, repeated (min and
 median): our C++ kernel with fp32 activations (`ours-cpu`, exact up to float rounding) and with
-int8 activations (`ours-cpu-a8`, one scale per 128 or group columns), the reference path
+int8 activations (`ours-cpu-a8`, one scale per 128 or group columns; int2 in the cpu-tiles layout where
+the build prefers it, `a8_layouts`), the reference path
 (`reference`: dequantize, then matmul), torch's int4 CPU kernel (`torch-int4`, int4 only, bf16
 activations: its fast path), an OpenVINO compiled weight-compressed MatMul
 (`openvino-int4` / `openvino-int2`: u4/u2 constant -> convert -> subtract zero -> multiply scale ->
@@ -162,13 +163,14 @@ def bench_shape(n: int, k: int, batches, repeats: int, bw: float, evict) -> list
         fmt = f"int{bits}-g{group}"
         qw = random_qweight(n, k, bits, group)
         packed = cpu.pack(qw) if cpu.extension() is not None else None
+        packed_a8 = cpu.pack(qw, cpu.layout_for(qw, "int8")) if packed is not None else None
         for b in batches:
             x = torch.randn(b, k)
             ref = Reference().matmul(x, qw)
             cases = []  # (backend, fn, bytes)
             if packed is not None:
                 cases += [("ours-cpu", lambda: cpu.matmul(x, packed), packed.nbytes()),
-                          ("ours-cpu-a8", lambda: cpu.matmul(x, packed, act="int8"), packed.nbytes())]
+                          ("ours-cpu-a8", lambda: cpu.matmul(x, packed_a8, act="int8"), packed_a8.nbytes())]
             cases.append(("reference", lambda: Reference().matmul(x, qw), qw.storage_bits() // 8))
             if bits == 4:
                 fn4, nbytes4 = torch_int4(qw)
@@ -195,7 +197,8 @@ def arithmetic_ms(n: int, k: int, bits: int, group: int, threads: int, repeats: 
     try:
         x, ts = torch.randn(1, k), []
         for r in rows:
-            p = cpu.pack(random_qweight(r, k, bits, group))
+            qw = random_qweight(r, k, bits, group)
+            p = cpu.pack(qw, cpu.layout_for(qw, "int8"))
             ts.append(min(timed(lambda: cpu.matmul(x, p, act="int8"), repeats)[0] for _ in range(3)))
     finally:
         torch.set_num_threads(previous)
@@ -233,11 +236,18 @@ def run(quick: bool = False, repeats: int = 10, threads: int | None = None, isa:
         return {"machine": machine(), "read_bandwidth_gbps": round(bw, 2), "threads": torch.get_num_threads(),
                 "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", ""),
                 "cpu_kernel": cpu.extension() is not None, "isa": isa, "kernel_build": cpu.build_isa(),
-                "a8_isa": a8_isa(),
+                "a8_isa": a8_isa(), "a8_layouts": a8_layouts(),
                 "torch_isa": torch.backends.cpu.get_cpu_capability(),
                 "arithmetic_ms": {"shape": f"{n}x{k}", **arith}, "rows": rows}
     finally:
         torch.set_num_threads(previous)
+
+
+def a8_layouts() -> dict:
+    """The layout our `cpu-a8` rows pack each format in (`cpu.layout_for`)."""
+    if cpu.extension() is None:
+        return {}
+    return {f"int{b}-g{g}": cpu.layout_for(random_qweight(16, 128, b, g), "int8") for b, g in FORMATS}
 
 
 def a8_isa() -> str:
@@ -251,6 +261,8 @@ def a8_isa() -> str:
 def markdown(result: dict) -> str:
     """One table: shape, batch, format, backend, ms min / median, GB/s, fraction of read bandwidth."""
     isa = f" `cpu-a8` code: {result['a8_isa']}." if "a8_isa" in result else ""
+    if result.get("a8_layouts"):
+        isa += " `cpu-a8` layouts: " + ", ".join(f"{f} {lay}" for f, lay in result["a8_layouts"].items()) + "."
     if "kernel_build" in result:
         isa += f" Our kernel built for: {result['kernel_build']}."
     if "torch_isa" in result:

@@ -50,8 +50,8 @@ class CPU:
         self.act, self.scalar = act, scalar  # scalar: force the scalar C++ path (tests)
         self.name = "cpu" if act == "fp32" else "cpu-a8"
 
-    def prepare(self, qw: QuantizedWeight) -> cpu.PackedCPU:
-        return cpu.pack(qw)
+    def prepare(self, qw: QuantizedWeight) -> cpu.PackedCPU | cpu.Packed3 | cpu.PackedTiles:
+        return cpu.pack(qw, cpu.layout_for(qw, self.act))
 
     def matmul(self, x: torch.Tensor, state: cpu.PackedCPU) -> torch.Tensor:
         return cpu.matmul(x, state, act=self.act, scalar=self.scalar)

@@ -28,6 +28,7 @@ namespace {
 constexpr int PREFETCH_WORDS = 256;  // AVX2 int8 path: prefetch this far ahead in each row (1 KiB)
 constexpr int PREFETCH_ROWS = 8;  // int8 paths: prefetch the scales of the row this far ahead
 constexpr int64_t PREFETCH_BYTES = 8192;  // deferred int8 paths: prefetch the codes this far ahead
+constexpr int64_t META_AHEAD = 16 * 32;  // cpu-tiles: prefetch the scales / zeros of the group 32 groups ahead
 
 struct Args {
   const uint32_t* words; const float* x; const int8_t* xq; const float* sx;
@@ -506,8 +507,7 @@ void rows_f32_all(const Args& a, int64_t n) {
 // Rows are handed out in chunks of 64 from a shared counter, so a thread the OS parks (the cores are
 // shared) delays only its current chunk instead of a fixed half of the matrix.
 template <class Fn>
-void parallel_rows(int64_t N, Fn&& fn) {
-  constexpr int64_t chunk = 64;
+void parallel_rows(int64_t N, Fn&& fn, int64_t chunk = 64) {
   std::atomic<int64_t> next{0};
   const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), (N + chunk - 1) / chunk));
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
@@ -543,6 +543,148 @@ void dispatch(const Args& a, int64_t bits, bool scalar) {
     default: TORCH_CHECK(false, "cpu kernel supports bits 1, 2, 4, 8; got ", bits);
   }
 }
+
+
+// ---- The "cpu-tiles" layout: 2-bit codes, int8 activations (kernels/cpu.py::PackedTiles) ----
+// Rows come in tiles of 16. Per tile, vector o (32 bytes) holds columns 8o..8o+7 of the 16 rows: byte 2r + j,
+// field f (bits 2f, 2f+1) is the code of row r, column 8o + 2f + j. Shifting by 2f and masking gives, per
+// row, the bytes of columns (8o + 2f, 8o + 2f + 1) side by side; one u8 x s8 multiply-add against that
+// column pair of x (broadcast) leaves each row's partial dot product in its own int16 lane. The sums stay
+// per row (no horizontal reduction), so a flush (one activation block) costs a widening, the zero-point
+// term and one FMA per 8 rows. Without VNNI the int2 path of cpu-rows spends about a third of its vector
+// operations on the horizontal sums of its groups; this layout does not need them.
+// scales fp16 / zeros uint8 (T, Gp, 16); xp (B, Kpad/2, 2) int16: each column pair of the rounded
+// activations twice (one 32-bit broadcast load per field; 16 KiB for 8192 columns, it stays in L1).
+struct TileArgs {
+  const uint8_t* words; const int16_t* xp; const float* sx; const int32_t* xqsum;
+  const at::Half* scales; const uint8_t* zeros; float* y;
+  int64_t B, T, N, Kpad, Gp, Xb;
+  int gshift, xshift;
+};
+
+void tile_scalar(const TileArgs& a, int64_t t, int64_t b) {
+  const int64_t V = a.Kpad / 8, bx = int64_t(32) << a.xshift;
+  const int8_t* xq = reinterpret_cast<const int8_t*>(a.xp + b * a.Kpad);
+  float acc[16] = {};
+  for (int64_t xb = 0; xb < a.Xb; ++xb) {
+    const int64_t g = (xb * bx / 32) >> a.gshift;
+    for (int r = 0; r < 16; ++r) {
+      int32_t dot = 0;
+      for (int64_t k = xb * bx; k < (xb + 1) * bx; ++k) {
+        const int64_t o = k / 8, f = (k % 8) / 2, j = k % 2;
+        const int code = (a.words[(t * V + o) * 32 + 2 * r + j] >> (2 * f)) & 3;
+        dot += code * xq[(k / 2) * 4 + j];  // pair k/2 starts with x[k & ~1], then x[k | 1]
+      }
+      dot -= (int32_t)a.zeros[(t * a.Gp + g) * 16 + r] * a.xqsum[b * a.Xb + xb];
+      acc[r] += (float)dot * ((float)a.scales[(t * a.Gp + g) * 16 + r] * a.sx[b * a.Xb + xb]);
+    }
+  }
+  for (int r = 0; r < 16 && t * 16 + r < a.N; ++r) a.y[b * a.N + t * 16 + r] = acc[r];
+}
+
+#ifdef __AVX2__
+// An empty asm that takes v in a register: GCC otherwise reassociates a long chain of integer vector adds
+// into a tree, holding every product at once (spilled to the stack, slower than the chain).
+inline void in_register(__m256i& v) { asm("" : "+x"(v)); }
+
+// Tiles t0..t0+R, batch rows b0..b0+BT (R * BT <= 2). Int16 lanes hold at most 64 columns of sums
+// (64 x 3 x 127 < 32767); longer activation blocks add their 64-column parts in int32.
+template <int XS, int R, int BT>
+void tiles_a8(const TileArgs& a, int64_t t0, int64_t b0) {
+  constexpr int VX = 4 << XS, SUB = VX < 8 ? VX : 8;  // vectors per activation block / per int16 run
+  const __m256i mask = _mm256_set1_epi8(3), mask_hi = _mm256_set1_epi8(12);
+  const int64_t V = a.Kpad / 8, xrow = a.Kpad, D = std::min(a.gshift - XS, 31);
+  const int64_t pf = PREFETCH_BYTES;
+  __m256 racc[R][BT][2];
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < BT; ++b) racc[r][b][0] = racc[r][b][1] = _mm256_setzero_ps();
+  for (int64_t xb = 0; xb < a.Xb; ++xb) {
+    __m256i dots[R][BT][2];
+    for (int r = 0; r < R; ++r)
+      for (int b = 0; b < BT; ++b) dots[r][b][0] = dots[r][b][1] = _mm256_setzero_si256();
+#pragma GCC unroll 2
+    for (int s = 0; s < VX; s += SUB) {
+      // Fields 1 and 3 are masked in place, not shifted down: their products are 4x (exact multiples of 4, at
+      // most 8 vectors x 2 x 12 x 127 = 24384 per chain) and are shifted back once per run; fields 0 and 2
+      // share a chain. Three chains also keep the adds' latency hidden.
+      __m256i acc[R][BT][3];
+      for (int r = 0; r < R; ++r)
+        for (int b = 0; b < BT; ++b)
+          for (int c = 0; c < 3; ++c) acc[r][b][c] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+      for (int u = 0; u < SUB; ++u) {
+        const int64_t o = xb * VX + s + u;
+        __m256i w[R], hi[R];
+        for (int r = 0; r < R; ++r) {
+          const uint8_t* p = a.words + ((t0 + r) * V + o) * 32;
+          w[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+          hi[r] = _mm256_srli_epi16(w[r], 4);
+          if (u % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(p + pf), _MM_HINT_T0);
+        }
+#pragma GCC unroll 4
+        for (int f = 0; f < 4; ++f) {
+          __m256i xv[BT];
+          for (int b = 0; b < BT; ++b)
+            xv[b] = _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(a.xp + (b0 + b) * xrow + (4 * o + f) * 2));
+          const int c = f % 2 == 0 ? 0 : f == 1 ? 1 : 2;
+          for (int r = 0; r < R; ++r) {
+            const __m256i q = _mm256_and_si256(f < 2 ? w[r] : hi[r], f % 2 ? mask_hi : mask);
+            for (int b = 0; b < BT; ++b) {
+              acc[r][b][c] = _mm256_add_epi16(acc[r][b][c], _mm256_maddubs_epi16(q, xv[b]));
+              in_register(acc[r][b][c]);
+            }
+          }
+        }
+      }
+      for (int r = 0; r < R; ++r)
+        for (int b = 0; b < BT; ++b) {
+          const __m256i sum = _mm256_add_epi16(acc[r][b][0], _mm256_add_epi16(_mm256_srai_epi16(acc[r][b][1], 2),
+                                                                                _mm256_srai_epi16(acc[r][b][2], 2)));
+          dots[r][b][0] = _mm256_add_epi32(dots[r][b][0], _mm256_cvtepi16_epi32(_mm256_castsi256_si128(sum)));
+          dots[r][b][1] = _mm256_add_epi32(dots[r][b][1], _mm256_cvtepi16_epi32(_mm256_extracti128_si256(sum, 1)));
+        }
+    }
+    const int64_t g = xb >> D;
+    for (int r = 0; r < R; ++r) {
+      const int64_t m = ((t0 + r) * a.Gp + g) * 16;
+      if (m + META_AHEAD < a.T * a.Gp * 16) {  // the scales and zeros of a later group (the next tile's near the end)
+        _mm_prefetch(reinterpret_cast<const char*>(a.scales + m + META_AHEAD), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(a.zeros + m + META_AHEAD), _MM_HINT_T0);
+      }
+      const __m128i z = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a.zeros + m));
+      const __m256i zl = _mm256_cvtepu8_epi32(z), zh = _mm256_cvtepu8_epi32(_mm_srli_si128(z, 8));
+      const __m256 sl = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a.scales + m)));
+      const __m256 sh = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a.scales + m + 8)));
+      for (int b = 0; b < BT; ++b) {
+        const __m256i xs = _mm256_set1_epi32(a.xqsum[(b0 + b) * a.Xb + xb]);
+        const __m256 sx = _mm256_set1_ps(a.sx[(b0 + b) * a.Xb + xb]);
+        racc[r][b][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(dots[r][b][0], _mm256_mullo_epi32(zl, xs))),
+                                        _mm256_mul_ps(sl, sx), racc[r][b][0]);
+        racc[r][b][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(dots[r][b][1], _mm256_mullo_epi32(zh, xs))),
+                                        _mm256_mul_ps(sh, sx), racc[r][b][1]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < BT; ++b) {
+      alignas(32) float out[16];
+      _mm256_store_ps(out, racc[r][b][0]);
+      _mm256_store_ps(out + 8, racc[r][b][1]);
+      const int64_t row = (t0 + r) * 16;
+      std::copy_n(out, std::min<int64_t>(16, a.N - row), a.y + (b0 + b) * a.N + row);
+    }
+}
+
+template <int XS>
+void tiles_a8_all(const TileArgs& a, int64_t t, int64_t end) {
+  int64_t b = 0;
+  for (; b + 2 <= a.B; b += 2)
+    for (int64_t m = t; m < end; ++m) tiles_a8<XS, 1, 2>(a, m, b);
+  if (b < a.B) {
+    for (int64_t m = t; m < end; ++m) tiles_a8<XS, 1, 1>(a, m, b);
+  }
+}
+#endif
 
 void check_weight(const torch::Tensor& words, const torch::Tensor& scales, const torch::Tensor& zeros,
                   const torch::Tensor& xsum, int64_t kpad, int64_t bits) {
@@ -640,8 +782,59 @@ torch::Tensor matmul_a8(torch::Tensor x, torch::Tensor words, torch::Tensor scal
   return y;
 }
 
+
+// cpu-tiles (2-bit codes, kernels/cpu.py::PackedTiles), int8 activations rounded as matmul_a8 does.
+torch::Tensor matmul_a8_tiles(torch::Tensor x, torch::Tensor words, torch::Tensor scales, torch::Tensor zeros,
+                              int64_t n, int64_t gshift, int64_t xshift, bool scalar) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x: contiguous fp32 (B, K)");
+  TORCH_CHECK(words.scalar_type() == torch::kInt && words.is_contiguous() && words.dim() == 2, "words: contiguous int32 (T, W)");
+  TORCH_CHECK(scales.scalar_type() == torch::kHalf && scales.is_contiguous() && scales.dim() == 3 &&
+              scales.size(0) == words.size(0) && scales.size(2) == 16, "scales: contiguous fp16 (T, Gp, 16)");
+  TORCH_CHECK(zeros.scalar_type() == torch::kByte && zeros.is_contiguous() && zeros.sizes() == scales.sizes(),
+              "zeros: contiguous uint8 shaped like scales");
+  const int64_t kpad = words.size(1), gp = scales.size(1), T = words.size(0);
+  TORCH_CHECK(n > (T - 1) * 16 && n <= T * 16, "n does not match the row tiles");
+  TORCH_CHECK(x.size(1) <= kpad, "x is wider than the packed weight");
+  TORCH_CHECK(xshift <= gshift && kpad % 128 == 0 && kpad % (int64_t(32) << xshift) == 0 && xshift <= 2,
+              "x scale blocks must tile the row and not span weight groups");
+  const ActInt8 act = quantize_act(x, kpad, gp, 2, (int)xshift, false);
+  const int64_t B = x.size(0);
+  std::vector<int16_t> xp(B * kpad);
+  at::parallel_for(0, B * (kpad / 2), 4096, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const uint8_t lo = (uint8_t)act.q[2 * i], hi = (uint8_t)act.q[2 * i + 1];
+      std::fill_n(xp.data() + i * 2, 2, (int16_t)(uint16_t)(lo | (uint16_t)hi << 8));
+    }
+  });
+  auto y = torch::empty({B, n}, x.options());
+  TileArgs a{reinterpret_cast<const uint8_t*>(words.data_ptr<int32_t>()), xp.data(), act.sx.data(), act.xqsum.data(),
+             scales.data_ptr<at::Half>(), zeros.data_ptr<uint8_t>(), y.data_ptr<float>(),
+             B, T, n, kpad, gp, kpad / (int64_t(32) << xshift), (int)gshift, (int)xshift};
+  parallel_rows(T, [&](int64_t begin, int64_t end) {
+#ifdef __AVX2__
+    if (!scalar) {
+      with_xshift(a.xshift, [&](auto xs) { tiles_a8_all<decltype(xs)::value>(a, begin, end); });
+      return;
+    }
+#endif
+    for (int64_t t = begin; t < end; ++t)
+      for (int64_t b = 0; b < B; ++b) tile_scalar(a, t, b);
+  }, 4);
+  return y;
+}
+
 bool has_avx512() {
 #ifdef COMPRESS_AVX512
+  return true;
+#else
+  return false;
+#endif
+}
+
+// The int8-activation path prefers 2-bit weights in cpu-tiles: AVX2 without a VNNI dot product (with one,
+// the cpu-rows paths fuse the multiply and the add and keep their horizontal sums cheap).
+bool prefers_tiles() {
+#if defined(__AVX2__) && !defined(COMPRESS_AVX512) && !defined(__AVXVNNI__)
   return true;
 #else
   return false;
@@ -659,6 +852,8 @@ bool has_avx2() {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("matmul_f32", &matmul_f32, "packed-integer matmul, fp32 activations (see kernels/cpu.py)");
   m.def("matmul_a8", &matmul_a8, "packed-integer matmul, int8 activations (see kernels/cpu.py)");
+  m.def("matmul_a8_tiles", &matmul_a8_tiles, "2-bit cpu-tiles matmul, int8 activations (see kernels/cpu.py)");
   m.def("has_avx2", &has_avx2);
+  m.def("prefers_tiles", &prefers_tiles);
   m.def("has_avx512", &has_avx512);
 }

@@ -40,13 +40,17 @@ def test_kernel_matches_reference(ext, bits, group, shape, sym, scalar):
         assert_close_to_reference(backend.matmul(x, state), Reference().matmul(x, qw))
 
 
-@pytest.mark.parametrize("bits,group,shape", [c for c in CASES if c[0] in cpu.A8_BITS])
+A8_CASES = [(*c, "rows") for c in CASES if c[0] in cpu.A8_BITS] + [(*c, "tiles") for c in CASES if c[0] in (2, 3)]
+
+
+@pytest.mark.parametrize("bits,group,shape,layout", A8_CASES)
 @pytest.mark.parametrize("sym", [True, False])
 @pytest.mark.parametrize("scalar,avx512", [(False, True), (False, False), (True, False)])
-def test_int8_activations_match_reference_on_rounded_x(ext, bits, group, shape, sym, scalar, avx512):
-    """cpu-a8 is exact for the activations it rounds: compare with the reference on those."""
+def test_int8_activations_match_reference_on_rounded_x(ext, bits, group, shape, layout, sym, scalar, avx512):
+    """cpu-a8 is exact for the activations it rounds: compare with the reference on those (both layouts of
+    2-bit weights; batches 1, 5, 8 run every batch tile, 33 rows a part-filled row tile)."""
     qw = rand_qw(*shape, bits, group, sym)
-    state = cpu.pack(qw)
+    state = cpu.pack(qw, layout)
     block = cpu.xblock(state)
     for batch in (1, 5, 8):
         x = torch.randn(batch, shape[1])
@@ -58,20 +62,60 @@ def test_int8_activations_match_reference_on_rounded_x(ext, bits, group, shape, 
         assert (xhat - x).abs().max() <= x.abs().max() / 254 + 1e-6  # the rounding it documents
 
 
-@pytest.mark.parametrize("bits,group", [(2, 32), (2, 64), (2, 128), (4, 32), (4, 128), (2, -1)])
+@pytest.mark.parametrize("bits,group,layout", [(2, 32, "rows"), (2, 64, "rows"), (2, 128, "rows"), (4, 32, "rows"),
+                                               (4, 128, "rows"), (2, -1, "rows"), (2, 32, "tiles"),
+                                               (2, 64, "tiles"), (2, 128, "tiles"), (2, -1, "tiles")])
 @pytest.mark.parametrize("avx512", [True, False])
-def test_int8_activations_at_the_extremes(ext, bits, group, avx512):
+def test_int8_activations_at_the_extremes(ext, bits, group, layout, avx512):
     """Largest codes times activations that all round to +-127: the int16 partial sums of the paths
     without VNNI must not saturate or wrap (a wrong bound shows here, not on random data)."""
-    n, k = 8, 2048
+    n, k = 24, 2048
     codes = torch.full((n, k), 2**bits - 1, dtype=torch.uint8)
     ng = 1 if group == -1 else k // group
     qw = QuantizedWeight(codes=codes, scales=torch.full((n, ng), 2.0**-7), zeros=torch.zeros(n, ng, dtype=torch.uint8),
                          bits=bits, group_size=group, sym=False)
-    state = cpu.pack(qw)
-    for x in (torch.ones(1, k), -torch.ones(1, k)):
+    state = cpu.pack(qw, layout)
+    for x in (torch.ones(1, k), -torch.ones(1, k), torch.ones(3, k)):
         y = cpu.matmul(x, state, act="int8", avx512=avx512)
         assert_close_to_reference(y, Reference().matmul(x, qw))
+
+
+def test_tiles_layout_known_answer(ext):
+    """cpu-tiles: byte 2r + j of vector o, field f, is row r, column 8o + 2f + j; metadata (tiles, groups, 16)."""
+    n, k = 20, 256
+    codes = ((torch.arange(n).view(n, 1) * 7 + torch.arange(k).view(1, k) * 3) % 4).to(torch.uint8)
+    qw = QuantizedWeight(codes=codes, scales=torch.arange(n * 4, dtype=torch.float32).view(n, 4) / 64,
+                         zeros=(torch.arange(n * 4) % 4).to(torch.uint8).view(n, 4), bits=2, group_size=64, sym=False)
+    p = cpu.pack(qw, "tiles")
+    assert p.words.shape == (2, k) and p.scales.shape == (2, 4, 16) and p.kpad == k and p.out_features == n
+    b = p.words.contiguous().view(torch.uint8).view(2, k // 8, 32).to(torch.int64)
+    for t in range(2):
+        for r in range(16):
+            row = 16 * t + r
+            for col in range(k):
+                o, f, j = col // 8, (col % 8) // 2, col % 2
+                want = int(codes[row, col]) if row < n else 0
+                assert (b[t, o, 2 * r + j] >> (2 * f)) & 3 == want
+            for g in range(4):
+                assert p.scales[t, g, r].item() == (qw.scales[row, g].item() if row < n else 0)
+                assert p.zeros[t, g, r].item() == (qw.zeros[row, g].item() if row < n else 0)
+
+
+def test_tiles_are_picked_where_the_build_prefers_them(ext):
+    flags = cpu._cpu_flags().decode().split()
+    vnni = ext.has_avx512() or (cpu.build_isa() == "native" and "avx_vnni" in flags)
+    assert ext.prefers_tiles() == (ext.has_avx2() and not vnni)
+    qw2, qw4 = rand_qw(16, 128, 2, 64, False), rand_qw(16, 128, 4, 64, False)
+    want = cpu.PackedTiles if ext.prefers_tiles() else cpu.PackedCPU
+    assert isinstance(CPU(act="int8").prepare(qw2), want)
+    assert isinstance(CPU(act="int8").prepare(qw4), cpu.PackedCPU) and isinstance(CPU().prepare(qw2), cpu.PackedCPU)
+    assert isinstance(CPU(act="int8").prepare(rand_qw(16, 128, 3, 64, False)).lo, want)  # int3's 2-bit plane
+    with pytest.raises(ValueError, match="int8 activations only"):
+        cpu.matmul(torch.ones(1, 128), cpu.pack(qw2, "tiles"))
+    with pytest.raises(ValueError, match="2 bits only"):
+        cpu.pack(qw4, "tiles")
+    with pytest.raises(ValueError, match="unknown cpu layout"):
+        cpu.pack(qw2, "columns")
 
 
 def test_avx2_and_avx512_compiled_here(ext):
