@@ -504,8 +504,8 @@ void rows_f32_all(const Args& a, int64_t n) {
 }
 #endif
 
-// Rows are handed out in chunks of 64 from a shared counter, so a thread the OS parks (the cores are
-// shared) delays only its current chunk instead of a fixed half of the matrix.
+// Rows (or row tiles) are handed out in chunks (64 by default) from a shared counter, so a thread the OS
+// parks (the cores are shared) delays only its current chunk instead of a fixed half of the matrix.
 template <class Fn>
 void parallel_rows(int64_t N, Fn&& fn, int64_t chunk = 64) {
   std::atomic<int64_t> next{0};
@@ -819,7 +819,7 @@ torch::Tensor matmul_a8_tiles(torch::Tensor x, torch::Tensor words, torch::Tenso
 #endif
     for (int64_t t = begin; t < end; ++t)
       for (int64_t b = 0; b < B; ++b) tile_scalar(a, t, b);
-  }, 4);
+  }, 16);  // 256 rows per grab: the codes a thread streams stay contiguous for 16 x 4 x Kpad bytes
   return y;
 }
 
