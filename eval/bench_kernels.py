@@ -14,6 +14,8 @@ and `rel_err` the backend's largest deviation from the fp32 reference output at 
 to the reference's largest magnitude (dense rows: the bf16 rounding of the weights, fp32 rows 0).
 `arithmetic_ms` is `ours-cpu-a8`'s batch-1 time on the last shape with memory out of the way (row slices
 that stay in cache, `arithmetic_ms()`): near or above its `ms_min`, the kernel is bound by its instructions.
+`side_by_side` times the batch-1 sides of the targets (ours int4 and int2, torch int4, OpenVINO int4) on the
+last shape in one round-robin loop, so their ratios do not mix two phases of a noisy machine.
 
 Every timed call starts with cold caches (`Evict`: the L3 of these VMs holds 300 MiB, more than a
 packed 8192x8192 weight, and decoding a real model streams its weights from DRAM).
@@ -186,6 +188,37 @@ def bench_shape(n: int, k: int, batches, repeats: int, bw: float, evict) -> list
     return rows
 
 
+def side_by_side(n: int, k: int, repeats: int, evict) -> dict:
+    """The batch-1 ratios the targets name, on an `n` x `k` weight, with every side timed in one round-robin
+    loop: each repeat times ours int4 g128 and int2 g64 (`cpu-a8`), torch's int4 and OpenVINO's int4 once each,
+    each after an eviction, so a slow phase of the machine hits all sides alike. (The per-format rows time one
+    backend's repeats after another's, a minute apart for int4 and int2.) Minimum and median per side."""
+    q4, q2 = random_qweight(n, k, 4, 128), random_qweight(n, k, 2, 64)
+    p4, p2 = cpu.pack(q4, cpu.layout_for(q4, "int8")), cpu.pack(q2, cpu.layout_for(q2, "int8"))
+    x = torch.randn(1, k)
+    xn = x.numpy()
+    fn4, _ = torch_int4(q4)
+    fno, _ = openvino_matmul(q4, 1)
+    sides = {"ours-int4": lambda: cpu.matmul(x, p4, act="int8"), "ours-int2": lambda: cpu.matmul(x, p2, act="int8"),
+             "torch-int4": lambda: fn4(x), "openvino-int4": lambda: fno(xn)}
+    times = {name: [] for name in sides}
+    for fn in sides.values():
+        fn()
+    for _ in range(repeats):
+        for name, fn in sides.items():
+            evict()
+            t = time.perf_counter()
+            fn()
+            times[name].append((time.perf_counter() - t) * 1e3)
+    lo = {name: min(ts) for name, ts in times.items()}
+    return {"shape": f"{n}x{k}", "batch": 1, "repeats": repeats,
+            "ms_min": {name: round(v, 4) for name, v in lo.items()},
+            "ms_median": {name: round(statistics.median(ts), 4) for name, ts in times.items()},
+            "int2_vs_int4": round(lo["ours-int4"] / lo["ours-int2"], 3),
+            "torch_int4_vs_ours_int4": round(lo["torch-int4"] / lo["ours-int4"], 3),
+            "openvino_int4_vs_ours_int4": round(lo["openvino-int4"] / lo["ours-int4"], 3)}
+
+
 def arithmetic_ms(n: int, k: int, bits: int, group: int, threads: int, repeats: int, rows=(64, 192)) -> float:
     """Our `cpu-a8` batch-1 kernel's arithmetic alone for an `n` x `k` weight on `threads` cores, memory out
     of the way: one thread times two row slices small enough to stay in the cache (64 and 192 rows; int4 at
@@ -233,12 +266,13 @@ def run(quick: bool = False, repeats: int = 10, threads: int | None = None, isa:
         (n, k), used = shapes[-1], torch.get_num_threads()
         arith = ({f"int{b}-g{g}": round(arithmetic_ms(n, k, b, g, used, 30 if quick else 300), 4)
                   for b, g in ((4, 128), (2, 64))} if cpu.extension() is not None else {})
+        sbs = side_by_side(n, k, 2 * repeats, evict) if cpu.extension() is not None else {}
         return {"machine": machine(), "read_bandwidth_gbps": round(bw, 2), "threads": torch.get_num_threads(),
                 "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", ""),
                 "cpu_kernel": cpu.extension() is not None, "isa": isa, "kernel_build": cpu.build_isa(),
                 "a8_isa": a8_isa(), "a8_layouts": a8_layouts(),
                 "torch_isa": torch.backends.cpu.get_cpu_capability(),
-                "arithmetic_ms": {"shape": f"{n}x{k}", **arith}, "rows": rows}
+                "arithmetic_ms": {"shape": f"{n}x{k}", **arith}, "side_by_side": sbs, "rows": rows}
     finally:
         torch.set_num_threads(previous)
 
@@ -279,6 +313,14 @@ def markdown(result: dict) -> str:
                         "`arithmetic_ms`) vs its minimum time from memory: " + "; ".join(
                             f"{f} {ms:.3f} vs {rows[(shape, f)]['ms_min']:.3f} ms" for f, ms in arith.items()
                             if (shape, f) in rows) + ".")
+    sbs = result.get("side_by_side")
+    if sbs:
+        ms = sbs["ms_min"]
+        lines.insert(1, f"\nSide by side (`side_by_side`: one round-robin loop, {sbs['shape']}, batch 1, minimum of "
+                        f"{sbs['repeats']}): ours int4 {ms['ours-int4']:.3f} ms, int2 {ms['ours-int2']:.3f} ms "
+                        f"({sbs['int2_vs_int4']:.2f}x int4), torch int4 {ms['torch-int4']:.3f} ms (ours "
+                        f"{sbs['torch_int4_vs_ours_int4']:.2f}x), OpenVINO int4 {ms['openvino-int4']:.3f} ms (ours "
+                        f"{sbs['openvino_int4_vs_ours_int4']:.2f}x).")
     for r in result["rows"]:
         lines.append(f"| {r['shape']} | {r['batch']} | {r['format']} | {r['backend']} | {r['ms_min']:.3f} | "
                      f"{r['ms_median']:.3f} | {r['gbps']:.1f} | {r['bw_fraction']:.0%} | {r['rel_err']:.1e} |")

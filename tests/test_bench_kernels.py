@@ -32,6 +32,13 @@ def test_bench_kernels_quick_json_and_markdown(tmp_path):
     assert err[("int4-g128", "ours-cpu-a8")] < 3e-2 and err[("int4-g128", "openvino-int4")] < 3e-2
     assert "| 1024x1024 | 1 | int4-g128 | ours-cpu |" in md.read_text() and "| ours-cpu |" in stdout
     assert "arithmetic alone" in md.read_text()
+    sbs = result["side_by_side"]
+    assert sbs["shape"] == "1024x1024" and sbs["repeats"] == 6
+    assert set(sbs["ms_min"]) == {"ours-int4", "ours-int2", "torch-int4", "openvino-int4"}
+    assert all(0 < sbs["ms_min"][k] <= sbs["ms_median"][k] for k in sbs["ms_min"])
+    ratio = sbs["ms_min"]["ours-int4"] / sbs["ms_min"]["ours-int2"]  # from the rounded minima
+    assert abs(sbs["int2_vs_int4"] - ratio) <= 0.01 * ratio
+    assert "Side by side" in md.read_text()
 
 
 def test_bench_kernels_isa_avx2_runs_every_side_on_its_avx2_code(tmp_path):
