@@ -587,102 +587,85 @@ void tile_scalar(const TileArgs& a, int64_t t, int64_t b) {
 // into a tree, holding every product at once (spilled to the stack, slower than the chain).
 inline void in_register(__m256i& v) { asm("" : "+x"(v)); }
 
-// Tiles t0..t0+R, batch rows b0..b0+BT (R * BT <= 2). Int16 lanes hold at most 64 columns of sums
+// Tile t, batch rows b0..b0+BT (BT <= 2; one tile at a time keeps the codes a single stream: two tiles per
+// step did less arithmetic but streamed slower). Int16 lanes hold at most 64 columns of sums
 // (64 x 3 x 127 < 32767); longer activation blocks add their 64-column parts in int32.
-template <int XS, int R, int BT>
-void tiles_a8(const TileArgs& a, int64_t t0, int64_t b0) {
+template <int XS, int BT>
+void tiles_a8(const TileArgs& a, int64_t t, int64_t b0) {
   constexpr int VX = 4 << XS, SUB = VX < 8 ? VX : 8;  // vectors per activation block / per int16 run
   const __m256i mask = _mm256_set1_epi8(3), mask_hi = _mm256_set1_epi8(12);
-  const int64_t V = a.Kpad / 8, xrow = a.Kpad, D = std::min(a.gshift - XS, 31);
-  const int64_t pf = PREFETCH_BYTES;
-  __m256 racc[R][BT][2];
-  for (int r = 0; r < R; ++r)
-    for (int b = 0; b < BT; ++b) racc[r][b][0] = racc[r][b][1] = _mm256_setzero_ps();
+  const int64_t xrow = a.Kpad, D = std::min(a.gshift - XS, 31);
+  const uint8_t* codes = a.words + t * a.Kpad * 4;  // Kpad / 8 vectors of 32 bytes
+  __m256 racc[BT][2];
+  for (int b = 0; b < BT; ++b) racc[b][0] = racc[b][1] = _mm256_setzero_ps();
   for (int64_t xb = 0; xb < a.Xb; ++xb) {
-    __m256i dots[R][BT][2];
-    for (int r = 0; r < R; ++r)
-      for (int b = 0; b < BT; ++b) dots[r][b][0] = dots[r][b][1] = _mm256_setzero_si256();
+    __m256i dots[BT][2];
+    for (int b = 0; b < BT; ++b) dots[b][0] = dots[b][1] = _mm256_setzero_si256();
 #pragma GCC unroll 2
     for (int s = 0; s < VX; s += SUB) {
       // Fields 1 and 3 are masked in place, not shifted down: their products are 4x (exact multiples of 4, at
       // most 8 vectors x 2 x 12 x 127 = 24384 per chain) and are shifted back once per run; fields 0 and 2
       // share a chain. Three chains also keep the adds' latency hidden.
-      __m256i acc[R][BT][3];
-      for (int r = 0; r < R; ++r)
-        for (int b = 0; b < BT; ++b)
-          for (int c = 0; c < 3; ++c) acc[r][b][c] = _mm256_setzero_si256();
+      __m256i acc[BT][3];
+      for (int b = 0; b < BT; ++b)
+        for (int c = 0; c < 3; ++c) acc[b][c] = _mm256_setzero_si256();
 #pragma GCC unroll 8
       for (int u = 0; u < SUB; ++u) {
         const int64_t o = xb * VX + s + u;
-        __m256i w[R], hi[R];
-        for (int r = 0; r < R; ++r) {
-          const uint8_t* p = a.words + ((t0 + r) * V + o) * 32;
-          w[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-          hi[r] = _mm256_srli_epi16(w[r], 4);
-          if (u % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(p + pf), _MM_HINT_T0);
-        }
+        const uint8_t* p = codes + o * 32;
+        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), hi = _mm256_srli_epi16(w, 4);
+        if (u % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(p + PREFETCH_BYTES), _MM_HINT_T0);
 #pragma GCC unroll 4
         for (int f = 0; f < 4; ++f) {
-          __m256i xv[BT];
-          for (int b = 0; b < BT; ++b)
-            xv[b] = _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(a.xp + (b0 + b) * xrow + (4 * o + f) * 2));
           const int c = f % 2 == 0 ? 0 : f == 1 ? 1 : 2;
-          for (int r = 0; r < R; ++r) {
-            const __m256i q = _mm256_and_si256(f < 2 ? w[r] : hi[r], f % 2 ? mask_hi : mask);
-            for (int b = 0; b < BT; ++b) {
-              acc[r][b][c] = _mm256_add_epi16(acc[r][b][c], _mm256_maddubs_epi16(q, xv[b]));
-              in_register(acc[r][b][c]);
-            }
+          const __m256i q = _mm256_and_si256(f < 2 ? w : hi, f % 2 ? mask_hi : mask);
+          for (int b = 0; b < BT; ++b) {
+            const __m256i xv = _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(a.xp + (b0 + b) * xrow + (4 * o + f) * 2));
+            acc[b][c] = _mm256_add_epi16(acc[b][c], _mm256_maddubs_epi16(q, xv));
+            in_register(acc[b][c]);
           }
         }
       }
-      for (int r = 0; r < R; ++r)
-        for (int b = 0; b < BT; ++b) {
-          const __m256i sum = _mm256_add_epi16(acc[r][b][0], _mm256_add_epi16(_mm256_srai_epi16(acc[r][b][1], 2),
-                                                                                _mm256_srai_epi16(acc[r][b][2], 2)));
-          dots[r][b][0] = _mm256_add_epi32(dots[r][b][0], _mm256_cvtepi16_epi32(_mm256_castsi256_si128(sum)));
-          dots[r][b][1] = _mm256_add_epi32(dots[r][b][1], _mm256_cvtepi16_epi32(_mm256_extracti128_si256(sum, 1)));
-        }
-    }
-    const int64_t g = xb >> D;
-    for (int r = 0; r < R; ++r) {
-      const int64_t m = ((t0 + r) * a.Gp + g) * 16;
-      if (m + META_AHEAD < a.T * a.Gp * 16) {  // the scales and zeros of a later group (the next tile's near the end)
-        _mm_prefetch(reinterpret_cast<const char*>(a.scales + m + META_AHEAD), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(a.zeros + m + META_AHEAD), _MM_HINT_T0);
-      }
-      const __m128i z = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a.zeros + m));
-      const __m256i zl = _mm256_cvtepu8_epi32(z), zh = _mm256_cvtepu8_epi32(_mm_srli_si128(z, 8));
-      const __m256 sl = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a.scales + m)));
-      const __m256 sh = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a.scales + m + 8)));
       for (int b = 0; b < BT; ++b) {
-        const __m256i xs = _mm256_set1_epi32(a.xqsum[(b0 + b) * a.Xb + xb]);
-        const __m256 sx = _mm256_set1_ps(a.sx[(b0 + b) * a.Xb + xb]);
-        racc[r][b][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(dots[r][b][0], _mm256_mullo_epi32(zl, xs))),
-                                        _mm256_mul_ps(sl, sx), racc[r][b][0]);
-        racc[r][b][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(dots[r][b][1], _mm256_mullo_epi32(zh, xs))),
-                                        _mm256_mul_ps(sh, sx), racc[r][b][1]);
+        const __m256i sum = _mm256_add_epi16(acc[b][0], _mm256_add_epi16(_mm256_srai_epi16(acc[b][1], 2),
+                                                                          _mm256_srai_epi16(acc[b][2], 2)));
+        dots[b][0] = _mm256_add_epi32(dots[b][0], _mm256_cvtepi16_epi32(_mm256_castsi256_si128(sum)));
+        dots[b][1] = _mm256_add_epi32(dots[b][1], _mm256_cvtepi16_epi32(_mm256_extracti128_si256(sum, 1)));
       }
+    }
+    const int64_t m = (t * a.Gp + (xb >> D)) * 16;
+    if (m + META_AHEAD < a.T * a.Gp * 16) {  // the scales and zeros of a later group (the next tile's near the end)
+      _mm_prefetch(reinterpret_cast<const char*>(a.scales + m + META_AHEAD), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(a.zeros + m + META_AHEAD), _MM_HINT_T0);
+    }
+    const __m128i z = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a.zeros + m));
+    const __m256i zl = _mm256_cvtepu8_epi32(z), zh = _mm256_cvtepu8_epi32(_mm_srli_si128(z, 8));
+    const __m256 sl = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a.scales + m)));
+    const __m256 sh = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a.scales + m + 8)));
+    for (int b = 0; b < BT; ++b) {
+      const __m256i xs = _mm256_set1_epi32(a.xqsum[(b0 + b) * a.Xb + xb]);
+      const __m256 sx = _mm256_set1_ps(a.sx[(b0 + b) * a.Xb + xb]);
+      racc[b][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(dots[b][0], _mm256_mullo_epi32(zl, xs))),
+                                   _mm256_mul_ps(sl, sx), racc[b][0]);
+      racc[b][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(dots[b][1], _mm256_mullo_epi32(zh, xs))),
+                                   _mm256_mul_ps(sh, sx), racc[b][1]);
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int b = 0; b < BT; ++b) {
-      alignas(32) float out[16];
-      _mm256_store_ps(out, racc[r][b][0]);
-      _mm256_store_ps(out + 8, racc[r][b][1]);
-      const int64_t row = (t0 + r) * 16;
-      std::copy_n(out, std::min<int64_t>(16, a.N - row), a.y + (b0 + b) * a.N + row);
-    }
+  for (int b = 0; b < BT; ++b) {
+    alignas(32) float out[16];
+    _mm256_store_ps(out, racc[b][0]);
+    _mm256_store_ps(out + 8, racc[b][1]);
+    std::copy_n(out, std::min<int64_t>(16, a.N - t * 16), a.y + (b0 + b) * a.N + t * 16);
+  }
 }
 
 template <int XS>
 void tiles_a8_all(const TileArgs& a, int64_t t, int64_t end) {
   int64_t b = 0;
   for (; b + 2 <= a.B; b += 2)
-    for (int64_t m = t; m < end; ++m) tiles_a8<XS, 1, 2>(a, m, b);
-  if (b < a.B) {
-    for (int64_t m = t; m < end; ++m) tiles_a8<XS, 1, 1>(a, m, b);
-  }
+    for (int64_t m = t; m < end; ++m) tiles_a8<XS, 2>(a, m, b);
+  if (b < a.B)
+    for (int64_t m = t; m < end; ++m) tiles_a8<XS, 1>(a, m, b);
 }
 #endif
 
