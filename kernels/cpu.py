@@ -176,9 +176,7 @@ def pack_plane(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, b
     """Codes (N, K) in [0, 2^bits) with per-group scales (stored fp16) and zero points (N, n_groups) -> cpu-rows,
     K padded to a multiple of `align`, of whole groups, of whole chunk pairs (the AVX-512 path) and of XBLOCKs."""
     N, K = codes.shape
-    P, n_groups = 8 // bits, scales.shape[1]
-    step = max(align, 128, 64 * P, group_size)
-    kpad = math.ceil(K / step) * step
+    P, kpad = 8 // bits, padded_k(K, bits, group_size, align)
     padded = torch.zeros(N, kpad, dtype=torch.int64)
     padded[:, :K] = codes
     # codes[n, chunk, s, i, t] -> bits 8t + b*s of word i
@@ -186,6 +184,19 @@ def pack_plane(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, b
     shift = (8 * torch.arange(4).view(1, 1, 1, 1, 4) + bits * torch.arange(P).view(1, 1, P, 1, 1))
     words = (fields << shift).sum((2, 4))  # disjoint bit ranges: sum == or
     words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).reshape(N, -1).contiguous()
+    s, z, gshift = group_meta(scales, zeros, group_size, kpad)
+    return PackedCPU(words, s, z, bits, K, kpad, gshift)
+
+
+def padded_k(k: int, bits: int, group_size: int, align: int = 128) -> int:
+    """K padded to a multiple of `align`, of whole groups, of whole chunk pairs and of XBLOCKs (`pack_plane`)."""
+    step = max(align, 128, 64 * (8 // bits), group_size)
+    return math.ceil(k / step) * step
+
+
+def group_meta(scales: torch.Tensor, zeros: torch.Tensor, group_size: int, kpad: int):
+    """(scales fp16, zeros uint8, gshift) per (row, group) over `kpad` columns, padded groups zero."""
+    N, n_groups = scales.shape
     if group_size == -1:
         gp, gshift = 1, PER_CHANNEL_SHIFT
     else:
@@ -193,7 +204,7 @@ def pack_plane(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, b
     s, z = torch.zeros(N, gp, dtype=torch.float16), torch.zeros(N, gp, dtype=torch.uint8)
     s[:, :n_groups] = scales.half()
     z[:, :n_groups] = zeros.round().to(torch.uint8)
-    return PackedCPU(words, s.contiguous(), z.contiguous(), bits, K, kpad, gshift)
+    return s, z, gshift
 
 
 def pack_tiles(qw: QuantizedWeight) -> PackedTiles:
@@ -206,9 +217,9 @@ def pack_tiles(qw: QuantizedWeight) -> PackedTiles:
 
 def tiles_plane(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> PackedTiles:
     """2-bit codes (N, K) with per-group scales and zero points -> cpu-tiles, K padded as `pack_plane` pads it."""
-    rows = pack_plane(codes, scales, zeros, 2, group_size)
-    (N, K), kpad = codes.shape, rows.kpad
-    T = -(-N // 16)
+    (N, K), T = codes.shape, -(-codes.shape[0] // 16)
+    kpad = padded_k(K, 2, group_size)
+    s, z, gshift = group_meta(scales, zeros, group_size, kpad)
     padded = torch.zeros(T * 16, kpad, dtype=torch.int32)
     padded[:N, :K] = codes.int()
     # codes[t, r, o, f, j] -> field f of byte (t, o, 2r + j)
@@ -221,7 +232,7 @@ def tiles_plane(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, 
         out[:N] = t
         return out.view(T, 16, -1).transpose(1, 2).contiguous()
 
-    return PackedTiles(words, tiled(rows.scales), tiled(rows.zeros), K, N, kpad, rows.gshift)
+    return PackedTiles(words, tiled(s), tiled(z), K, N, kpad, gshift)
 
 
 def permute_x(x: torch.Tensor, bits: int) -> torch.Tensor:
