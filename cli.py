@@ -253,6 +253,8 @@ def bench_quality(
     md_out: Optional[Path] = typer.Option(None, "--markdown", help="also write the markdown table here"),
     quick: bool = typer.Option(False, "--quick", help="tiny settings, for a smoke test"),
     only: Optional[List[str]] = typer.Option(None, "--only", help="run only these models (repeatable)"),
+    variant: Optional[List[str]] = typer.Option(None, "--variant", help="--suite walsh: run only these rotation "
+                                                "variants (repeatable; vanilla `autoround` always runs as the reference)"),
     suite: str = typer.Option("ptq", "--suite", help="`ptq`: FP/RTN/GPTQ/AutoRound matrix; `lfq`: AutoRound "
                               "with and without LFQ and hard-label CE, three seeds, with greedy-continuation scores; "
                               "`walsh`: AutoRound after no rotation, auto-round's Hadamard and the walsh modes; "
@@ -268,6 +270,8 @@ def bench_quality(
     from compress.errors import BadInput
 
     _setup_logging(False)
+    if variant and suite != "walsh":
+        raise BadInput("--variant selects rotation variants of --suite walsh")
     if suite == "ptq":
         from compress.eval.bench_quality import run_quality
 
@@ -279,7 +283,7 @@ def bench_quality(
     elif suite == "walsh":
         from compress.eval.bench_walsh import run_walsh
 
-        rows, md = run_walsh(quick=quick, only=only or None)
+        rows, md = run_walsh(quick=quick, only=only or None, variants=variant or None)
     elif suite == "mixed":
         from compress.eval.bench_mixed import run_mixed
 

@@ -69,9 +69,24 @@ def test_quick_walsh_suite_on_stories260k():
     # same calibration and AutoRound settings: only the rotation differs, so every variant scores differently
     assert len({round(c["kl"], 9) for c in result["cells"]}) == len(VARIANTS)
     assert [t["target"] for t in result["targets"]] == [
-        "stories260K W2: walsh-spectral ppl <= 0.75 x AutoRound", "stories260K W2: walsh-spectral ppl <= auto-round Hadamard",
-        "stories260K W2: fused within 10% of walsh-spectral"]
+        "stories260K W2: walsh-spectral ppl <= 0.75 x AutoRound", "stories260K W2: walsh-spectral-auto ppl <= 0.75 x AutoRound",
+        "stories260K W2: walsh-spectral ppl <= auto-round Hadamard", "stories260K W2: fused within 10% of walsh-spectral"]
     assert md.startswith("# Walsh benchmark") and md.count("\n| stories260K | W2 |") == len(VARIANTS)
+
+
+def test_walsh_suite_runs_chosen_variants_beside_vanilla(monkeypatch):
+    from compress.errors import BadInput
+    from compress.eval import bench_walsh
+
+    ran = []
+    monkeypatch.setattr(bench_walsh, "cell", lambda bench, path, calib, bits, group, variant, *a: ran.append(variant) or
+                        {"model": bench.name, "bits": bits, "group_size": group, "variant": variant, "seed": 0, "ppl": 2.0,
+                         "kl": 0.1, "top1": 0.5, "fp_ppl": 1.0, "seconds": 1.0})
+    result, _ = bench_walsh.run_walsh(quick=True, only=["stories260K"], variants=["walsh-spectral-auto"])
+    assert ran == ["autoround", "walsh-spectral-auto"] and result["settings"]["variants"] == ran
+    assert result["targets"][0]["value"].endswith("(x1.000; FP itself: x0.500)")
+    with pytest.raises(BadInput, match="unknown walsh variant"):
+        bench_walsh.run_walsh(quick=True, only=["stories260K"], variants=["walsh-spectral-typo"])
 
 
 def test_quick_mixed_suite_on_stories260k(tmp_path):

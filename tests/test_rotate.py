@@ -31,6 +31,9 @@ CONFIGS = {
     "pair_pca": dict(fused=False, pair_pca=True),
     "fused-pair_pca": dict(fused=True, pair_pca=True),
     "head_pca": dict(fused=False, head_pca=True),
+    "fused-auto": dict(fused=True, alpha="auto"),
+    "no_rotation-wht-auto": dict(fused=False, alpha="auto"),
+    "spectral-auto": dict(fused=False, mode="spectral", alpha="auto"),
 }
 
 
@@ -52,8 +55,11 @@ def plain_rmsnorm(model):
 
 def rotate(model, vocab, **cfg):
     tokens = torch.randint(0, vocab, (4, 32), generator=torch.Generator().manual_seed(1))
-    ctx = SimpleNamespace(adapter=ModelAdapter(model), calibration_tokens=lambda: tokens)
-    return registry.get("rotate", "walsh").apply(ctx, WalshConfig(**cfg))
+    cfg = WalshConfig(**cfg)
+    quantize = SimpleNamespace(stage="quantize", bits=2, group_size=16, sym=False)  # what alpha: auto rounds with
+    ctx = SimpleNamespace(adapter=ModelAdapter(model), calibration_tokens=lambda: tokens,
+                          loaded=SimpleNamespace(recipe=SimpleNamespace(stage_configs=[cfg, quantize])))
+    return registry.get("rotate", "walsh").apply(ctx, cfg)
 
 
 def rel(a, b):
@@ -90,12 +96,15 @@ def test_tiny_models_are_invariant_in_float64(model_type, name):
         assert type(model.model.layers[0].self_attn.q_norm).__name__ == "MatrixGammaRMSNorm"
     now = model.state_dict()
     assert set(now) != set(state) or any(not torch.equal(now[k], v) for k, v in state.items())  # it did something
-    if name == "spectral":  # every quantizable linear, but attention stays plain under q_norm (Qwen3)
+    if name.startswith("spectral"):  # every quantizable linear, but attention stays plain under q_norm (Qwen3)
         per_block = {"qwen2_moe": 4 + 3 * 5, "mixtral": 4 + 3 * 4}.get(model_type, 7) - 4 * (model_type == "qwen3")
         assert metrics["spectral_linears"] == 2 * per_block
     elif CONFIGS[name].get("mode") != "none":
         n_up = {"qwen2_moe": 2 * 5, "mixtral": 2 * 4}.get(model_type, 2)  # experts (+ shared expert) per block
         assert metrics["norm"] == 4 and metrics["v_o"] == 2 and metrics["up_down"] == n_up
+    if CONFIGS[name].get("alpha") == "auto":  # one pick per scale vector
+        scaled = metrics.get("spectral_linears") or metrics["norm"] + metrics["v_o"] + metrics["up_down"]
+        assert sum(metrics["alpha_picked"].values()) == scaled
 
 
 @pytest.mark.parametrize("model_type,cfg", [("llama", "fused"), ("qwen3", "fused"), ("qwen2_moe", "fused"),
@@ -165,6 +174,55 @@ def test_scales_formula():
     torch.testing.assert_close(s, torch.full((8,), 2**0.5, dtype=torch.float64))  # uniform energy -> sqrt(2)
     e = torch.tensor([3.0, 1.0, 0.0, 0.0], dtype=torch.float64)
     torch.testing.assert_close(walsh.scales(e, 1.0), torch.tensor([4.0, 2.0, 1.0, 1.0], dtype=torch.float64))
+
+
+def _rtn_error(W, s, a, bits=2, group=16):
+    """sum_k a_k / s_k^2 ||(W s - RTN(W s))[:, k]||^2, written out independently of walsh.Scaler."""
+    from compress.primitives import rtn
+
+    Ws = W * s
+    return float((((Ws - rtn(Ws.float(), bits, group, False).dequantize(torch.float32).double()) / s) ** 2 * a).sum())
+
+
+def test_auto_alpha_picks_the_grid_alpha_with_the_least_weighted_rounding_error():
+    g = torch.Generator().manual_seed(0)
+    grid = (0.0, 0.25, 0.5, 1.0)
+    scaler = walsh.Scaler("auto", grid, (2, 16, False))
+    picks = []
+    for case in range(6):
+        W = torch.randn(24, 32, generator=g, dtype=torch.float64)
+        e = torch.rand(32, generator=g, dtype=torch.float64) + 0.05
+        e[case] = 40.0  # one loud input coordinate
+        # the loud coordinate is real (actual = e), or only in the basis the scale is computed in (actual flat)
+        actual = e if case % 2 == 0 else torch.ones(32, dtype=torch.float64)
+        s = scaler(e, [W], actual)
+        errors = {a: _rtn_error(W, walsh.scales(e, a), actual) for a in grid}
+        best = min(errors, key=errors.get)
+        assert scaler.picked[-1] == best
+        torch.testing.assert_close(s, walsh.scales(e, best))
+        picks.append(best)
+    assert any(p > 0 for p in picks[0::2]), picks  # a loud real coordinate is worth boosting
+    assert all(p == 0.0 for p in picks[1::2]), picks  # boosting a coordinate the reader does not see only costs
+    assert scaler.summary()["alpha_picked"] == {str(a): picks.count(a) for a in grid}
+    fixed = walsh.Scaler(0.5)
+    torch.testing.assert_close(fixed(e, [W]), walsh.scales(e, 0.5))
+    assert fixed.summary() == {}
+
+
+def test_auto_alpha_needs_a_quantize_stage_after_the_rotation():
+    llama = ModelAdapter(tiny_causal("llama"))
+    cfg = WalshConfig(alpha="auto")
+    recipe = SimpleNamespace(export=SimpleNamespace(formats=[]), stage_configs=[cfg])
+    with pytest.raises(BadInputErr, match="alpha: auto.*quantize"):
+        walsh.check(llama, cfg, recipe)
+    q = SimpleNamespace(stage="quantize", bits=3, group_size=32, sym=True)
+    recipe.stage_configs = [cfg, q]
+    walsh.check(llama, cfg, recipe)
+    assert walsh.rounding(recipe, cfg) == (3, 32, True)
+    with pytest.raises(ValidationError):
+        WalshConfig(alpha="best")
+    with pytest.raises(ValidationError):
+        WalshConfig(alpha="auto", alpha_grid=[])
 
 
 def test_config_validation():

@@ -56,7 +56,7 @@ compression); `spectral` adds a run-time transform and is evaluation-only:
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Annotated, Literal, Optional, Union
 
 import torch
 from pydantic import Field, model_validator
@@ -66,6 +66,7 @@ from compress.config import StrictModel
 from compress.driver import collect_energy, collect_moments, head_covariance
 from compress.errors import BadInput
 from compress.models.adapters import get_module
+from compress.primitives import fake_quantize
 from compress.registry import register
 from compress.rotation.hadamard import factor, hadamard_transform
 
@@ -79,7 +80,12 @@ class WalshConfig(StrictModel):
         "no_rotation", description="no_rotation: published norm-absorbed BBT energy scaling (deployable); "
                                    "spectral: published per-linear input WHT + scaling (in memory only, not exportable); "
                                    "none: rotation only")
-    alpha: float = Field(0.5, ge=0, le=2, description="energy exponent: s = (1 + n rho) ** alpha")
+    alpha: Union[Annotated[float, Field(ge=0, le=2)], Literal["auto"]] = Field(
+        0.5, description="energy exponent: s = (1 + n rho) ** alpha; auto: per scaling group (per linear in mode "
+                         "spectral), the alpha of alpha_grid whose round-to-nearest error at the next quantize "
+                         "stage's bits, weighted by the input energy, is least")
+    alpha_grid: list[Annotated[float, Field(ge=0, le=2)]] = Field(
+        [0.0, 0.25, 0.5, 0.75, 1.0], min_length=1, description="candidates of alpha: auto")
     influence_basis: Optional[Literal["wht", "channel"]] = Field(
         None, description="energy basis without fusion: wht (paper code, default) or channel; fused: channel")
     pair_pca: bool = Field(False, description="also rotate each RoPE plane of q/k by the SO(2) principal axes of k "
@@ -111,6 +117,8 @@ class WalshConfig(StrictModel):
 # -- checks ------------------------------------------------------------------------------------------
 def check(adapter, cfg: WalshConfig, recipe=None) -> None:
     """Refuse what the rotation cannot handle exactly, before anything is changed."""
+    if cfg.alpha == "auto" and recipe is not None:
+        rounding(recipe, cfg)
     if cfg.mode == "spectral" and recipe is not None and recipe.export.formats:
         raise BadInput("rotate/walsh `mode: spectral` needs a run-time input transform (pad + Walsh-Hadamard + 1/s) "
                        "that no exporter writes; remove `export.formats` (evaluation only), or use the deployable "
@@ -143,6 +151,17 @@ def check(adapter, cfg: WalshConfig, recipe=None) -> None:
                            f"(`{adapter.model_type}`); set `pair_pca: false`")
         if getattr(c, "partial_rotary_factor", 1.0) != 1.0 or adapter.attention_shape()[2] % 2:
             raise BadInput("pair_pca needs RoPE over the whole (even) head dimension; set `pair_pca: false`")
+
+
+def rounding(recipe, cfg: WalshConfig) -> tuple[int, int, bool]:
+    """(bits, group_size, sym) of the first `quantize` stage after this rotation: what `alpha: auto` rounds with."""
+    configs = recipe.stage_configs
+    after = configs[next(k for k, c in enumerate(configs) if c is cfg) + 1:]
+    q = next((c for c in after if c.stage == "quantize"), None)
+    if q is None:
+        raise BadInput("rotate/walsh `alpha: auto` picks alpha against the rounding of the next `quantize` stage; "
+                       "add one after the rotation or give a number")
+    return q.bits, q.group_size, q.sym
 
 
 # -- weight surgery (float64, written back in the weight's dtype) -----------------------------------
@@ -242,34 +261,84 @@ def _first(energy: dict, key, d: int) -> torch.Tensor | None:
     return None if e is None or float(e[:d].sum()) == 0.0 else e[:d]
 
 
-def apply_scaling(adapter, energy: dict, alpha: float) -> dict:
-    """Groups 1-4 of ALGORITHMS 3.2; returns how many scale vectors were applied per group."""
+class Scaler:
+    """The energy scale of one scaling group: `scales(e, alpha)` for a fixed alpha, or with `alpha: auto`
+    the candidate alpha whose round-to-nearest error on the group's quantized readers is least.
+
+    The error of a reader `W` (columns in the basis of `e`) scaled by `s` is
+    `sum_k a_k / s_k^2 ||W[:, k] s_k - Q(W s)[:, k]||^2`, with `a` the energy of the input the reader
+    really sees before scaling (the rounded weight's output error on the calibration data, diagonal part),
+    `Q` the next quantize stage's RTN at its bits, group size and symmetry (AWQ's search over its exponent,
+    on the BBT scale)."""
+
+    def __init__(self, alpha, grid=(), rounding: tuple[int, int, bool] | None = None):
+        self.alpha, self.grid, self.rounding = alpha, tuple(grid), rounding
+        self.picked: list[float] = []
+
+    def __call__(self, e: torch.Tensor, readers=(), actual: torch.Tensor | None = None, spread=None) -> torch.Tensor:
+        """e: energy in the basis of the scale; readers: weights (d_out, n) whose columns get `spread(s)`;
+        actual: the energy of those n columns' input (default e)."""
+        spread = spread or (lambda s: s)
+        if self.alpha != "auto":
+            return scales(e, self.alpha)
+        a = (e if actual is None else actual).double()
+        bits, group, sym = self.rounding
+        best = None
+        for alpha in self.grid:
+            s = scales(e, alpha)
+            cols = spread(s)
+            err = 0.0
+            for W in readers:
+                Ws = W.detach().double() * cols
+                Wq = fake_quantize(Ws.float(), bits, group, sym).double()
+                err += float((((Ws - Wq) / cols) ** 2 * a).sum())
+            if best is None or err < best[0]:
+                best = (err, alpha, s)
+        self.picked.append(best[1])
+        return best[2]
+
+    def summary(self) -> dict:
+        if self.alpha != "auto":
+            return {}
+        return {"alpha_picked": {str(a): self.picked.count(a) for a in self.grid}}
+
+
+def apply_scaling(adapter, energy: dict, scaler: Scaler, actual: dict | None = None) -> dict:
+    """Groups 1-4 of ALGORITHMS 3.2; returns how many scale vectors were applied per group.
+    `actual`: the channel-basis energies when `energy` is in another basis (only `alpha: auto` reads them)."""
     heads, kv, hd = adapter.attention_shape()
     done = {"norm": 0, "up_down": 0, "v_o": 0}
     hidden = adapter.model.config.hidden_size
+    actual = actual or energy
     for i in range(len(adapter.blocks)):
+        quantized = {id(m) for m in adapter.block_linears(i).values()}
         for role in ("input_norm", "post_attn_norm"):
             e = _first(energy, (i, role), hidden)
             if e is None:
                 continue
-            s = scales(e, alpha)
+            readers = adapter.norm_readers(i, role)
+            s = scaler(e, [m.weight for m in readers if id(m) in quantized], _first(actual, (i, role), hidden))
             norm = adapter.role(i, role)
             _set(norm.weight, norm.weight.double() / s)
-            for m in adapter.norm_readers(i, role):
+            for m in readers:
                 _cols(m, lambda W: W * s)
             done["norm"] += 1
         for j, (up, down) in enumerate(adapter.up_down_pairs(i)):
             e = _first(energy, (i, "down", j), down.in_features)
             if e is None:  # an expert no calibration token was routed to
                 continue
-            s = scales(e, alpha)
+            s = scaler(e, [down.weight], _first(actual, (i, "down", j), down.in_features))
             _rows(up, lambda W: W / s)
             _cols(down, lambda W: W * s)
             done["up_down"] += 1
         e = _first(energy, (i, "o"), heads * hd)
         if e is not None:  # tie across the query heads sharing one KV head, then spread back
-            s_kv = scales(e.reshape(kv, heads // kv, hd).mean(1).reshape(-1), alpha)
-            s_o = s_kv.reshape(kv, 1, hd).expand(kv, heads // kv, hd).reshape(-1)
+            def spread(s_kv):
+                return s_kv.reshape(kv, 1, hd).expand(kv, heads // kv, hd).reshape(-1)
+
+            s_kv = scaler(e.reshape(kv, heads // kv, hd).mean(1).reshape(-1), [adapter.role(i, "o").weight],
+                          _first(actual, (i, "o"), heads * hd), spread)
+            s_o = spread(s_kv)
             _rows(adapter.role(i, "v"), lambda W: W / s_kv)
             _cols(adapter.role(i, "o"), lambda W: W * s_o)
             done["v_o"] += 1
@@ -379,14 +448,17 @@ def spectral_targets(adapter) -> dict[str, nn.Linear]:
     return out
 
 
-def apply_spectral(adapter, tokens: torch.Tensor, alpha: float) -> dict:
+def apply_spectral(adapter, tokens: torch.Tensor, scaler: Scaler) -> dict:
     targets = spectral_targets(adapter)
     energy = collect_energy(adapter.model, tokens, {n: (m, "input") for n, m in targets.items()},
                             lambda x: hadamard_transform(_pad_pow2(x)))
     for name, lin in targets.items():
         e = energy.get(name)
         d_pad = 1 << (lin.in_features - 1).bit_length()
-        s = scales(e, alpha) if e is not None and float(e.sum()) > 0 else torch.ones(d_pad, dtype=torch.float64)
+        if e is None or float(e.sum()) == 0:
+            s = torch.ones(d_pad, dtype=torch.float64)
+        else:
+            s = scaler(e, [hadamard_transform(_pad_pow2(lin.weight.detach().double()))])
         new = nn.Linear(d_pad, lin.out_features, bias=lin.bias is not None, dtype=lin.weight.dtype,
                         device=lin.weight.device)
         _set(new.weight, hadamard_transform(_pad_pow2(lin.weight.double())) * s)
@@ -434,14 +506,17 @@ def _apply(ctx, adapter, cfg: WalshConfig) -> dict:
         fuse_norms(adapter)
         rotate_residual(adapter)
         rotate_value_heads(adapter)
+    scaler = Scaler(cfg.alpha, cfg.alpha_grid, rounding(ctx.loaded.recipe, cfg) if cfg.alpha == "auto" else None)
     if cfg.mode == "no_rotation":
         tokens = ctx.calibration_tokens()
-        metrics.update(apply_scaling(adapter, measure(adapter, tokens, cfg.basis), cfg.alpha))
+        actual = measure(adapter, tokens, "channel") if cfg.alpha == "auto" and cfg.basis != "channel" else None
+        metrics.update(apply_scaling(adapter, measure(adapter, tokens, cfg.basis), scaler, actual))
         metrics["calibration_tokens"] = tokens.numel()
     elif cfg.mode == "spectral":
         tokens = ctx.calibration_tokens()
-        metrics.update(apply_spectral(adapter, tokens, cfg.alpha))
+        metrics.update(apply_spectral(adapter, tokens, scaler))
         metrics["calibration_tokens"] = tokens.numel()
+    metrics.update(scaler.summary())
     if cfg.pair_pca:
         metrics.update(apply_pair_pca(adapter, ctx.calibration_tokens()))
     if cfg.head_pca:
