@@ -11,6 +11,9 @@ every block, `final_block: same`, so the rotation is measured alone); only the `
   scaling, a run-time operator: evaluation only);
 * `walsh-spectral-auto`: the same with `alpha: auto` (per linear, the alpha of {0, .25, .5, .75, 1}
   with the least energy-weighted RTN error at the cell's bits: AWQ's exponent search on the BBT scale);
+* `walsh-spectral-auto-unpadded`: the same at each input's own size (`pad: none`, a K * 2^m Hadamard), so
+  the rounded weights do not grow (the published pow2 padding rounds and stores 172 -> 256 columns of
+  stories260K's down_proj, 384 -> 512 of stories-llama-1m's);
 * `walsh`: the published deployable mode (`fused: false, mode: no_rotation`: Walsh-basis energy scaling
   absorbed into the norms), as in `recipes/w2-walsh-autoround.yaml`;
 * `walsh-pair_pca`: `walsh` plus the SO(2) pair-PCA of q/k inside each RoPE plane (the paper's
@@ -40,6 +43,8 @@ VARIANTS = {
     "autoround_hadamard": {"stage": "rotate", "method": "autoround_hadamard"},
     "walsh-spectral": {"stage": "rotate", "method": "walsh", "fused": False, "mode": "spectral"},
     "walsh-spectral-auto": {"stage": "rotate", "method": "walsh", "fused": False, "mode": "spectral", "alpha": "auto"},
+    "walsh-spectral-auto-unpadded": {"stage": "rotate", "method": "walsh", "fused": False, "mode": "spectral",
+                                     "alpha": "auto", "pad": "none"},
     "walsh": {"stage": "rotate", "method": "walsh", "fused": False, "mode": "no_rotation", "influence_basis": "wht"},
     "walsh-pair_pca": {"stage": "rotate", "method": "walsh", "fused": False, "mode": "no_rotation",
                        "influence_basis": "wht", "pair_pca": True},
@@ -79,6 +84,7 @@ def cell(bench, path, calib, bits, group_size, variant, seed, s: WalshSettings, 
     metrics = ENCODER_METRICS if bench.kind == "encoder" else CAUSAL_METRICS
     row = {"model": bench.name, "bits": bits, "group_size": group_size, "variant": variant, "seed": seed,
            **{k: ev[k] for k in metrics}, "effective_bits": report["size"]["effective_bits"],
+           "quantized_params": report["size"]["quantized_params"],  # padded (spectral) layers store more of them
            "seconds": round(sum(st["seconds"] for st in report["stages"] if st["name"] in ("rotate", "quantize")), 2)}
     fp_key = "fp_ppl" if bench.kind == "causal" else "fp_probe_acc"
     row[fp_key] = ev[fp_key]
@@ -91,8 +97,13 @@ def summarize(cells: list[dict]) -> list[dict]:
     out = []
     for key, cs in bq.seed_groups(cells, ("model", "bits", "variant"), lambda k: (k[0], k[1], order.index(k[2]))):
         row = {k: cs[0][k] for k in ("model", "bits", "group_size", "variant", "fp_ppl", "fp_probe_acc") if k in cs[0]}
-        row.update(seeds=len(cs), seconds=statistics.mean(c["seconds"] for c in cs))
+        row.update(seeds=len(cs), seconds=statistics.mean(c["seconds"] for c in cs),
+                   effective_bits=cs[0]["effective_bits"], quantized_params=cs[0]["quantized_params"])
         out.append({**row, **bq.mean_sd(cs, CAUSAL_METRICS + ENCODER_METRICS)})
+    vanilla = {(r["model"], r["bits"]): r["quantized_params"] for r in out if r["variant"] == "autoround"}
+    for r in out:  # the rounded weights' storage per weight of the model as loaded (spectral pads d_in to 2^m)
+        n = vanilla.get((r["model"], r["bits"]))
+        r["bits_per_model_weight"] = round(r["effective_bits"] * r["quantized_params"] / n, 4) if n else None
     return out
 
 
@@ -105,7 +116,7 @@ def targets(summary: list[dict]) -> list[dict]:
     for model in sorted({k[0] for k in by}):
         get = lambda bits, v: by.get((model, bits, v))  # noqa: E731
         ar, pub, had, fused = get(2, "autoround"), get(2, "walsh-spectral"), get(2, "autoround_hadamard"), get(2, "walsh-fused")
-        for v in ("walsh-spectral", "walsh-spectral-auto"):
+        for v in ("walsh-spectral", "walsh-spectral-auto", "walsh-spectral-auto-unpadded"):
             r = get(2, v)
             if ar and r:  # no quantized model can go below x(FP / AutoRound), the model it approximates
                 out.append({"target": f"{model} W2: {v} ppl <= 0.75 x AutoRound", "met": r["ppl"] <= 0.75 * ar["ppl"],
@@ -178,12 +189,16 @@ def markdown(result: dict) -> str:
         "the last 20% of TinyStories val; MiniLM: mean-pooled embedding cosine to FP and a logistic probe's SST-2 "
         "dev accuracy",
         "- values: mean ± sample standard deviation over seeds\n",
-        "| model | bits | group | rotation | ppl | KL | top-1 | cosine | probe acc | s |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "- stored bits: bits of the rounded weights (codes, scales, zero points) per quantized weight of the model as "
+        "loaded; `walsh-spectral*` pad each linear's input to the next power of two (stories260K's down_proj "
+        "172 -> 256 columns), so they store more than their per-weight effective bits say\n",
+        "| model | bits | group | rotation | ppl | KL | top-1 | cosine | probe acc | stored bits | s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["summary"]:
         lines.append(f"| {r['model']} | W{r['bits']} | {r['group_size']} | {r['variant']} | {pm(r, 'ppl')} | "
-                     f"{pm(r, 'kl')} | {pm(r, 'top1', 3)} | {pm(r, 'cosine')} | {pm(r, 'probe_acc', 3)} | {f(r['seconds'], 1)} |")
+                     f"{pm(r, 'kl')} | {pm(r, 'top1', 3)} | {pm(r, 'cosine')} | {pm(r, 'probe_acc', 3)} | "
+                     f"{f(r.get('bits_per_model_weight'), 3)} | {f(r['seconds'], 1)} |")
     fp = {(r["model"], r.get("fp_ppl", r.get("fp_probe_acc"))) for r in result["summary"]}
     lines.append("\nFull precision: " + "; ".join(f"{mdl} {'ppl' if v > 1 else 'probe acc'} {f(v, 4)}"
                                                  for mdl, v in sorted(fp)))

@@ -70,8 +70,12 @@ def test_quick_walsh_suite_on_stories260k():
     assert len({round(c["kl"], 9) for c in result["cells"]}) == len(VARIANTS)
     assert [t["target"] for t in result["targets"]] == [
         "stories260K W2: walsh-spectral ppl <= 0.75 x AutoRound", "stories260K W2: walsh-spectral-auto ppl <= 0.75 x AutoRound",
+        "stories260K W2: walsh-spectral-auto-unpadded ppl <= 0.75 x AutoRound",
         "stories260K W2: walsh-spectral ppl <= auto-round Hadamard", "stories260K W2: fused within 10% of walsh-spectral"]
     assert md.startswith("# Walsh benchmark") and md.count("\n| stories260K | W2 |") == len(VARIANTS)
+    stored = {r["variant"]: r["bits_per_model_weight"] for r in result["summary"]}
+    assert stored["walsh-spectral"] > stored["autoround"] * 1.05 and stored["walsh"] == stored["autoround"]
+    assert stored["walsh-spectral-auto-unpadded"] == stored["autoround"]
 
 
 def test_walsh_suite_runs_chosen_variants_beside_vanilla(monkeypatch):
@@ -81,10 +85,12 @@ def test_walsh_suite_runs_chosen_variants_beside_vanilla(monkeypatch):
     ran = []
     monkeypatch.setattr(bench_walsh, "cell", lambda bench, path, calib, bits, group, variant, *a: ran.append(variant) or
                         {"model": bench.name, "bits": bits, "group_size": group, "variant": variant, "seed": 0, "ppl": 2.0,
-                         "kl": 0.1, "top1": 0.5, "fp_ppl": 1.0, "seconds": 1.0})
+                         "kl": 0.1, "top1": 0.5, "fp_ppl": 1.0, "seconds": 1.0, "effective_bits": 2.25,
+                         "quantized_params": 1000 if variant == "autoround" else 1200})
     result, _ = bench_walsh.run_walsh(quick=True, only=["stories260K"], variants=["walsh-spectral-auto"])
     assert ran == ["autoround", "walsh-spectral-auto"] and result["settings"]["variants"] == ran
     assert result["targets"][0]["value"].endswith("(x1.000; FP itself: x0.500)")
+    assert [r["bits_per_model_weight"] for r in result["summary"]] == [2.25, 2.7]  # padding stores 20% more
     with pytest.raises(BadInput, match="unknown walsh variant"):
         bench_walsh.run_walsh(quick=True, only=["stories260K"], variants=["walsh-spectral-typo"])
 

@@ -34,6 +34,7 @@ CONFIGS = {
     "fused-auto": dict(fused=True, alpha="auto"),
     "no_rotation-wht-auto": dict(fused=False, alpha="auto"),
     "spectral-auto": dict(fused=False, mode="spectral", alpha="auto"),
+    "spectral-unpadded": dict(fused=False, mode="spectral", pad="none"),
 }
 
 
@@ -167,6 +168,32 @@ def test_real_models_are_invariant_in_float64(name, cfg):
     assert rel(after, before) < 1e-6  # transformers' RMSNorm (float32 inside)
     assert rel(after_exact, before_exact) < 1e-10
     assert metrics["untied_embeddings"] == (cfg == "fused" and name == "stories260K")
+
+
+@pytest.mark.parametrize("pad", ["pow2", "none"])
+def test_spectral_padding_grows_the_rounded_weight_unless_pad_none(pad):
+    """stories260K's down_proj reads 172 columns: pow2 rounds 256 of them (+84 per row), pad: none a
+    Williamson H_172, both exact in float64."""
+    model = exact_rmsnorm(AutoModelForCausalLM.from_pretrained(MODELS / "stories260K", dtype=torch.float64).eval())
+    x = ids(model.config.vocab_size, 64)
+    with torch.no_grad():
+        before = model(x).logits
+        metrics = rotate(model, model.config.vocab_size, fused=False, mode="spectral", pad=pad)
+        after = model(x).logits
+    assert rel(after, before) < 1e-10
+    down = model.model.layers[0].mlp.down_proj[-1]
+    assert down.in_features == {"pow2": 256, "none": 172}[pad]
+    assert metrics["padded_weights"] == {"pow2": 5 * 64 * (256 - 172), "none": 0}[pad]
+
+
+def test_pad_none_refuses_sizes_without_a_hadamard_matrix():
+    model = tiny_causal("llama")
+    model.model.layers[0].mlp.down_proj = torch.nn.Linear(100, 64, bias=False)  # 100 = 25 * 4: no H_25
+    with pytest.raises(BadInputErr, match=r"pad: none.*layers\.0\.mlp\.down_proj.*size 100"):
+        walsh.check(ModelAdapter(model), WalshConfig(fused=False, mode="spectral", pad="none"))
+    walsh.check(ModelAdapter(model), WalshConfig(fused=False, mode="spectral"))
+    with pytest.raises(ValidationError, match="pad applies"):
+        WalshConfig(pad="none")
 
 
 def test_scales_formula():

@@ -38,6 +38,11 @@ compression); `spectral` adds a run-time transform and is evaluation-only:
   `mode: spectral` and any `export.formats` is refused at plan time. As in the published code, models
   with q_norm/k_norm (Qwen3) keep their attention linears untransformed in this mode (pitfall 3.7.5).
   It is the one mode that also runs on post-LayerNorm encoders (BERT/MiniLM): it touches no norm.
+  The padded weight is what gets rounded and stored: `d_pad - d_in` more columns (stories260K's down_proj
+  172 -> 256, +12% of the model's rounded weights). `pad: none` transforms at `d_pad = d_in` with a K * 2^m
+  Hadamard instead (no growth).
+* `alpha: auto` (any scaling mode): per scale vector, the alpha of `alpha_grid` whose energy-weighted
+  round-to-nearest error at the next quantize stage's bits, group size and symmetry is least (`Scaler`).
 
 * `pair_pca: true` (ALGORITHMS 3.4, the paper's `spectral_pca_2d` when layered on `no_rotation`): per
   KV head and RoPE plane `(c, c + hd/2)` (transformers' `rotate_half` layout), the 2x2 covariance of
@@ -86,6 +91,10 @@ class WalshConfig(StrictModel):
                          "stage's bits, weighted by the input energy, is least")
     alpha_grid: list[Annotated[float, Field(ge=0, le=2)]] = Field(
         [0.0, 0.25, 0.5, 0.75, 1.0], min_length=1, description="candidates of alpha: auto")
+    pad: Literal["pow2", "none"] = Field(
+        "pow2", description="mode spectral: pow2 pads each linear's input to the next power of two, as published (the "
+                            "rounded weight grows, e.g. 172 -> 256 columns); none transforms at the input's own size "
+                            "K * 2^m (no growth; sizes without a Walsh-Hadamard matrix are refused)")
     influence_basis: Optional[Literal["wht", "channel"]] = Field(
         None, description="energy basis without fusion: wht (paper code, default) or channel; fused: channel")
     pair_pca: bool = Field(False, description="also rotate each RoPE plane of q/k by the SO(2) principal axes of k "
@@ -101,6 +110,8 @@ class WalshConfig(StrictModel):
         if self.mode == "spectral" and (self.fused or self.influence_basis == "channel"):
             raise ValueError("mode: spectral is the unfused per-linear Walsh transform: set fused: false and leave "
                              "influence_basis unset (it is always the Walsh basis)")
+        if self.pad != "pow2" and self.mode != "spectral":
+            raise ValueError("pad applies to mode: spectral (the per-linear transform) only")
         if self.mode == "none" and not self.fused and not self.pair_pca:
             raise ValueError("mode: none with fused: false changes nothing")
         if self.pair_pca and self.head_pca:
@@ -124,6 +135,12 @@ def check(adapter, cfg: WalshConfig, recipe=None) -> None:
                        "that no exporter writes; remove `export.formats` (evaluation only), or use the deployable "
                        "`fused: true` or `mode: no_rotation`")
     if cfg.mode == "spectral":
+        if cfg.pad == "none":
+            for name, lin in spectral_targets(adapter).items():
+                try:
+                    factor(lin.in_features)
+                except BadInput as e:
+                    raise BadInput(f"rotate/walsh `pad: none`: {name}: {e}; use `pad: pow2`") from None
         return  # a per-linear input transform: exact for any linear layer, no norm surgery (encoders too)
     if adapter.kind != "causal":
         raise BadInput(f"rotate/walsh `mode: {cfg.mode}` absorbs scales and rotations into pre-norm RMSNorm layers; "
@@ -230,10 +247,16 @@ def rotate_value_heads(adapter) -> None:
 
 
 # -- energy statistics and scaling ------------------------------------------------------------------
+def _pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def _pad_to(x: torch.Tensor, n: int) -> torch.Tensor:
+    return torch.nn.functional.pad(x, (0, n - x.shape[-1])) if n > x.shape[-1] else x
+
+
 def _pad_pow2(x: torch.Tensor) -> torch.Tensor:
-    n = x.shape[-1]
-    p = 1 << (n - 1).bit_length()
-    return torch.nn.functional.pad(x, (0, p - n)) if p > n else x
+    return _pad_to(x, _pow2(x.shape[-1]))
 
 
 def scales(energy: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -436,7 +459,7 @@ class WalshInput(nn.Module):
         self.register_buffer("inv_s", 1.0 / s)
 
     def forward(self, x):
-        return hadamard_transform(_pad_pow2(x)) * self.inv_s.to(x.dtype)
+        return hadamard_transform(_pad_to(x, self.inv_s.numel())) * self.inv_s.to(x.dtype)
 
 
 def spectral_targets(adapter) -> dict[str, nn.Linear]:
@@ -448,26 +471,27 @@ def spectral_targets(adapter) -> dict[str, nn.Linear]:
     return out
 
 
-def apply_spectral(adapter, tokens: torch.Tensor, scaler: Scaler) -> dict:
+def apply_spectral(adapter, tokens: torch.Tensor, scaler: Scaler, pad: str = "pow2") -> dict:
     targets = spectral_targets(adapter)
+    size = _pow2 if pad == "pow2" else (lambda n: n)
     energy = collect_energy(adapter.model, tokens, {n: (m, "input") for n, m in targets.items()},
-                            lambda x: hadamard_transform(_pad_pow2(x)))
+                            lambda x: hadamard_transform(_pad_to(x, size(x.shape[-1]))))
+    stored = 0
     for name, lin in targets.items():
         e = energy.get(name)
-        d_pad = 1 << (lin.in_features - 1).bit_length()
-        if e is None or float(e.sum()) == 0:
-            s = torch.ones(d_pad, dtype=torch.float64)
-        else:
-            s = scaler(e, [hadamard_transform(_pad_pow2(lin.weight.detach().double()))])
+        d_pad = size(lin.in_features)
+        W = hadamard_transform(_pad_to(lin.weight.detach().double(), d_pad))
+        s = torch.ones(d_pad, dtype=torch.float64) if e is None or float(e.sum()) == 0 else scaler(e, [W])
         new = nn.Linear(d_pad, lin.out_features, bias=lin.bias is not None, dtype=lin.weight.dtype,
                         device=lin.weight.device)
-        _set(new.weight, hadamard_transform(_pad_pow2(lin.weight.double())) * s)
+        _set(new.weight, W * s)
+        stored += (d_pad - lin.in_features) * lin.out_features
         if lin.bias is not None:
             _set(new.bias, lin.bias.double())
         parent, _, leaf = name.rpartition(".")
         setattr(adapter.model.get_submodule(parent), leaf,
                 nn.Sequential(WalshInput(lin.in_features, s.to(lin.weight.dtype)), new))
-    return {"spectral_linears": len(targets)}
+    return {"spectral_linears": len(targets), "padded_weights": stored}
 
 
 def _spectrum_taps(adapter) -> dict:
@@ -514,7 +538,7 @@ def _apply(ctx, adapter, cfg: WalshConfig) -> dict:
         metrics["calibration_tokens"] = tokens.numel()
     elif cfg.mode == "spectral":
         tokens = ctx.calibration_tokens()
-        metrics.update(apply_spectral(adapter, tokens, scaler))
+        metrics.update(apply_spectral(adapter, tokens, scaler, cfg.pad))
         metrics["calibration_tokens"] = tokens.numel()
     metrics.update(scaler.summary())
     if cfg.pair_pca:
