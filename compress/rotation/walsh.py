@@ -289,10 +289,10 @@ class Scaler:
     the candidate alpha whose round-to-nearest error on the group's quantized readers is least.
 
     The error of a reader `W` (columns in the basis of `e`) scaled by `s` is
-    `sum_k a_k / s_k^2 ||W[:, k] s_k - Q(W s)[:, k]||^2`, with `a` the energy of the input the reader
-    really sees before scaling (the rounded weight's output error on the calibration data, diagonal part),
-    `Q` the next quantize stage's RTN at its bits, group size and symmetry (AWQ's search over its exponent,
-    on the BBT scale)."""
+    `sum_k a_k / s_k^2 ||W[:, k] s_k - Q(W s)[:, k]||^2`: the diagonal part of the rounded weight's output
+    error on the calibration data, with `a` the energy of the input the reader sees before scaling and `Q`
+    the next quantize stage's RTN at its bits, group size and symmetry (AWQ's search over its exponent,
+    applied to the BBT scale)."""
 
     def __init__(self, alpha, grid=(), rounding: tuple[int, int, bool] | None = None):
         self.alpha, self.grid, self.rounding = alpha, tuple(grid), rounding
