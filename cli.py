@@ -255,6 +255,13 @@ def bench_quality(
     only: Optional[List[str]] = typer.Option(None, "--only", help="run only these models (repeatable)"),
     variant: Optional[List[str]] = typer.Option(None, "--variant", help="--suite walsh: run only these rotation "
                                                 "variants (repeatable; vanilla `autoround` always runs as the reference)"),
+    budget: Optional[List[float]] = typer.Option(None, "--budget", help="--suite mixed: only these effective-bit "
+                                                 "budgets (repeatable)"),
+    seed: Optional[List[int]] = typer.Option(None, "--seed", help="--suite mixed: only these seeds (repeatable)"),
+    method: Optional[List[str]] = typer.Option(None, "--method", help="--suite mixed: only these allocation rows "
+                                               "(repeatable), e.g. greedy-sens+refine, rl+refine"),
+    refine: Optional[int] = typer.Option(None, "--refine", help="--suite mixed: pair moves of the +refine rows "
+                                         "(default 2000)"),
     suite: str = typer.Option("ptq", "--suite", help="`ptq`: FP/RTN/GPTQ/AutoRound matrix; `lfq`: AutoRound "
                               "with and without LFQ and hard-label CE, three seeds, with greedy-continuation scores; "
                               "`walsh`: AutoRound after no rotation, auto-round's Hadamard and the walsh modes; "
@@ -272,6 +279,8 @@ def bench_quality(
     _setup_logging(False)
     if variant and suite != "walsh":
         raise BadInput("--variant selects rotation variants of --suite walsh")
+    if (budget or seed or method or refine is not None) and suite != "mixed":
+        raise BadInput("--budget, --seed, --method and --refine select rows of --suite mixed")
     if suite == "ptq":
         from compress.eval.bench_quality import run_quality
 
@@ -288,7 +297,8 @@ def bench_quality(
         from compress.eval.bench_mixed import run_mixed
 
         curves = md_out.with_name(f"{md_out.stem}-rl-curves.png") if md_out else None
-        rows, md = run_mixed(quick=quick, only=only or None, curve_png=curves)
+        rows, md = run_mixed(quick=quick, only=only or None, curve_png=curves, budgets=budget or None,
+                             seeds=seed or None, methods=method or None, refine=refine)
     else:
         raise BadInput(f"unknown --suite `{suite}` (known: ptq, lfq, walsh, mixed)")
     _emit_bench(rows, md, json_out, md_out)

@@ -149,16 +149,17 @@ def targets(summary: list[dict], infeasible: list[dict]) -> list[dict]:
     per run (with refine)."""
     by = {(r["model"], r["budget"], r["method"]): r for r in summary}
     out = []
-    for (model, budget, method), r in by.items():
-        if method != "rl":
+    for model, budget in dict.fromkeys((k[0], k[1]) for k in by):
+        rls = [by[(model, budget, m)] for m in RL_METHODS if (model, budget, m) in by]
+        bases = [by[(model, budget, m)] for m in BASELINES if (model, budget, m) in by]
+        if not rls or not bases:
             continue
-        best = min((by[(model, budget, m)] for m in BASELINES if (model, budget, m) in by), key=lambda b: b["ppl"])
-        best_rl = min((by[(model, budget, m)] for m in RL_METHODS if (model, budget, m) in by), key=lambda b: b["ppl"])
+        best, best_rl = min(bases, key=lambda b: b["ppl"]), min(rls, key=lambda b: b["ppl"])
         out.append({"target": f"{model} @ {budget}: RL ppl <= 0.95 x best baseline ({best_rl['method']} vs "
                               f"{best['method']})",
                     "met": best_rl["ppl"] <= 0.95 * best["ppl"],
                     "value": f"{best_rl['ppl']:.4f} vs {best['ppl']:.4f} (x{best_rl['ppl'] / best['ppl']:.4f})"})
-        slowest = by.get((model, budget, RL_METHODS[-1]), r)  # rl+refine: the search and the refinement
+        slowest = by.get((model, budget, RL_METHODS[-1]), rls[0])  # rl+refine: the search and the refinement
         mix = [by[(model, budget, m)] for m in METHODS[1:] if (model, budget, m) in by]
         lo, hi = min(m["min_effective_bits"] for m in mix), max(m["max_effective_bits"] for m in mix)
         names = ", ".join(m["method"] for m in mix)
@@ -172,8 +173,22 @@ def targets(summary: list[dict], infeasible: list[dict]) -> list[dict]:
     return out
 
 
-def run_mixed(quick: bool = False, only: list[str] | None = None, curve_png: Path | None = None) -> tuple[dict, str]:
+def run_mixed(quick: bool = False, only: list[str] | None = None, curve_png: Path | None = None,
+              budgets: list[float] | None = None, seeds: list[int] | None = None, methods: list[str] | None = None,
+              refine: int | None = None) -> tuple[dict, str]:
+    """budgets / seeds / methods: run only these (default: all of the settings); refine: pair moves of the
+    `+refine` rows (default 2000), e.g. to see how far a longer search on both sides moves them."""
+    from compress.errors import BadInput
+
+    unknown = set(methods or ()) - set(METHODS)
+    if unknown:
+        raise BadInput(f"unknown mixed method(s) {sorted(unknown)} (known: {', '.join(METHODS)})")
+    if refine is not None and refine < 1:
+        raise BadInput(f"--refine must be at least 1, got {refine}")
     s = QUICK if quick else FULL
+    s = replace(s, budgets=tuple(budgets or s.budgets), seeds=tuple(seeds if seeds is not None else s.seeds),
+                refine=refine or s.refine)
+    chosen = [m for m in METHODS if not methods or m in methods]
     t0 = time.time()
     meta = bq.suite_meta(quick)
     cells, infeasible = [], []
@@ -188,7 +203,7 @@ def run_mixed(quick: bool = False, only: list[str] | None = None, curve_png: Pat
                     infeasible.append({"model": bench.name, "budget": budget, "reason": reason})
                     continue
                 for seed in s.seeds:
-                    for method in METHODS:
+                    for method in chosen:
                         cells.append(cell(bench, path, calib, method, budget, seed, s, tmp))
                         c = cells[-1]
                         bq.log.info("mixed %s @%s seed %d %s: ppl %.4f b_eff %.5f alloc %.1fs", bench.name, budget,
@@ -196,21 +211,26 @@ def run_mixed(quick: bool = False, only: list[str] | None = None, curve_png: Pat
     meta["wall_seconds"] = round(time.time() - t0, 1)
     summary = summarize(cells)
     result = {"meta": meta, "settings": {**s.base.__dict__, "seeds": list(s.seeds), "budgets": list(s.budgets),
-                                         **{k: getattr(s, k) for k in RL_FIELDS}, "refine": s.refine},
+                                         **{k: getattr(s, k) for k in RL_FIELDS}, "refine": s.refine,
+                                         "methods": chosen},
               "summary": summary, "cells": cells, "infeasible": infeasible,
               "targets": targets(summary, infeasible)}
-    if curve_png is not None:
-        write_curves(cells, curve_png)
+    if curve_png is not None and write_curves(cells, curve_png):
         result["meta"]["curve_png"] = curve_png.name
     return result, markdown(result)
 
 
-def write_curves(cells: list[dict], path: Path) -> None:
+def write_curves(cells: list[dict], path: Path) -> bool:
+    """The `rl` rows' learning curves (the `rl+refine` rows' when only those ran); False when there are none."""
     from compress.methods.allocate import write_curve
 
-    rl = [c for c in cells if c["method"] == "rl" and c["curve"]]
+    rl = ([c for c in cells if c["method"] == "rl" and c["curve"]]
+          or [c for c in cells if c["method"] == "rl+refine" and c["curve"]])
+    if not rl:
+        return False
     write_curve([c["curve"] for c in rl], path,
                 labels=[f"{c['model']} @{c['budget']} seed {c['seed']}" for c in rl])
+    return True
 
 
 def rl_extras(s: dict) -> str:

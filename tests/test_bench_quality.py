@@ -109,3 +109,28 @@ def test_quick_mixed_suite_on_stories260k(tmp_path):
     assert len(result["cells"][-1]["curve"]) == 2 and (tmp_path / "curves.png").stat().st_size > 1000
     assert result["targets"][0]["target"].startswith("stories260K @ 3.0: RL ppl <= 0.95 x best baseline")
     assert md.startswith("# Mixed-precision benchmark") and md.count("\n| stories260K | 3.0 |") == len(MM)
+
+
+def test_mixed_suite_runs_chosen_rows_with_a_longer_refine(monkeypatch, tmp_path):
+    from compress.errors import BadInput
+    from compress.eval import bench_mixed
+
+    ran = []
+
+    def fake_cell(bench, path, calib, method, budget, seed, s, tmp):
+        ran.append((method, budget, seed, s.refine))
+        return {"model": bench.name, "budget": budget, "group_size": 32, "method": method, "seed": seed, "fp_ppl": 5.0,
+                "ppl": {"greedy-sens+refine": 10.0, "rl+refine": 9.0}[method], "kl": 0.1, "top1": 0.5,
+                "effective_bits": budget - 0.001, "report_effective_bits": budget, "alloc_seconds": 60.0,
+                "search_seconds": 50.0, "proxy_error": None, "picked": None, "curve": []}
+
+    monkeypatch.setattr(bench_mixed, "cell", fake_cell)
+    result, md = bench_mixed.run_mixed(quick=True, only=["stories260K"], budgets=[3.0], seeds=[1],
+                                       methods=["rl+refine", "greedy-sens+refine"], refine=20000,
+                                       curve_png=tmp_path / "curves.png")
+    assert not (tmp_path / "curves.png").exists() and "curve_png" not in result["meta"]  # no curves, no empty plot
+    assert ran == [("greedy-sens+refine", 3.0, 1, 20000), ("rl+refine", 3.0, 1, 20000)]
+    assert result["settings"]["refine"] == 20000 and result["settings"]["methods"] == [m for m, *_ in ran]
+    assert result["targets"][0]["value"] == "9.0000 vs 10.0000 (x0.9000)"  # the RL row against the baseline row
+    with pytest.raises(BadInput, match="unknown mixed method"):
+        bench_mixed.run_mixed(quick=True, only=["stories260K"], methods=["rl+refin"])
