@@ -180,15 +180,11 @@ def run_mixed(quick: bool = False, only: list[str] | None = None, curve_png: Pat
     `+refine` rows (default 2000), e.g. to see how far a longer search on both sides moves them."""
     from compress.errors import BadInput
 
-    unknown = set(methods or ()) - set(METHODS)
-    if unknown:
-        raise BadInput(f"unknown mixed method(s) {sorted(unknown)} (known: {', '.join(METHODS)})")
+    chosen = bq.pick(methods, list(METHODS), "mixed method", "--method")
     if refine is not None and refine < 1:
         raise BadInput(f"--refine must be at least 1, got {refine}")
     s = QUICK if quick else FULL
-    s = replace(s, budgets=tuple(budgets or s.budgets), seeds=tuple(seeds if seeds is not None else s.seeds),
-                refine=refine or s.refine)
-    chosen = [m for m in METHODS if not methods or m in methods]
+    s = replace(s, budgets=tuple(budgets or s.budgets), seeds=tuple(seeds or s.seeds), refine=refine or s.refine)
     t0 = time.time()
     meta = bq.suite_meta(quick)
     cells, infeasible = [], []

@@ -340,17 +340,20 @@ def run_quality(quick: bool = False, only: list[str] | None = None) -> tuple[lis
     return rows, markdown(rows, meta)
 
 
-def selected(quick: bool, only: list[str] | None) -> list[Bench]:
-    chosen = [b for b in benches() if b.quick or not quick]
-    if only:
-        known = [b.name for b in benches()]
-        unknown = [n for n in only if n not in known]
-        if unknown:
-            from compress.errors import BadInput
+def pick(names: list | None, known: list, what: str, option: str) -> list:
+    """`known` in its order, only the entries in `names` when names are given; BadInput names the first
+    unknown one (`what`, the command-line `option` that gave it)."""
+    unknown = [n for n in names or () if n not in known]
+    if unknown:
+        from compress.errors import BadInput
 
-            raise BadInput(f"unknown model `{unknown[0]}` for --only (known: {', '.join(known)})")
-        chosen = [b for b in chosen if b.name in only]
-    return chosen
+        raise BadInput(f"unknown {what} `{unknown[0]}` for {option} (known: {', '.join(map(str, known))})")
+    return [k for k in known if not names or k in names]
+
+
+def selected(quick: bool, only: list[str] | None) -> list[Bench]:
+    names = pick(only, [b.name for b in benches()], "model", "--only")
+    return [b for b in benches() if (b.quick or not quick) and b.name in names]
 
 
 def run_matrix(quick: bool = False, only: list[str] | None = None) -> tuple[list[dict], dict]:

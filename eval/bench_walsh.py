@@ -141,13 +141,9 @@ def targets(summary: list[dict]) -> list[dict]:
 def run_walsh(quick: bool = False, only: list[str] | None = None,
               variants: list[str] | None = None) -> tuple[dict, str]:
     """variants: run only these rotations (and always vanilla `autoround`, the reference of every ratio)."""
-    from compress.errors import BadInput
     from compress.models.loading import load_config
 
-    unknown = set(variants or ()) - set(VARIANTS)
-    if unknown:
-        raise BadInput(f"unknown walsh variant(s) {sorted(unknown)} (known: {', '.join(VARIANTS)})")
-    chosen = [v for v in VARIANTS if not variants or v == "autoround" or v in variants]
+    chosen = bq.pick(variants and ["autoround", *variants], list(VARIANTS), "walsh variant", "--variant")
     s = QUICK if quick else FULL
     t0 = time.time()
     meta = bq.suite_meta(quick)
