@@ -141,6 +141,13 @@ class Recipe(StrictModel):
         return list(self.stages)
 
 
+def next_stage(recipe, cfg, stage: str):
+    """The first config of `stage` after `cfg` (found by identity) in `recipe.stage_configs`, or None."""
+    configs = recipe.stage_configs
+    i = next(k for k, c in enumerate(configs) if c is cfg)
+    return next((c for c in configs[i + 1:] if c.stage == stage), None)
+
+
 def export_name(fmt) -> str:
     return fmt if isinstance(fmt, str) else fmt.format
 

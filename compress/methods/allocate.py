@@ -67,6 +67,7 @@ from compress.config import StrictModel, check_group_size
 from compress.driver import LayerSpec, MixedSpec, collect_energy
 from compress.errors import BadInput
 from compress.qweight import KEEP_BITS, unit_storage_bits
+from compress.recipe import next_stage
 from compress.registry import register
 
 log = logging.getLogger(__name__)
@@ -272,11 +273,10 @@ def plan_from_choice(p: Problem, choice: torch.Tensor, shapes: dict, cfg: Alloca
 def _next_quantize(recipe, cfg):
     configs = recipe.stage_configs
     i = next(k for k, c in enumerate(configs) if c is cfg)
-    q = next((c for c in configs[i + 1:] if c.stage == "quantize"), None)
-    between = [c for c in configs[i + 1:] if c.stage == "allocate"]
+    q, between = next_stage(recipe, cfg, "quantize"), next_stage(recipe, cfg, "allocate")
     if q is None:
         raise BadInput(f"stage {i} (`allocate`) needs a `quantize` stage after it to apply the plan")
-    if between and configs.index(between[0]) < configs.index(q):
+    if between is not None and configs.index(between) < configs.index(q):
         raise BadInput(f"stage {i} (`allocate`) is followed by another `allocate` before any `quantize`")
     if q.method not in ("rtn", "autoround"):
         raise BadInput(f"the `quantize` stage after `allocate` uses method `{q.method}`; mixed-precision plans are "

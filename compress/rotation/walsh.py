@@ -72,6 +72,7 @@ from compress.driver import collect_energy, collect_moments, head_covariance
 from compress.errors import BadInput
 from compress.models.adapters import get_module
 from compress.primitives import fake_quantize
+from compress.recipe import next_stage
 from compress.registry import register
 from compress.rotation.hadamard import factor, hadamard_transform
 
@@ -172,9 +173,7 @@ def check(adapter, cfg: WalshConfig, recipe=None) -> None:
 
 def rounding(recipe, cfg: WalshConfig) -> tuple[int, int, bool]:
     """(bits, group_size, sym) of the first `quantize` stage after this rotation: what `alpha: auto` rounds with."""
-    configs = recipe.stage_configs
-    after = configs[next(k for k, c in enumerate(configs) if c is cfg) + 1:]
-    q = next((c for c in after if c.stage == "quantize"), None)
+    q = next_stage(recipe, cfg, "quantize")
     if q is None:
         raise BadInput("rotate/walsh `alpha: auto` picks alpha against the rounding of the next `quantize` stage; "
                        "add one after the rotation or give a number")
