@@ -369,6 +369,24 @@ def test_plan_time_errors(tmp_path):
     assert rc != 0
 
 
+def test_the_quantize_stage_after_allocate_is_found_by_position():
+    """An identical `allocate` config after the quantize stage is not "another allocate before it" (configs
+    compare by value, so finding them by value would take the later one for this one)."""
+    from types import SimpleNamespace as NS
+
+    from compress.errors import BadInput
+    from compress.methods.allocate import _next_quantize
+
+    a, q = NS(stage="allocate", budget=2.5), NS(stage="quantize", method="rtn")
+    assert _next_quantize(NS(stage_configs=[a, q, NS(stage="allocate", budget=2.5)]), a) is q
+    with pytest.raises(BadInput, match="another `allocate` before any `quantize`"):
+        _next_quantize(NS(stage_configs=[a, NS(stage="allocate", budget=2.5), q]), a)
+    with pytest.raises(BadInput, match="needs a `quantize` stage after it"):
+        _next_quantize(NS(stage_configs=[q, a]), a)
+    with pytest.raises(BadInput, match="uses method `gptq`"):
+        _next_quantize(NS(stage_configs=[a, NS(stage="quantize", method="gptq")]), a)
+
+
 def test_run_plan_artifacts_and_plan_file(tmp_path):
     out = tmp_path / "g"
     rc, stdout, err = invoke("run", recipe(tmp_path), "--output", out, "--json")

@@ -273,11 +273,13 @@ def plan_from_choice(p: Problem, choice: torch.Tensor, shapes: dict, cfg: Alloca
 def _next_quantize(recipe, cfg):
     configs = recipe.stage_configs
     i = next(k for k, c in enumerate(configs) if c is cfg)
-    q, between = next_stage(recipe, cfg, "quantize"), next_stage(recipe, cfg, "allocate")
-    if q is None:
+    # by position, not configs.index: two stage configs with the same fields compare equal
+    kinds = [c.stage for c in configs[i + 1:] if c.stage in ("quantize", "allocate")]
+    if "quantize" not in kinds:
         raise BadInput(f"stage {i} (`allocate`) needs a `quantize` stage after it to apply the plan")
-    if between is not None and configs.index(between) < configs.index(q):
+    if kinds[0] == "allocate":
         raise BadInput(f"stage {i} (`allocate`) is followed by another `allocate` before any `quantize`")
+    q = next_stage(recipe, cfg, "quantize")
     if q.method not in ("rtn", "autoround"):
         raise BadInput(f"the `quantize` stage after `allocate` uses method `{q.method}`; mixed-precision plans are "
                        "fitted by `rtn` (plain fitting) or `autoround`")
