@@ -359,8 +359,7 @@ def selected(quick: bool, only: list[str] | None) -> list[Bench]:
 def run_matrix(quick: bool = False, only: list[str] | None = None) -> tuple[list[dict], dict]:
     s = QUICK if quick else FULL
     t0 = time.time()
-    meta = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"), "quick": quick,
-            "machine": machine(), "settings": s.__dict__ | {"widths": list(s.widths)}}
+    meta = suite_meta(quick) | {"settings": s.__dict__ | {"widths": list(s.widths)}}
     rows: list[dict] = []
     root = logging.getLogger()
     saved = (list(root.handlers), root.level)
