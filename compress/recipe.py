@@ -141,11 +141,12 @@ class Recipe(StrictModel):
         return list(self.stages)
 
 
-def next_stage(recipe, cfg, stage: str):
-    """The first config of `stage` after `cfg` (found by identity) in `recipe.stage_configs`, or None."""
+def next_stage(recipe, cfg, *stages: str):
+    """The first config of one of `stages` after `cfg` in `recipe.stage_configs`, or None. By position
+    (`cfg` is found by identity): two stage configs with the same fields compare equal."""
     configs = recipe.stage_configs
     i = next(k for k, c in enumerate(configs) if c is cfg)
-    return next((c for c in configs[i + 1:] if c.stage == stage), None)
+    return next((c for c in configs[i + 1:] if c.stage in stages), None)
 
 
 def export_name(fmt) -> str:

@@ -271,15 +271,12 @@ def plan_from_choice(p: Problem, choice: torch.Tensor, shapes: dict, cfg: Alloca
 
 # -- plan-time checks -------------------------------------------------------------------------------
 def _next_quantize(recipe, cfg):
-    configs = recipe.stage_configs
-    i = next(k for k, c in enumerate(configs) if c is cfg)
-    # by position, not configs.index: two stage configs with the same fields compare equal
-    kinds = [c.stage for c in configs[i + 1:] if c.stage in ("quantize", "allocate")]
-    if "quantize" not in kinds:
-        raise BadInput(f"stage {i} (`allocate`) needs a `quantize` stage after it to apply the plan")
-    if kinds[0] == "allocate":
-        raise BadInput(f"stage {i} (`allocate`) is followed by another `allocate` before any `quantize`")
+    i = next(k for k, c in enumerate(recipe.stage_configs) if c is cfg)
     q = next_stage(recipe, cfg, "quantize")
+    if q is None:
+        raise BadInput(f"stage {i} (`allocate`) needs a `quantize` stage after it to apply the plan")
+    if next_stage(recipe, cfg, "quantize", "allocate") is not q:
+        raise BadInput(f"stage {i} (`allocate`) is followed by another `allocate` before any `quantize`")
     if q.method not in ("rtn", "autoround"):
         raise BadInput(f"the `quantize` stage after `allocate` uses method `{q.method}`; mixed-precision plans are "
                        "fitted by `rtn` (plain fitting) or `autoround`")
