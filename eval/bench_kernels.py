@@ -17,8 +17,8 @@ that stay in cache, `arithmetic_ms()`): near or above its `ms_min`, the kernel i
 `side_by_side` times the batch-1 sides of the targets (ours int4 and int2, torch int4, OpenVINO int4) on the
 last shape in one round-robin loop, so their ratios do not mix two phases of a noisy machine.
 
-Every timed call starts with cold caches (`Evict`: the L3 of these VMs holds 300 MiB, more than a
-packed 8192x8192 weight, and decoding a real model streams its weights from DRAM).
+Every timed call starts with cold caches (`Evict`: the L3 of these VMs reports 32 to 300 MiB, enough to
+hold a packed 8192x8192 int4 or int2 weight, and decoding a real model streams its weights from DRAM).
 
 `isa="avx2"` (`compress bench kernels --isa avx2`) measures what an AVX2-only CPU runs, on an AVX-512 one:
 our kernel built for AVX2 (`COMPRESS_CPU_ISA=avx2`: `-march=haswell`, no AVX-512 instruction anywhere in
@@ -53,7 +53,7 @@ logger = logging.getLogger(__name__)
 SHAPES = ((4096, 4096), (11008, 4096), (8192, 8192))  # (out, in)
 BATCHES = (1, 8, 32)
 FORMATS = ((4, 128), (2, 64), (3, 128))  # int3: ours (two planes) and the reference only
-EVICT_MIB = 512  # > the last-level cache (300 MiB L3 on the 2-core VMs used here)
+EVICT_MIB = 512  # > the last-level cache (32-300 MiB L3 on the 2-core VMs used here)
 QUICK = dict(shapes=((1024, 1024),), batches=(1, 8), repeats=3)
 
 
