@@ -69,7 +69,8 @@ def run(
     output: Path = typer.Option(Path("out"), "--output", "-o", help="output directory"),
     set_: Optional[List[str]] = typer.Option(None, "--set", help="override a recipe key: dotted.key=value"),
     resume: bool = typer.Option(False, "--resume", help="continue an interrupted run in OUTPUT"),
-    force: bool = typer.Option(False, "--force", help="clear a non-empty OUTPUT and start over"),
+    force: bool = typer.Option(False, "--force", help="clear OUTPUT, an earlier run's directory, and start over "
+                               "(a directory that no run wrote is never cleared)"),
     dry_run: bool = typer.Option(False, "--dry-run", help="validate and print the plan; compute nothing"),
     seed: Optional[int] = typer.Option(None, "--seed", help="calibration seed; replaces the recipe's"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bars, warnings only"),
@@ -80,7 +81,6 @@ def run(
     Example: compress run recipes/quickstart.yaml --model ../shared/data/models/ref-llama-7m --output out/
     """
     from compress import pipeline
-    from compress.errors import BadInput
     from compress.eval.report import summary_lines
     from compress.recipe import load_recipe, validate_paths
 
@@ -92,28 +92,11 @@ def run(
         p = pipeline.plan(loaded)
         _emit_json(p) if as_json else _print_plan(p)
         return
-    fresh = not output.exists() or (output.is_dir() and not any(output.iterdir()))
-    try:
-        report = pipeline.run(loaded, output, resume=resume, force=force, quiet=quiet or as_json)
-    except BadInput:
-        if fresh:  # a bad input found while loading (corrupt weights, empty calibration): leave nothing behind
-            _discard(output)
-        raise
+    report = pipeline.run(loaded, output, resume=resume, force=force, quiet=quiet or as_json)
     if as_json:
         _emit_json(report)
     elif not quiet:
         typer.echo("\n".join(summary_lines(report) + [f"output: {output}"]), err=False)
-
-
-def _discard(output: Path) -> None:
-    """Remove what a failed run wrote into a directory that was empty or absent."""
-    import shutil
-
-    if output.is_dir():
-        for child in output.iterdir():
-            shutil.rmtree(child, ignore_errors=True) if child.is_dir() else child.unlink(missing_ok=True)
-        if not any(output.iterdir()):
-            output.rmdir()
 
 
 def _print_plan(p: dict) -> None:

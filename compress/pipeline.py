@@ -20,8 +20,8 @@ from typing import Callable
 
 import torch
 
-from compress import registry
-from compress.calibration import calibration_tokens
+from compress import inputs, registry
+from compress.calibration import calibration_tokens, tokens_hash
 from compress.errors import BadInput
 from compress.models.adapters import ModelAdapter
 from compress.models.loading import load_config, load_model, max_positions
@@ -62,12 +62,23 @@ class StageContext:
     _tokens: torch.Tensor | None = None
 
     def calibration_tokens(self) -> torch.Tensor:
+        """The (nsamples, seqlen) calibration batch, tokenized once per run. Its hash goes into the manifest;
+        on resume it must equal the earlier run's (same files, but another tokenizer version would not)."""
         if self._tokens is None:
             c = self.loaded.recipe.calibration
-            self._tokens = calibration_tokens(
+            tokens = calibration_tokens(
                 self.tokenizer, list(c.sources), nsamples=c.nsamples, seqlen=c.seqlen, seed=c.seed,
                 field=c.text_field, bos_id=bos_id(self.tokenizer, self.adapter),
             )
+            record = self.workspace.manifest["inputs"]
+            digest, earlier = tokens_hash(tokens), record.get("calibration_tokens_sha256")
+            if earlier is not None and earlier != digest:
+                raise BadInput("the tokenized calibration differs from the earlier run's although the model and "
+                               "calibration files are the same (another tokenizers or transformers version?); "
+                               "the earlier stages cannot be continued: rerun with --force to start over")
+            record["calibration_tokens_sha256"] = digest
+            self.workspace.save_manifest()
+            self._tokens = tokens
         return self._tokens
 
 
@@ -115,7 +126,8 @@ def plan(loaded) -> dict:
     from compress.models.adapters import ARCHS
     from compress.quantize_stage import planned_layers
 
-    cls = AutoModelForCausalLM if ARCHS[config.model_type].kind == "causal" else AutoModel
+    kind = ARCHS[config.model_type].kind
+    cls = AutoModelForCausalLM if kind == "causal" else AutoModel
     with init_empty_weights():
         skeleton = cls.from_config(config)
     adapter = ModelAdapter(skeleton)
@@ -137,6 +149,7 @@ def plan(loaded) -> dict:
         entry = registry.get("export", fmt if isinstance(fmt, str) else fmt.format)
         if entry.check is not None:
             entry.check(adapter, entry.config() if isinstance(fmt, str) else fmt, r)
+    inputs.check_data(loaded, kind)  # reads every data file: after the cheap checks
     if r.model.stream:
         _check_streamable(r)
         per_block = sum(p.numel() for p in adapter.blocks[0].parameters())
@@ -163,19 +176,35 @@ def export_names(recipe) -> list[str]:
 
 # -- running ----------------------------------------------------------------------------------------
 def run(loaded, output: Path, *, resume=False, force=False, quiet=False) -> dict:
-    plan(loaded)  # validates shapes and limits before anything heavy
-    ws = Workspace(output, resume=resume, force=force)
+    """Plan (every input checked), take OUTPUT under a lock, run. A bad input found while running
+    removes what the run wrote only if no stage had finished and OUTPUT held nothing else; finished
+    stages are always kept for `--resume`."""
+    plan(loaded)  # validates inputs, shapes and limits before anything heavy
+    ws = Workspace(output, resume=resume, force=force, inputs=inputs.local_paths(loaded))
     handler = _attach_log(ws)
     try:
         return _run(loaded, ws, quiet)
+    except BadInput as e:
+        _detach_log(handler)
+        if not ws.finished_stages():
+            ws.discard()
+            raise
+        raise BadInput(f"{e}\nthe finished stages are kept in `{output}`: fix this and rerun with --resume") from e
     finally:
-        logging.getLogger().removeHandler(handler)
-        handler.close()
+        _detach_log(handler)
+        ws.close()
+
+
+def _detach_log(handler: logging.Handler) -> None:
+    logging.getLogger().removeHandler(handler)
+    handler.close()
 
 
 def _run(loaded, ws: Workspace, quiet: bool) -> dict:
     r = loaded.recipe
-    ws.manifest.update(recipe=loaded.resolved, recipe_sha256=loaded.sha256, versions=versions())
+    prior = ws.manifest.get("inputs") or {}
+    ws.manifest.update(recipe=loaded.resolved, recipe_sha256=loaded.sha256, versions=versions(),
+                       inputs=_identify_inputs(loaded, prior))
     ws.save_manifest()
     progress = _bar(quiet)
     timings: list[dict] = []
@@ -192,10 +221,11 @@ def _run(loaded, ws: Workspace, quiet: bool) -> dict:
                        fp_bytes=_param_bytes(model))
     if r.model.stream:
         ctx.streamer = BlockStreamer(model, adapter, source, r.model.dtype)
-    prefix: list = [loaded.resolved.get("model"), loaded.resolved.get("calibration")]
+    prefix: list = [ws.manifest["inputs"]["sha256"]]  # model and calibration, by path and by content
     for i, cfg in enumerate(r.stage_configs):
         ctx.key = stage_key(i, cfg)
-        prefix.append(cfg.model_dump())
+        files = inputs.stage_files(cfg)
+        prefix.append({**cfg.model_dump(), "_files": files} if files else cfg.model_dump())
         inputs_hash = _hash(prefix)
         entry = registry.get(cfg.stage, cfg.method)
         resumed = ws.stage_done(ctx.key, inputs_hash)
@@ -239,6 +269,22 @@ def _run(loaded, ws: Workspace, quiet: bool) -> dict:
 
     ws.write_text("report.md", render_markdown(report))
     return report
+
+
+def _identify_inputs(loaded, prior: dict) -> dict:
+    """manifest["inputs"]: content hashes of the model and calibration files, and `sha256` over them and the
+    resolved model/calibration specs (the root of every stage key). On resume, a change is logged by name;
+    the tokenized calibration's hash is carried over only when nothing it depends on changed."""
+    fp = inputs.fingerprint(loaded.recipe)
+    key = _hash([loaded.resolved.get("model"), loaded.resolved.get("calibration"), fp])
+    out = {"sha256": key, **fp}
+    if prior.get("sha256") == key:
+        if "calibration_tokens_sha256" in prior:
+            out["calibration_tokens_sha256"] = prior["calibration_tokens_sha256"]
+    elif prior:
+        what = inputs.changes(prior, fp) or ["the model or calibration settings"]
+        log.warning("--resume: since the earlier run, %s changed; every stage is recomputed", "; ".join(what))
+    return out
 
 
 def fmt_config(recipe, name):

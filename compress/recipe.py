@@ -115,6 +115,7 @@ class ExportSpec(StrictModel):
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
             raise ValueError(f"export format `{dup[0]}` is listed more than once")
+        _distinct_directories(out)
         return out
 
     def names(self) -> list[str]:
@@ -147,6 +148,20 @@ def next_stage(recipe, cfg, *stages: str):
     configs = recipe.stage_configs
     i = next(k for k, c in enumerate(configs) if c is cfg)
     return next((c for c in configs[i + 1:] if c.stage in stages), None)
+
+
+def _distinct_directories(formats: list) -> None:
+    """Each export writes (and on a rerun replaces) a directory of its own: no two may share or nest."""
+    dirs = []
+    for f in formats:
+        cfg = registry.get("export", f).config() if isinstance(f, str) else f
+        if isinstance(cfg, BaseModel) and isinstance(getattr(cfg, "directory", None), str):
+            dirs.append((export_name(f), Path(cfg.directory)))
+    for i, (a, da) in enumerate(dirs):
+        for b, db in dirs[i + 1:]:
+            if da == db or da in db.parents or db in da.parents:
+                raise ValueError(f"exports `{a}` and `{b}` write to `{da}` and `{db}`: each export needs a "
+                                 "directory of its own (one would replace the other's files)")
 
 
 def export_name(fmt) -> str:
@@ -594,7 +609,7 @@ def validate_paths(recipe: Recipe | LoadedRecipe) -> None:
             what = "is not a file" if Path(s).expanduser().exists() else "does not exist"
             problems.append((("eval", "data", i), f"eval file `{s}` {what}"))
     if problems:
-        raise BadInput("\n".join(_with_where(loc, msg, loc8) for loc, msg in problems))
+        raise BadInput("\n".join(with_where(loc, msg, loc8) for loc, msg in problems))
 
 
 def _model_problems(m: ModelSpec) -> list[tuple[Loc, str]]:
@@ -613,7 +628,7 @@ def _model_problems(m: ModelSpec) -> list[tuple[Loc, str]]:
     return []
 
 
-def _with_where(loc: Loc, msg: str, loc8: _Locator | None) -> str:
+def with_where(loc: Loc, msg: str, loc8: _Locator | None) -> str:
     if loc8 is None:
         return f"{msg} ({dotted(loc)})"
     return f"{msg} (`{dotted(loc)}` {loc8.where(loc)[1]})"

@@ -7,7 +7,9 @@ package versions, and for each stage its status, inputs hash, seconds and peak R
 
 from __future__ import annotations
 
+import fcntl
 import json
+import logging
 import os
 import resource
 import shutil
@@ -21,6 +23,8 @@ from safetensors.torch import load_file, save_file
 
 from compress.errors import BadInput
 from compress.qweight import QuantizedWeight
+
+log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
 FORMAT = {"name": "compress-workspace", "version": 1}
@@ -47,47 +51,173 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         raise
 
 
+LOCK = ".compress.lock"
+# names the run itself writes at the top of its directory; an export directory may not take one
+RESERVED = frozenset({MANIFEST, LOCK, "stages", "figures", "run.log", "report.json", "report.md", "plan.json",
+                      "plan_heatmap.png", "rl_curve.json", "rl_curve.png"})
+
+
 class Workspace:
-    def __init__(self, root: Path | str, *, resume: bool = False, force: bool = False):
+    """The output directory of one run, held under an exclusive lock from construction to `close()`.
+
+    A run never destroys what it did not create:
+    - the output may not be, or contain, any of `inputs` ((label, path) pairs: the model, data files,
+      the recipe);
+    - `force` clears only a directory that a previous run marked as its own (its `manifest.json`, which
+      is written as soon as the workspace exists) and `resume` continues only such a directory;
+    - a second run on the same directory fails at once, naming the holder's pid, and touches nothing.
+    """
+
+    def __init__(self, root: Path | str, *, resume: bool = False, force: bool = False,
+                 inputs: list[tuple[str, Path]] = ()):
         self.root = Path(root)
+        self._check_not_an_input(inputs)
+        if self.root.exists() and not self.root.is_dir():
+            raise BadInput(f"output `{self.root}` is a file, not a directory; choose a directory with --output")
         self._check_writable()
-        existing = self.root.exists() and any(self.root.iterdir())
-        if existing and not (resume or force):
-            raise BadInput(
-                f"output directory `{self.root}` is not empty; pass --resume to continue the run there "
-                "or --force to start over"
-            )
-        if existing and force and not resume:
-            self._clear()
+        self.created = not self.root.exists()
         try:
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as e:  # e.g. under /proc or /sys, where even root cannot create directories
             raise BadInput(f"cannot create output directory `{self.root}`: {e.strerror or e}; "
                            "choose a writable path with --output") from e
-        self.manifest = self._read_manifest() if resume else {}
+        self._lock_fd = None
+        try:
+            self._lock()
+            self._open(resume, force)
+        except BaseException:
+            self.close(remove_root=self.created)
+            raise
+
+    def _open(self, resume: bool, force: bool) -> None:
+        existing = [p for p in self.root.iterdir() if p.name != LOCK]
+        ours = self._marked()
+        if existing and not (resume or force):
+            raise BadInput(f"output directory `{self.root}` is not empty; pass --resume to continue the run there "
+                           "or --force to start over")
+        if existing and not ours:
+            raise BadInput(f"output directory `{self.root}` holds files that no compress run wrote (it has no "
+                           f"compress {MANIFEST}); --resume and --force only take a previous run's directory: choose another "
+                           "--output, or empty this one yourself")
+        self.manifest = self._read_manifest() if existing else {}
+        if existing and force and not resume:
+            self._clear()
+            self.manifest = {}
+        self.fresh = not existing or (force and not resume)  # nothing here but what this run writes
         self.manifest.setdefault("format", FORMAT)
         self.manifest.setdefault("stages", {})
+        self.save_manifest()  # marks the directory as a run's own from the start
+
+    def _marked(self) -> bool:
+        """Whether OUTPUT/manifest.json is a compress workspace's."""
+        try:
+            data = json.loads((self.root / MANIFEST).read_text())
+        except (OSError, UnicodeDecodeError, ValueError):
+            return False
+        return isinstance(data, dict) and isinstance(data.get("format"), dict) and \
+            data["format"].get("name") == FORMAT["name"]
+
+    def _check_not_an_input(self, inputs) -> None:
+        out = self.root.expanduser().resolve()
+        for label, path in inputs:
+            p = Path(path).expanduser().resolve()
+            if p == out or out in p.parents:
+                what = "is" if p == out else "contains"
+                raise BadInput(f"output directory `{self.root}` {what} the {label} `{path}`; a run would overwrite "
+                               "its own input: choose another --output")
 
     def _check_writable(self) -> None:
         probe = self.root if self.root.exists() else next((p for p in self.root.parents if p.exists()), Path("."))
         if not os.access(probe, os.W_OK):
             raise BadInput(f"output directory `{self.root}` is not writable (read-only path?)")
 
+    # -- the lock -------------------------------------------------------------------------------
+    def _lock(self) -> None:
+        """An exclusive flock on OUTPUT/.compress.lock holding our pid; released by the kernel if we die."""
+        path = self.root / LOCK
+        while True:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.read(fd, 64).decode(errors="replace").split()[:1]
+                os.close(fd)
+                pid = f"pid {holder[0]}" if holder else "another process"
+                raise BadInput(f"output directory `{self.root}` is in use by another compress run ({pid}); wait for "
+                               "it to finish or choose another --output") from None
+            try:  # the holder before us may have removed the file after we opened it: lock the one on disk
+                same = os.stat(path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self._lock_fd = fd
+
+    def close(self, *, remove_root: bool = False) -> None:
+        """Release the lock (the lock file is removed first, while still held). With `remove_root`, also
+        remove the output directory if nothing else is left in it."""
+        if self._lock_fd is not None:
+            (self.root / LOCK).unlink(missing_ok=True)
+            os.close(self._lock_fd)
+            self._lock_fd = None
+        if remove_root:
+            try:
+                self.root.rmdir()
+            except OSError:
+                pass
+
+    def __enter__(self) -> "Workspace":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def finished_stages(self) -> list[str]:
+        return [k for k, st in self.manifest.get("stages", {}).items() if st.get("status") == "done"]
+
+    def discard(self) -> None:
+        """Remove what this run wrote into a directory that held nothing else (see `fresh`), then release
+        it. Best effort: a file that cannot be removed is logged, never raised over the run's own error."""
+        if not self.fresh:
+            self.close()
+            return
+        for child in self.root.iterdir():
+            if child.name == LOCK:
+                continue
+            try:
+                shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
+            except OSError as e:
+                log.warning("could not remove `%s` while cleaning up: %s", child, e.strerror or e)
+        self.close(remove_root=self.created)
+
     def _clear(self) -> None:
         for child in self.root.iterdir():
-            shutil.rmtree(child) if child.is_dir() else child.unlink()
+            if child.name == LOCK:
+                continue
+            shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
 
     def _read_manifest(self) -> dict:
         path = self.root / MANIFEST
         if not path.exists():
             return {}
-        data = json.loads(path.read_text())
-        if data.get("format", {}).get("version") != FORMAT["version"]:
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise BadInput(f"`{path}` is unreadable ({e}); use --force to start over") from None
+        if not isinstance(data, dict) or data.get("format", {}).get("version") != FORMAT["version"]:
             raise BadInput(f"`{path}` was written by an unknown workspace version; use --force to start over")
         return data
 
     def path(self, rel: str) -> Path:
-        return self.root / rel
+        """OUTPUT/rel; refused if it leads outside the output directory (`..`, an absolute path, a symlink)."""
+        path = self.root / rel
+        if not path.resolve().is_relative_to(self.root.resolve()):
+            raise BadInput(f"`{rel}` leads outside the output directory `{self.root}` (an absolute path, `..` or a "
+                           "symlink); a run writes only inside its output directory")
+        return path
 
     def write_bytes(self, rel: str, data: bytes) -> Path:
         atomic_write_bytes(self.path(rel), data)
@@ -110,6 +240,8 @@ class Workspace:
     def stage_begin(self, key: str, name: str, method: str, inputs_hash: str) -> None:
         st = self.manifest["stages"].get(key, {})
         if st.get("inputs_hash") != inputs_hash:  # different inputs: earlier checkpoints are stale
+            if st:
+                log.info("stage %s: recomputed (its inputs or its config changed since the earlier run)", key)
             shutil.rmtree(self.path(f"stages/{key}"), ignore_errors=True)
         self.manifest["stages"][key] = {"name": name, "method": method, "status": "running",
                                        "inputs_hash": inputs_hash, "started": time.time()}

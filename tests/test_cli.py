@@ -98,7 +98,8 @@ def test_dry_run_refuses_a_final_block_objective_on_an_encoder(tmp_path, final_b
     recipe = tmp_path / "r.yaml"
     text = QUICKSTART.read_text().replace("seqlen: 256", "seqlen: 64").replace("group_size: 128", "group_size: 32")
     recipe.write_text(text.replace("    sym: true", f"    sym: true\n    final_block: {final_block}"))
-    got, out, err = invoke("run", recipe, "--model", tmp_path / "bert", "-o", tmp_path / "o", "--dry-run")
+    got, out, err = invoke("run", recipe, "--model", tmp_path / "bert", "-o", tmp_path / "o", "--dry-run",
+                           "--eval-data", TEXT / "sst2" / "dev.tsv")  # an encoder evaluates labeled TSVs
     assert got == rc, err
     if rc:
         assert f"`final_block: {final_block}` needs a causal LM with an LM head; `bert` has none" in err
@@ -190,14 +191,14 @@ def _in_memory_quantized(out_dir: Path):
     from compress.workspace import Workspace
 
     model = AutoModelForCausalLM.from_pretrained(STORIES1M, dtype=torch.float32).eval()
-    ws = Workspace(out_dir, resume=True)
     modules = dict(model.named_modules())
     qweights = {}
-    for i in range(model.config.num_hidden_layers):
-        block = ws.load_block("00-quantize-autoround", i)
-        for name, qw in block.items():
-            set_weight(modules[name], qw)
-        qweights.update(block)
+    with Workspace(out_dir, resume=True) as ws:
+        for i in range(model.config.num_hidden_layers):
+            block = ws.load_block("00-quantize-autoround", i)
+            for name, qw in block.items():
+                set_weight(modules[name], qw)
+            qweights.update(block)
     return model, qweights
 
 

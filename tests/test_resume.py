@@ -118,11 +118,11 @@ def test_kill_leaves_only_whole_files(killed):
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["stages"][KEY]["status"] == "running"
     assert not (out / "report.json").exists() and not (out / "hf").exists()
-    ws = Workspace(out, resume=True)
-    for i in range(len(blocks)):
-        qweights = ws.load_block(KEY, i)  # every visible checkpoint is complete and readable
-        assert len(qweights) == 7 and all(q.bits == 2 and q.group_size == 64 and not q.sym
-                                          for q in qweights.values())
+    with Workspace(out, resume=True) as ws:
+        for i in range(len(blocks)):
+            qweights = ws.load_block(KEY, i)  # every visible checkpoint is complete and readable
+            assert len(qweights) == 7 and all(q.bits == 2 and q.group_size == 64 and not q.sym
+                                              for q in qweights.values())
 
 
 def test_resume_matches_an_uninterrupted_run(killed, resumed, uninterrupted):

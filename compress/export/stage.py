@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import PurePosixPath
 from typing import Literal
 
 from pydantic import Field, field_validator
@@ -10,12 +11,37 @@ from compress.config import StrictModel
 from compress.registry import register
 
 
-class HFExportConfig(StrictModel):
+class ExportConfig(StrictModel):
+    """What every export format has: `directory`, a relative path inside the output directory."""
+
+    directory: str
+
+    @field_validator("directory")
+    @classmethod
+    def _inside_output(cls, v: str) -> str:
+        return export_directory(v)
+
+
+def export_directory(v: str) -> str:
+    """`v` normalised (`a//b/` -> `a/b`), or ValueError: an export writes only inside the output directory,
+    in a directory of its own that the run does not use for anything else."""
+    from compress.workspace import RESERVED
+
+    p = PurePosixPath(v.replace("\\", "/"))
+    if not v.strip() or p.is_absolute() or v.startswith("~") or ".." in p.parts or str(p) == ".":
+        raise ValueError(f"`{v}` must be a relative path inside the output directory (not absolute, not `.`, "
+                         "no `..`)")
+    if p.parts[0] in RESERVED or p.parts[0].startswith("."):
+        raise ValueError(f"`{v}` is a name the run itself uses (or a hidden name); choose another directory")
+    return str(p)
+
+
+class HFExportConfig(ExportConfig):
     format: Literal["hf"] = "hf"
     directory: str = "hf"
 
 
-class FakeExportConfig(StrictModel):
+class FakeExportConfig(ExportConfig):
     format: Literal["fake"] = "fake"
     directory: str = "hf-fake"
 
@@ -43,7 +69,7 @@ def export_fake_stage(ctx, cfg: FakeExportConfig) -> dict:
     return _export(ctx, cfg, "fake")
 
 
-class OnnxExportConfig(StrictModel):
+class OnnxExportConfig(ExportConfig):
     format: Literal["onnx"] = "onnx"
     directory: str = "onnx"
     kv_cache: bool = Field(False, description="attention_mask and past/present key-value inputs and outputs, for "
@@ -61,7 +87,7 @@ def export_onnx_stage(ctx, cfg: OnnxExportConfig) -> dict:
 Device = Literal["CPU", "GPU", "NPU"]
 
 
-class OpenVINOExportConfig(StrictModel):
+class OpenVINOExportConfig(ExportConfig):
     format: Literal["openvino"] = "openvino"
     directory: str = "openvino"
     device: list[Device] = Field(default_factory=lambda: ["CPU"],
