@@ -57,7 +57,9 @@ def _setup_logging(quiet: bool) -> None:
 
 
 def _emit_json(obj) -> None:
-    sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
+    from compress.workspace import strict_json
+
+    sys.stdout.write(strict_json(obj))
 
 
 @app.command()
@@ -135,8 +137,8 @@ def eval_(
     model: str = typer.Argument(..., help="checkpoint directory (compressed or not) or model id"),
     reference: Optional[str] = typer.Option(None, "--reference", help="full-precision model to compare against"),
     data: Optional[List[str]] = typer.Option(None, "--data", help="evaluation text file (repeatable)"),
-    window: int = typer.Option(256, "--window", help="tokens per perplexity window"),
-    max_tokens: Optional[int] = typer.Option(None, "--max-tokens", help="cap on evaluated tokens per file"),
+    window: int = typer.Option(256, "--window", min=2, help="tokens per perplexity window"),
+    max_tokens: Optional[int] = typer.Option(None, "--max-tokens", min=1, help="cap on evaluated tokens per file"),
     gen_prompts: int = typer.Option(16, "--gen-prompts", help="with --reference: greedy continuations compared "
                                     "(common prefix, agreement, KL and top-1 along them); 0 = off"),
     prompt_tokens: int = typer.Option(32, "--prompt-tokens", help="tokens per generation prompt"),
@@ -207,6 +209,25 @@ def inspect(directory: Path = typer.Argument(..., help="an `hf` export directory
                    f"{'sym ' if row['sym'] else 'asym'} eff {row['effective_bits']:.3f}")
     typer.echo(f"quantized layers: {info['quantized_layers']}, effective bits {info['effective_bits']}, "
                f"size {info['bytes'] / 2**20:.3f} MiB")
+
+
+@app.command()
+def verify(directory: Path = typer.Argument(..., help="a run's output directory (or an export directory in it)")):
+    """Check every file of a run's output against the sha256 its manifest recorded; exit 1 on any difference.
+
+    Example: compress verify out/
+    """
+    from compress.workspace import MANIFEST, verify as verify_files
+
+    root, under = directory, ""
+    if not (directory / MANIFEST).is_file() and (directory.parent / MANIFEST).is_file():
+        root, under = directory.parent, directory.name
+    n, problems = verify_files(root, under)
+    for line in problems:
+        typer.echo(f"bad {line}", err=True)
+    if problems:
+        raise typer.Exit(1)
+    typer.echo(f"ok: {n} files match {root / MANIFEST}")
 
 
 @app.command()

@@ -22,11 +22,11 @@ import torch
 
 from compress import inputs, registry
 from compress.calibration import calibration_tokens, tokens_hash
-from compress.errors import BadInput
+from compress.errors import BadInput, RunFailure
 from compress.models.adapters import ModelAdapter
 from compress.models.loading import load_config, load_model, max_positions
 from compress.qweight import QuantizedWeight
-from compress.workspace import Workspace, peak_rss_mb
+from compress.workspace import Workspace, non_finite, peak_rss_mb
 
 log = logging.getLogger("compress")
 
@@ -203,7 +203,7 @@ def _detach_log(handler: logging.Handler) -> None:
 def _run(loaded, ws: Workspace, quiet: bool) -> dict:
     r = loaded.recipe
     prior = ws.manifest.get("inputs") or {}
-    ws.manifest.update(recipe=loaded.resolved, recipe_sha256=loaded.sha256, versions=versions(),
+    ws.manifest.update(recipe=loaded.recorded, recipe_sha256=loaded.sha256, versions=versions(),
                        inputs=_identify_inputs(loaded, prior))
     ws.save_manifest()
     progress = _bar(quiet)
@@ -240,7 +240,7 @@ def _run(loaded, ws: Workspace, quiet: bool) -> dict:
         st = ws.manifest["stages"][ctx.key]
         timings.append({"name": cfg.stage, "method": cfg.method, "seconds": st["seconds"],
                         "peak_rss_mb": st["peak_rss_mb"], "resumed": resumed})
-    report = {"model": r.model.path, "recipe_sha256": loaded.sha256, "stages": timings}
+    report = {"model": loaded.recorded["model"]["path"], "recipe_sha256": loaded.sha256, "stages": timings}
     figures = {t: p for st in ws.manifest["stages"].values() for t, p in (st.get("metrics") or {}).get("figures", {}).items()}
     if figures:
         report["figures"] = figures
@@ -264,10 +264,18 @@ def _run(loaded, ws: Workspace, quiet: bool) -> dict:
     # what each export wrote (the openvino one: target devices, compiled here or not); file lists stay in report
     ws.manifest["exports"] = {k: {f: x for f, x in v.items() if f != "files"} for k, v in exports.items()}
     ws.save_manifest()
+    bad = non_finite(report)
+    if bad:
+        report["non_finite"] = bad
     ws.write_json("report.json", report)
     from compress.eval.report import render_markdown
 
     ws.write_text("report.md", render_markdown(report))
+    ws.record_files()  # sha256 of every artifact: `compress verify`, inspect and eval check them
+    ws.save_manifest()
+    if bad:
+        raise RunFailure(f"the run produced non-finite values ({', '.join(bad[:4])}): the compressed model is "
+                         f"broken (NaN or overflow); they are null in {ws.path('report.json')}")
     return report
 
 

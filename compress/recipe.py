@@ -26,7 +26,8 @@ Schema, version 1 (every mapping forbids unknown keys)::
       formats: [hf]                      # names registered as ("export", name), or `- {format: hf, ...}`
 
 Resolution order: YAML -> `${VAR}` / `${VAR:-default}` interpolation in string values (the default is
-used when VAR is unset or empty; `$${` writes a literal `${`) -> `--set dotted.key=value` overrides
+used when VAR is unset or empty; `$${` writes a literal `${`; artifacts record `LoadedRecipe.recorded`, where
+such a value is the reference as written) -> `--set dotted.key=value` overrides
 (value parsed as YAML; list items by index, `stages.0.bits=3`) -> the dedicated CLI replacements
 (`--model`, `--calibration`, `--eval-data`, `--seed`) -> validation.
 
@@ -208,6 +209,7 @@ class _Locator:
     file: str
     lines: dict = field(default_factory=dict)  # loc -> (key line, value line), 1-based
     origins: dict = field(default_factory=dict)  # loc -> "--set a.b=1" / "--model"
+    templates: dict = field(default_factory=dict)  # loc -> the string as written, where `${VAR}` was substituted
 
     def where(self, loc: Loc, *, key: bool = False) -> tuple[float, str]:
         """(sort key, "at recipe.yaml:7" or "in --set a.b=1") for the deepest known prefix of `loc`."""
@@ -229,6 +231,25 @@ class LoadedRecipe:
     sha256: str  # of json.dumps(resolved, sort_keys=True)
     path: Path
     locator: _Locator = field(default=None, repr=False, compare=False)
+
+    @property
+    def recorded(self) -> dict:
+        """`resolved` as it may be written into artifacts: each value that came from `${VAR}` interpolation
+        is the reference as written (`${HF_TOKEN}`), never the variable's value."""
+        out = json.loads(json.dumps(self.resolved))
+        loc8 = self.locator or _Locator("")
+        for loc, template in loc8.templates.items():
+            if any(loc[:n] in loc8.origins for n in range(len(loc) + 1)):
+                continue  # replaced on the command line
+            try:
+                parent = out
+                for k in loc[:-1]:
+                    parent = parent[k]
+                parent[loc[-1]]  # noqa: B018 - only where the validated recipe still has the key
+                parent[loc[-1]] = template
+            except (KeyError, IndexError, TypeError):
+                continue
+        return out
 
 
 def canonical_sha256(resolved: dict) -> str:
@@ -273,7 +294,9 @@ def _read_yaml(path: Path):
     if not path.is_file():
         what = "is not a file" if path.exists() else "does not exist"
         raise BadInput(f"recipe file `{path}` {what}")
-    loader = yaml.SafeLoader(path.read_text(encoding="utf-8"))
+    text = _recipe_text(path)
+    _check_shape(text, path)
+    loader = yaml.SafeLoader(text)
     try:
         node = loader.get_single_node()
         data = loader.construct_document(node) if node is not None else None
@@ -282,6 +305,57 @@ def _read_yaml(path: Path):
     finally:
         loader.dispose()
     return node, data
+
+
+MAX_BYTES, MAX_DEPTH, MAX_ALIASES, MAX_NODES = 1 << 20, 32, 64, 100_000
+
+
+def _recipe_text(path: Path) -> str:
+    if path.stat().st_size > MAX_BYTES:
+        raise BadInput(f"recipe file `{path}` is {path.stat().st_size:,} bytes; a recipe is at most {MAX_BYTES:,}")
+    try:
+        return path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise BadInput(f"recipe file `{path}` is not UTF-8 text (byte {e.start}: {e.reason}); "
+                       "is it a recipe YAML file?") from None
+
+
+def _check_shape(text: str, path: Path) -> None:
+    """Refuse, before building anything, a recipe nested deeper than MAX_DEPTH, with more than MAX_ALIASES
+    aliases, or whose aliases expand to more than MAX_NODES values (a 'billion laughs' file is a few
+    hundred bytes that expand to gigabytes). One pass over the YAML event stream, linear in the file."""
+    aliases, expanded = 0, {}  # anchor -> values it expands to
+    stack = [[None, 0]]  # per open collection: [anchor, values inside it so far]
+    try:
+        for ev in yaml.parse(text, Loader=yaml.SafeLoader):
+            line = ev.start_mark.line + 1
+            if isinstance(ev, yaml.CollectionStartEvent):
+                if len(stack) > MAX_DEPTH:
+                    raise BadInput(f"recipe `{path}` nests deeper than {MAX_DEPTH} levels at line {line}")
+                stack.append([ev.anchor, 1])
+                continue
+            if isinstance(ev, yaml.CollectionEndEvent):
+                anchor, n = stack.pop()
+                if anchor:
+                    expanded[anchor] = n
+            elif isinstance(ev, yaml.AliasEvent):
+                aliases += 1
+                if aliases > MAX_ALIASES:
+                    raise BadInput(f"recipe `{path}` uses more than {MAX_ALIASES} YAML aliases (line {line}); "
+                                   "write the values out")
+                n = expanded.get(ev.anchor, 1)
+            elif isinstance(ev, yaml.ScalarEvent):
+                n = 1
+                if ev.anchor:
+                    expanded[ev.anchor] = 1
+            else:
+                continue
+            stack[-1][1] += n
+            if sum(c[1] for c in stack) > MAX_NODES:
+                raise BadInput(f"recipe `{path}` expands to more than {MAX_NODES:,} values through YAML aliases "
+                               f"(line {line}); write the values out")
+    except yaml.YAMLError:
+        return  # the full parse reports it, with its line
 
 
 def _yaml_error(e: yaml.YAMLError, path: Path) -> str:
@@ -354,7 +428,10 @@ def _interpolate(obj, loc: Loc, loc8: _Locator):
     if isinstance(obj, list):
         return [_interpolate(v, loc + (i,), loc8) for i, v in enumerate(obj)]
     if isinstance(obj, str) and "${" in obj:
-        return _VAR.sub(lambda m: _substitute(m, loc, loc8), obj)
+        value = _VAR.sub(lambda m: _substitute(m, loc, loc8), obj)
+        if _VAR.search(obj.replace("$${", "")):
+            loc8.templates[loc] = obj
+        return value
     return obj
 
 
@@ -444,6 +521,9 @@ class _Err:
 def _validate(data: dict, loc8: _Locator) -> Recipe:
     errors: list[_Err] = []
     data = dict(data)
+    if data.get("stages") == []:
+        errors.append(_Err(("stages",), "value", "no stages: a recipe needs at least one (e.g. `- {stage: quantize, "
+                                                 "method: rtn}`)"))
     if isinstance(data.get("stages"), list):
         items = [_stage_config(item, ("stages", i), errors) for i, item in enumerate(data["stages"])]
         data["stages"] = items if all(c is not None for c in items) else []
@@ -471,6 +551,10 @@ def _stage_config(item, loc: Loc, errors: list) -> BaseModel | None:
         return None
     known = stage_methods()
     stage, method = item["stage"], item["method"]
+    bad = [k for k in ("stage", "method") if not isinstance(item[k], str)]
+    if bad:
+        errors.extend(_Err(loc + (k,), "value", f"must be a name, got {type(item[k]).__name__}") for k in bad)
+        return None
     if stage not in known:
         hint = " (export formats go under `export.formats`)" if stage == "export" else ""
         errors.append(_unknown_name(loc + ("stage",), "stage", stage, sorted(known), hint=hint))
@@ -490,6 +574,9 @@ def _export_config(item, loc: Loc, errors: list):
         errors.append(_Err(loc + ("format",), "missing"))
         return None
     name = item if isinstance(item, str) else item["format"]
+    if not isinstance(name, str):
+        errors.append(_Err(loc + ("format",), "value", f"must be a format name, got {type(name).__name__}"))
+        return None
     known = registry.methods("export")
     if name not in known:
         at = loc if isinstance(item, str) else loc + ("format",)

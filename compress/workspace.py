@@ -8,20 +8,26 @@ package versions, and for each stage its status, inputs hash, seconds and peak R
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import logging
+import math
 import os
+import re
 import resource
 import shutil
 import sys
 import tempfile
 import time
+import uuid
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
-from compress.errors import BadInput
+from compress.errors import BadInput, RunFailure
+from compress.inputs import file_sha256
 from compress.qweight import QuantizedWeight
 
 log = logging.getLogger(__name__)
@@ -34,6 +40,32 @@ def peak_rss_mb() -> float:
     """Peak resident set size of this process so far (Linux reports KiB)."""
     kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return kb / 1024 if sys.platform != "darwin" else kb / 2**20
+
+
+def strict_json(obj) -> str:
+    """JSON that every parser reads: NaN and infinities become null (`json.dumps` writes a bare `NaN`)."""
+    return json.dumps(_finite(obj), indent=2, default=str, allow_nan=False) + "\n"
+
+
+def non_finite(obj, where: str = "") -> list[str]:
+    """Dotted paths of the NaN / infinite floats in a JSON-like object."""
+    if isinstance(obj, float):
+        return [] if math.isfinite(obj) else [where]
+    if isinstance(obj, dict):
+        return [p for k, v in obj.items() for p in non_finite(v, f"{where}.{k}" if where else str(k))]
+    if isinstance(obj, (list, tuple)):
+        return [p for i, v in enumerate(obj) for p in non_finite(v, f"{where}[{i}]")]
+    return []
+
+
+def _finite(obj):
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
@@ -55,6 +87,79 @@ LOCK = ".compress.lock"
 # names the run itself writes at the top of its directory; an export directory may not take one
 RESERVED = frozenset({MANIFEST, LOCK, "stages", "figures", "run.log", "report.json", "report.md", "plan.json",
                       "plan_heatmap.png", "rl_curve.json", "rl_curve.png"})
+
+
+STAGING = re.compile(r"^\..+\.(tmp|old)$")  # hidden staging names: `.hf.1a2b3c4d.tmp`, `.model.onnx.x7k.tmp`
+
+
+@contextmanager
+def staged_directory(out_dir: Path, *, marker: str):
+    """Yield an empty hidden sibling of `out_dir` to write into; on success it replaces `out_dir` whole, so a
+    kill leaves the previous export or none, never a half-written one. `out_dir` must be absent, empty, or
+    an earlier export (it holds `marker`)."""
+    out_dir = Path(out_dir)
+    if out_dir.is_file() or (out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / marker).exists()):
+        raise FileExistsError(f"{out_dir} exists and is not an earlier export; choose an empty directory")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tag = uuid.uuid4().hex[:8]
+    tmp = out_dir.with_name(f".{out_dir.name}.{tag}.tmp")
+    tmp.mkdir()
+    try:
+        yield tmp
+        old = out_dir.with_name(f".{out_dir.name}.{tag}.old")
+        if out_dir.exists():
+            os.replace(out_dir, old)
+        os.replace(tmp, out_dir)
+        shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def verify(root: Path, under: str = "") -> tuple[int, list[str]]:
+    """(files checked, problems) of the files a run's manifest lists (below `under`, a relative directory):
+    each must exist and match its sha256. Problems read `hf/model.safetensors: content changed`."""
+    root = Path(root)
+    try:
+        files = json.loads((root / MANIFEST).read_text()).get("files")
+    except (OSError, ValueError) as e:
+        raise BadInput(f"`{root / MANIFEST}` is missing or unreadable ({e}); is `{root}` a run's output?") from None
+    if not isinstance(files, dict):
+        raise BadInput(f"`{root / MANIFEST}` lists no file checksums (a run that did not finish, or an older one)")
+    prefix = f"{under.strip('/')}/" if under else ""
+    listed = {rel: sha for rel, sha in files.items() if rel.startswith(prefix)}
+    problems = []
+    for rel, sha in listed.items():
+        path = root / rel
+        if not path.is_file():
+            problems.append(f"{rel}: missing")
+        elif file_sha256(path) != sha:
+            problems.append(f"{rel}: content changed (sha256 {file_sha256(path)[:8]}, recorded {sha[:8]})")
+    base = root / under if under else root
+    for p in sorted(base.rglob("*")):
+        rel = p.relative_to(root).as_posix()
+        if p.is_file() and rel not in files and rel not in (MANIFEST, LOCK, "run.log"):
+            problems.append(f"{rel}: not written by the run")
+    return len(listed), problems
+
+
+def verify_artifact(directory: Path) -> None:
+    """If `directory` is a run's output or a directory inside one, check its files against the run's manifest
+    (BadInput naming each problem); a directory outside any run (a download, a copy) is left alone."""
+    directory = Path(directory).resolve()
+    for root in (directory, *directory.parents):
+        if (root / MANIFEST).is_file():
+            try:
+                marked = json.loads((root / MANIFEST).read_text()).get("format", {}).get("name") == FORMAT["name"]
+            except (OSError, ValueError, AttributeError):
+                marked = False
+            if not marked:
+                return
+            n, problems = verify(root, directory.relative_to(root).as_posix() if directory != root else "")
+            if problems:
+                raise BadInput(f"`{directory}` does not match the checksums in `{root / MANIFEST}` (corrupt or "
+                               f"modified): {'; '.join(problems[:5])}")
+            return
 
 
 class Workspace:
@@ -82,6 +187,7 @@ class Workspace:
             raise BadInput(f"cannot create output directory `{self.root}`: {e.strerror or e}; "
                            "choose a writable path with --output") from e
         self._lock_fd = None
+        self._known: set[str] = set()  # files this process wrote or verified (their recorded sha256 holds)
         try:
             self._lock()
             self._open(resume, force)
@@ -103,6 +209,7 @@ class Workspace:
         if existing and force and not resume:
             self._clear()
             self.manifest = {}
+        self._remove_staging()
         self.fresh = not existing or (force and not resume)  # nothing here but what this run writes
         self.manifest.setdefault("format", FORMAT)
         self.manifest.setdefault("stages", {})
@@ -193,6 +300,15 @@ class Workspace:
                 log.warning("could not remove `%s` while cleaning up: %s", child, e.strerror or e)
         self.close(remove_root=self.created)
 
+    def _remove_staging(self) -> None:
+        """Drop what a killed run left half-written: hidden `*.tmp` / `*.old` staging files and directories at
+        the top and in each stage directory (every finished file was renamed into place)."""
+        dirs = [self.root, *[d for d in (self.root / "stages").glob("*") if d.is_dir()]]
+        for d in dirs:
+            for p in d.iterdir():
+                if STAGING.match(p.name):
+                    shutil.rmtree(p, ignore_errors=True) if p.is_dir() and not p.is_symlink() else p.unlink()
+
     def _clear(self) -> None:
         for child in self.root.iterdir():
             if child.name == LOCK:
@@ -221,13 +337,48 @@ class Workspace:
 
     def write_bytes(self, rel: str, data: bytes) -> Path:
         atomic_write_bytes(self.path(rel), data)
+        if rel != MANIFEST:
+            self._record(rel, hashlib.sha256(data).hexdigest())
         return self.path(rel)
+
+    def _record(self, rel: str, digest: str) -> None:
+        self.manifest.setdefault("files", {})[rel] = digest
+        self._known.add(rel)
+
+    # -- checksums ------------------------------------------------------------------------------
+    def verified(self, rel: str) -> Path | None:
+        """OUTPUT/rel if it exists and matches the sha256 recorded when it was written; a file that does not
+        (flipped bytes, a write the manifest never saw) is logged, removed and reported as absent, so the
+        caller recomputes it."""
+        path = self.path(rel)
+        if not path.is_file():
+            return None
+        recorded = self.manifest.get("files", {}).get(rel)
+        if recorded is not None and (rel in self._known or file_sha256(path) == recorded):
+            self._known.add(rel)
+            return path
+        why = "does not match the sha256 recorded when it was written" if recorded else "has no recorded sha256"
+        log.warning("`%s` %s (corrupt or unfinished): recomputing it", rel, why)
+        path.unlink()
+        self.manifest.get("files", {}).pop(rel, None)
+        return None
+
+    def record_files(self) -> None:
+        """Complete manifest["files"] with the sha256 of every file in OUTPUT that this process did not write or
+        verify itself (what exporters wrote); the manifest, run.log and the lock are not artifacts.
+        `compress verify` checks them."""
+        files = self.manifest.setdefault("files", {})
+        for p in sorted(self.root.rglob("*")):
+            rel = p.relative_to(self.root).as_posix()
+            if p.is_file() and rel not in self._known and rel not in (MANIFEST, LOCK, "run.log"):
+                files[rel] = file_sha256(p)
+        self.manifest["files"] = {k: files[k] for k in sorted(files) if self.path(k).is_file()}
 
     def write_text(self, rel: str, text: str) -> Path:
         return self.write_bytes(rel, text.encode())
 
     def write_json(self, rel: str, obj) -> Path:
-        return self.write_text(rel, json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n")
+        return self.write_text(rel, strict_json(obj))
 
     def save_manifest(self) -> None:
         self.write_json(MANIFEST, self.manifest)
@@ -243,6 +394,9 @@ class Workspace:
             if st:
                 log.info("stage %s: recomputed (its inputs or its config changed since the earlier run)", key)
             shutil.rmtree(self.path(f"stages/{key}"), ignore_errors=True)
+            files = self.manifest.get("files", {})
+            for rel in [r for r in files if r.startswith(f"stages/{key}/")]:
+                del files[rel]
         self.manifest["stages"][key] = {"name": name, "method": method, "status": "running",
                                        "inputs_hash": inputs_hash, "started": time.time()}
         self.save_manifest()
@@ -253,20 +407,31 @@ class Workspace:
         self.save_manifest()
 
     # -- per-block checkpoints -----------------------------------------------------------------
-    def _block_path(self, key: str, i: int) -> Path:
-        return self.path(f"stages/{key}/block_{i:04d}.safetensors")
+    @staticmethod
+    def _block_rel(key: str, i: int) -> str:
+        return f"stages/{key}/block_{i:04d}.safetensors"
 
     def save_block(self, key: str, i: int, qweights: dict[str, QuantizedWeight]) -> None:
+        """Write block i's checkpoint (temporary name, then rename) and record its sha256 in the manifest."""
         tensors, meta = qweights_to_tensors(qweights)
-        path = self._block_path(key, i)
+        rel = self._block_rel(key, i)
+        path = self.path(rel)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.tmp")
         save_file(tensors, str(tmp), metadata={"qweights": json.dumps(meta)})
+        digest = file_sha256(tmp)
         os.replace(tmp, path)
+        self._record(rel, digest)
+        self.save_manifest()
 
-    def load_block(self, key: str, i: int) -> dict[str, QuantizedWeight] | None:
-        path = self._block_path(key, i)
-        if not path.exists():
+    def load_block(self, key: str, i: int, *, required: bool = False) -> dict[str, QuantizedWeight] | None:
+        """Block i's QuantizedWeights if its checkpoint exists and is intact, else None (recompute it); with
+        `required`, a missing or corrupt checkpoint is an error (a finished stage read by an exporter)."""
+        path = self.verified(self._block_rel(key, i))
+        if path is None:
+            if required:
+                raise RunFailure(f"the checkpoint of block {i} of stage {key} is missing or corrupt; rerun with "
+                                 "--resume to recompute it")
             return None
         from safetensors import safe_open
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from compress.errors import BadInput
+from compress.errors import BadInput, RunFailure
+from compress.workspace import non_finite, verify_artifact
 
 
 BACKENDS = ("auto", "cpu", "cpu-a8", "triton", "reference", "transformers")
@@ -18,11 +19,12 @@ def _load(path: str, backend: str = "auto"):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from compress.export.runtime import is_packed, load_packed
-    from compress.models.loading import resolve_source
+    from compress.models.loading import check_finite, resolve_source
 
     if backend not in BACKENDS:
         raise BadInput(f"unknown --backend `{backend}` (known: {', '.join(BACKENDS)})")
     src, gguf = resolve_source(path)
+    verify_artifact(Path(src))
     kw = {"gguf_file": gguf} if gguf else {}
     try:
         if backend != "transformers" and not gguf and is_packed(src):
@@ -34,6 +36,7 @@ def _load(path: str, backend: str = "auto"):
             model = torch.nn.Module.float(model).eval()
     except (OSError, ValueError) as e:
         raise BadInput(f"cannot load `{path}`: {e}") from e
+    check_finite(model, path)
     try:
         tok = AutoTokenizer.from_pretrained(src, **kw)
     except (OSError, ValueError):
@@ -68,6 +71,10 @@ def evaluate_checkpoint(model_path: str, *, reference: str | None, data: list[st
                                                   new_tokens=new_tokens)
         else:
             out[Path(path).name] = {"ppl": perplexity(model, ids, window=window, bos_id=bos, max_tokens=max_tokens)}
+    bad = non_finite(out)
+    if bad:
+        raise RunFailure(f"`{model_path}` computes non-finite values ({', '.join(bad[:4])}): NaN or overflow in "
+                         "its weights or activations")
     return out
 
 

@@ -42,11 +42,14 @@ instead (`-march=haswell`), so an AVX-512 machine runs exactly the code an AVX2-
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import math
 import os
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -337,8 +340,51 @@ def _compile():
         isa = build_isa()
         if isa != "native":
             logger.info("cpu kernel built for %s (COMPRESS_CPU_ISA): %s", isa, " ".join(ISA_FLAGS[isa]))
-        return load(name="compress_cpu_kernel", sources=[str(SOURCE)], build_directory=str(_build_dir()),
-                    extra_cflags=["-O3", *ISA_FLAGS[isa], "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
-    except (OSError, RuntimeError, ImportError) as e:  # compiler present but the build failed
+        build = _build_dir()
+        with _build_lock(build):
+            if not any(build.glob("*.so")):
+                logger.warning("building the CPU kernel (first use in this environment, about a minute) in %s", build)
+            return load(name="compress_cpu_kernel", sources=[str(SOURCE)], build_directory=str(build),
+                        extra_cflags=["-O3", *ISA_FLAGS[isa], "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+    except (OSError, RuntimeError, ImportError, TimeoutError) as e:  # compiler present but the build failed
         logger.warning("building the cpu kernel failed, packed layers use the reference path: %s", e)
         return None
+
+
+BUILD_WAIT_S = 900
+
+
+@contextlib.contextmanager
+def _build_lock(build: Path, wait_s: float = BUILD_WAIT_S):
+    """Hold an flock on BUILD/compress.lock (pid inside) while torch builds or loads the kernel there.
+
+    torch's own lock (BUILD/lock, a file that exists while a build runs) stays behind when a build is
+    killed, and every later build then waits for it forever. Ours dies with its process: holding it, no
+    other compress process is building here, so a leftover torch lock is stale and removed. A wait for a
+    live build is announced, with the builder's pid, and gives up after `wait_s`."""
+    path = build / "compress.lock"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        deadline, announced = time.monotonic() + wait_s, False
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if not announced:
+                    holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+                    logger.warning("waiting for another process (pid %s) that is building the CPU kernel in %s",
+                                   holder, build)
+                    announced = True
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the CPU kernel build in {build} did not finish within {wait_s:.0f} s")
+                time.sleep(0.5)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        stale = build / "lock"
+        if stale.exists():
+            logger.warning("removing a stale CPU kernel build lock left by a killed build: %s", stale)
+            stale.unlink(missing_ok=True)
+        yield
+    finally:
+        os.close(fd)

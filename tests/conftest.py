@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -17,6 +18,8 @@ REPO = Path(__file__).resolve().parents[1]
 DATA = REPO.parent / "shared" / "data"
 MODELS = DATA / "models"
 TEXT = DATA / "text"
+STORIES260K = MODELS / "stories260K"
+CAL = TEXT / "tinystories" / "tinystories_val.txt"
 
 
 @pytest.fixture(scope="session")
@@ -44,3 +47,23 @@ def invoke(*args) -> tuple[int, str, str]:
         root.handlers[:] = handlers
         root.setLevel(level)
     return rc, out.getvalue(), err.getvalue()
+
+
+def recipe(tmp: Path, *, method="rtn", cal: Path = CAL, formats=("hf",), eval_data=(), extra_stages=()) -> Path:
+    """A new small recipe file in `tmp`: stories260K, `method` at W4 g32, 8 x 64 calibration tokens, absolute
+    paths (runs from any directory), no greedy-continuation evaluation."""
+    stages = [{"stage": "quantize", "method": method, "bits": 4, "group_size": 32}, *extra_stages]
+    doc = {"version": 1, "model": {"path": str(STORIES260K)},
+           "calibration": {"sources": [str(cal)], "nsamples": 8, "seqlen": 64},
+           "stages": stages, "eval": {"data": [str(p) for p in eval_data], "max_tokens": 512,
+                                      "generation": {"prompts": 0}},
+           "export": {"formats": list(formats)}}
+    path = tmp / f"recipe-{len(list(tmp.glob('recipe-*.yaml')))}.yaml"
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return path
+
+
+def run(*args) -> tuple[int, str]:
+    """(exit code, stderr) of `compress run ARGS --quiet`, in this process."""
+    rc, _, err = invoke("run", *args, "--quiet")
+    return rc, err

@@ -21,39 +21,18 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
 
-from conftest import MODELS, TEXT, invoke
+from conftest import CAL, STORIES260K, invoke, recipe, run
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning",
                                         "ignore::DeprecationWarning")
 
-STORIES260K = MODELS / "stories260K"
-CAL = TEXT / "tinystories" / "tinystories_val.txt"
-
-
-def recipe(tmp: Path, *, method="rtn", cal: Path = CAL, formats=("hf",), eval_data=(), extra_stages=()) -> Path:
-    """A small recipe file in `tmp` with absolute paths (the runs below change nothing else)."""
-    stages = [{"stage": "quantize", "method": method, "bits": 4, "group_size": 32}, *extra_stages]
-    doc = {"version": 1, "model": {"path": str(STORIES260K)},
-           "calibration": {"sources": [str(cal)], "nsamples": 8, "seqlen": 64},
-           "stages": stages, "eval": {"data": [str(p) for p in eval_data], "max_tokens": 512,
-                                      "generation": {"prompts": 0}},
-           "export": {"formats": list(formats)}}
-    path = tmp / f"recipe-{len(list(tmp.glob('recipe-*.yaml')))}.yaml"
-    path.write_text(yaml.safe_dump(doc, sort_keys=False))
-    return path
 
 
 def snapshot(root: Path) -> dict[str, str]:
     """relative path -> sha256 of every file below `root`."""
     return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted(root.rglob("*")) if p.is_file()}
-
-
-def run(*args) -> tuple[int, str]:
-    rc, _, err = invoke("run", *args, "--quiet")
-    return rc, err
 
 
 def export_bytes(out: Path) -> bytes:
@@ -304,3 +283,44 @@ def test_a_bad_input_after_a_finished_stage_keeps_it_for_resume(tmp_path, monkey
     assert rc == 0, err
     assert {p.name: p.stat().st_mtime_ns for p in blocks} == stamp  # loaded, not recomputed
     assert "finished earlier" in (out / "run.log").read_text()
+
+
+# -- 11. checksums ----------------------------------------------------------------------------------------
+def _flip(path: Path, at: int = -100) -> None:
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def test_every_artifact_is_checksummed_and_flipped_bytes_are_caught(tmp_path):
+    out = tmp_path / "out"
+    assert run(recipe(tmp_path, method="gptq"), "--output", out)[0] == 0
+    files = json.loads((out / "manifest.json").read_text())["files"]
+    assert {"hf/model.safetensors", "hf/config.json", "report.json", "report.md",
+            "stages/00-quantize-gptq/block_0000.safetensors"} <= set(files)
+    assert all(hashlib.sha256((out / rel).read_bytes()).hexdigest() == sha for rel, sha in files.items())
+    rc, stdout, err = invoke("verify", out)
+    assert rc == 0 and f"ok: {len(files)} files match" in stdout, err
+    _flip(out / "hf" / "model.safetensors")
+    (out / "hf" / "extra.bin").write_bytes(b"x")
+    rc, _, err = invoke("verify", out)
+    assert rc == 1 and "bad hf/model.safetensors: content changed" in err and "hf/extra.bin: not written" in err
+    for command in (["inspect", out / "hf"], ["eval", out / "hf", "--data", CAL, "--max-tokens", 256]):
+        rc, _, err = invoke(*command)
+        assert rc == 1 and "does not match the checksums" in err and "hf/model.safetensors" in err, (command, err)
+
+
+def test_a_corrupt_stage_checkpoint_is_recomputed_on_resume(tmp_path):
+    r = recipe(tmp_path, method="gptq")
+    out, clean = tmp_path / "out", tmp_path / "clean"
+    assert run(r, "--output", out)[0] == 0
+    assert run(r, "--output", clean)[0] == 0
+    block = out / "stages" / "00-quantize-gptq" / "block_0002.safetensors"
+    _flip(block, at=-8)
+    others = {p.name: p.stat().st_mtime_ns for p in block.parent.iterdir() if p != block}
+    rc, err = run(r, "--output", out, "--resume")
+    assert rc == 0, err
+    assert "block_0002.safetensors` does not match the sha256 recorded" in (out / "run.log").read_text()
+    assert export_bytes(out) == export_bytes(clean)
+    assert {p.name: p.stat().st_mtime_ns for p in block.parent.iterdir() if p != block} == others
+    assert invoke("verify", out)[0] == 0

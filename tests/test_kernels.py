@@ -1,6 +1,10 @@
 """CPU kernel vs the reference (dequantize, then matmul), the cpu-rows layout, QuantLinear and fallbacks."""
 
 import logging
+import os
+import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -235,3 +239,38 @@ def test_quantize_model_matches_dequantized_model(ext):
         out = model(ids).logits
     assert sum(isinstance(m, QuantLinear) for m in model.modules()) == len(qweights) == 14
     assert (out - ref).abs().max() <= 1e-4 * ref.abs().max()
+
+
+# -- the build lock (hardening item 7) --------------------------------------------------------------------
+LOAD = "import logging, sys; logging.basicConfig(); from compress.kernels import cpu; sys.exit(cpu.extension() is None)"
+
+
+def test_a_stale_build_lock_from_a_killed_build_does_not_hang_the_next_load(ext, tmp_path):
+    """torch's BUILD/lock outlives a killed build and made every later load wait forever."""
+    build = cpu._build_dir()
+    cache = tmp_path / "cache"
+    shutil.copytree(build, cache / "kernels" / build.name)
+    (cache / "kernels" / build.name / "lock").write_text("")  # what a SIGKILLed build leaves
+    env = {**os.environ, "COMPRESS_CACHE": str(cache)}
+    done = subprocess.run([sys.executable, "-c", LOAD], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "removing a stale CPU kernel build lock" in done.stderr
+    assert not (cache / "kernels" / build.name / "lock").exists()
+
+
+def test_a_wait_for_a_live_build_is_announced_with_its_pid_and_bounded(tmp_path, caplog):
+    hold = ("import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT); "
+            "fcntl.flock(fd, fcntl.LOCK_EX); os.write(fd, f'{os.getpid()}\\n'.encode()); print('held', flush=True); "
+            "time.sleep(60)")
+    holder = subprocess.Popen([sys.executable, "-c", hold, str(tmp_path / "compress.lock")], stdout=subprocess.PIPE)
+    try:
+        assert holder.stdout.readline().strip() == b"held"
+        with caplog.at_level("WARNING"), pytest.raises(TimeoutError, match="did not finish within 1 s"):
+            with cpu._build_lock(tmp_path, wait_s=1):
+                pass
+        assert f"waiting for another process (pid {holder.pid}) that is building the CPU kernel" in caplog.text
+    finally:
+        holder.kill()
+        holder.wait()
+    with cpu._build_lock(tmp_path, wait_s=1):  # released with its holder
+        assert (tmp_path / "compress.lock").read_text() == f"{os.getpid()}\n"

@@ -261,7 +261,7 @@ def test_cli_replacements(tmp_path):
     assert r.eval.data == ["e.raw"] and r.calibration.seed == 7  # the dedicated flag wins over --set
     assert loaded.resolved["model"]["path"] == "local/dir"
     # a section missing from the file is created
-    q = write(tmp_path, "version: 1\nmodel: {path: a/b}\nstages: []\n", "q.yaml")
+    q = write(tmp_path, "version: 1\nmodel: {path: a/b}\nstages: [{stage: quantize, method: rtn}]\n", "q.yaml")
     assert load_recipe(q, eval_data=["x.raw"]).recipe.eval.data == ["x.raw"]
     assert error_of(p, seed=-1) == "`seed` in --seed: Input should be greater than or equal to 0"
 
@@ -311,13 +311,13 @@ def test_validate_paths(tmp_path, monkeypatch):
 def test_validate_paths_local_model(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "m").mkdir()
-    base = "version: 1\nmodel: {path: %s}\nstages: []\n"
+    base = "version: 1\nmodel: {path: %s}\nstages: [{stage: quantize, method: rtn}]\n"
     with pytest.raises(BadInput, match="has no config.json"):
         validate_paths(load_recipe(write(tmp_path, base % "m")))
     (tmp_path / "m" / "config.json").write_text("{}")
     validate_paths(load_recipe(write(tmp_path, base % "m")))
     with pytest.raises(BadInput, match="GGUF file `w.gguf` is not in model directory `m`"):
-        validate_paths(load_recipe(write(tmp_path, "version: 1\nmodel: {path: m, gguf_file: w.gguf}\nstages: []\n")))
+        validate_paths(load_recipe(write(tmp_path, "version: 1\nmodel: {path: m, gguf_file: w.gguf}\nstages: [{stage: quantize, method: rtn}]\n")))
     with pytest.raises(BadInput, match="model file `x/y.gguf` does not exist"):
         validate_paths(load_recipe(write(tmp_path, base % "x/y.gguf")))
     (tmp_path / "w.gguf").write_bytes(b"GGUF")

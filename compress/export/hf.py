@@ -67,11 +67,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import shutil
-import uuid
 from collections import Counter
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -80,6 +77,7 @@ from torch import nn
 
 from compress.kernels.packing import gptq_pack, gptq_unpack, packable
 from compress.qweight import QuantizedWeight
+from compress.workspace import staged_directory
 
 logger = logging.getLogger(__name__)
 
@@ -123,7 +121,7 @@ def export_hf(model, qweights: dict[str, QuantizedWeight], tokenizer, out_dir, *
         raise ValueError(f"export meta must be JSON-serializable: {e}") from e
     _check_qweights(model, qweights)
     out_dir = Path(out_dir)
-    with _staging_dir(out_dir) as tmp:
+    with staged_directory(out_dir, marker="config.json") as tmp:
         if fmt == "fake":
             model.save_pretrained(tmp, max_shard_size=MAX_SHARD)
             _patch_config(tmp, {"compress": compress_info})
@@ -304,27 +302,6 @@ def load_tensors(directory: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-@contextmanager
-def _staging_dir(out_dir: Path):
-    """Yield an empty sibling directory; on success it replaces `out_dir` (a previous export or empty)."""
-    if out_dir.is_file() or (out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / "config.json").exists()):
-        raise FileExistsError(f"{out_dir} exists and is not a previous checkpoint; choose an empty directory")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tag = uuid.uuid4().hex[:8]
-    tmp = out_dir.with_name(f".{out_dir.name}.{tag}.tmp")
-    tmp.mkdir()
-    try:
-        yield tmp
-        old = out_dir.with_name(f".{out_dir.name}.{tag}.old")
-        if out_dir.exists():
-            os.replace(out_dir, old)
-        os.replace(tmp, out_dir)
-        shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
 # -- streaming writer (models larger than memory) ----------------------------------------------
 
 def export_hf_streaming(model, source, block_qweights, qweights: dict[str, QuantizedWeight], tokenizer, out_dir,
@@ -349,7 +326,7 @@ def export_hf_streaming(model, source, block_qweights, qweights: dict[str, Quant
     n_blocks = len(adapter.blocks)
     out_dir = Path(out_dir)
     weight_map = {}
-    with _staging_dir(out_dir) as tmp:
+    with staged_directory(out_dir, marker="config.json") as tmp:
         prefixes = [adapter.block_name(i) + "." for i in range(n_blocks)]
         rest = [n for n in source.names if not any(n.startswith(p) for p in prefixes)]
         groups = [(rest, {n: q for n, q in qweights.items() if not any(n.startswith(p) for p in prefixes)})]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from compress.errors import BadInput
+from compress.workspace import verify_artifact
 
 
 def inspect_checkpoint(directory: Path) -> dict:
@@ -13,6 +14,7 @@ def inspect_checkpoint(directory: Path) -> dict:
     directory = Path(directory)
     if not (directory / "config.json").exists():
         raise BadInput(f"`{directory}` is not a checkpoint directory (no config.json)")
+    verify_artifact(directory)
     config, qweights = read_quantized(directory)
     rows = [
         {"name": n, "shape": f"{q.out_features}x{q.in_features}", "bits": q.bits, "group_size": q.group_size,

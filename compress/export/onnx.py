@@ -40,6 +40,7 @@ import torch
 
 from compress.errors import BadInput
 from compress.qweight import QuantizedWeight
+from compress.workspace import staged_directory
 
 logger = logging.getLogger(__name__)
 
@@ -289,9 +290,8 @@ def export_onnx(model, qweights: dict[str, QuantizedWeight], out_dir: str | Path
     onnx.helper.set_model_props(proto, {"compress.format": FORMAT, "compress.version": str(FORMAT_VERSION),
                                         "compress.meta": json.dumps(info)})
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "model.onnx"
     large = proto.ByteSize() > 1.5e9
-    onnx.save_model(proto, str(path), save_as_external_data=large, location="model.onnx.data")
+    with staged_directory(out, marker="model.onnx") as tmp:  # a kill leaves no half-written model.onnx
+        onnx.save_model(proto, str(tmp / "model.onnx"), save_as_external_data=large, location="model.onnx.data")
     nbytes = sum(f.stat().st_size for f in out.iterdir() if f.name.startswith("model.onnx"))
-    return {"path": str(path), "bytes": nbytes, "dense_layers": len(builder.dense)}
+    return {"path": str(out / "model.onnx"), "bytes": nbytes, "dense_layers": len(builder.dense)}

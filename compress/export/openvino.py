@@ -30,6 +30,7 @@ from collections import Counter
 from pathlib import Path
 
 from compress.qweight import QuantizedWeight
+from compress.workspace import staged_directory
 
 logger = logging.getLogger(__name__)
 
@@ -78,9 +79,9 @@ def export_openvino(model, qweights: dict[str, QuantizedWeight], out_dir: str | 
     from compress.export.onnx import export_onnx
 
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out) as tmp:
-        res = export_onnx(model, qweights, tmp, meta=meta, kv_cache=kv_cache)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.onnx.", suffix=".tmp") as tmp:
+        res = export_onnx(model, qweights, Path(tmp) / "onnx", meta=meta, kv_cache=kv_cache)
         ov_model = ov.convert_model(res["path"])
     info = {"format": FORMAT, "version": FORMAT_VERSION, "meta": meta or {}, "dense_layers": res["dense_layers"],
             "devices": list(devices), "kv_cache": kv_cache}
@@ -88,8 +89,9 @@ def export_openvino(model, qweights: dict[str, QuantizedWeight], out_dir: str | 
     ov_model.set_rt_info(str(FORMAT_VERSION), ["compress", "version"])
     ov_model.set_rt_info(",".join(devices), ["compress", "devices"])
     ov_model.set_rt_info(json.dumps(info), ["compress", "meta"])
+    with staged_directory(out, marker="openvino_model.xml") as tmp:  # a kill leaves no half-written IR
+        ov.save_model(ov_model, str(tmp / "openvino_model.xml"), compress_to_fp16=False)
     path = out / "openvino_model.xml"
-    ov.save_model(ov_model, str(path), compress_to_fp16=False)
     nbytes = path.stat().st_size + path.with_suffix(".bin").stat().st_size
     compiled, missing = compile_on(path, devices)
     return {"path": str(path), "bytes": nbytes, "low_bit_constants": low_bit_constants(ov_model),

@@ -50,9 +50,9 @@ def _export(ctx, cfg, fmt: str) -> dict:
     from compress.export.hf import export_hf, export_hf_streaming
 
     out = ctx.workspace.path(cfg.directory)
-    meta = {"recipe_sha256": ctx.loaded.sha256, "model": ctx.loaded.recipe.model.path}
+    meta = _meta(ctx)
     if ctx.streamer is not None:
-        res = export_hf_streaming(ctx.model, ctx.streamer.source, lambda i: ctx.workspace.load_block(ctx.block_stage, i),
+        res = export_hf_streaming(ctx.model, ctx.streamer.source, lambda i: ctx.workspace.load_block(ctx.block_stage, i, required=True),
                                   ctx.qweights, ctx.tokenizer, out, meta=meta)
     else:
         res = export_hf(ctx.model, ctx.qweights, ctx.tokenizer, out, fmt=fmt, meta=meta)
@@ -102,7 +102,7 @@ class OpenVINOExportConfig(ExportConfig):
         v = [v] if isinstance(v, str) else v
         if isinstance(v, list) and not v:
             raise ValueError("give at least one device")
-        if isinstance(v, list) and len(set(v)) != len(v):
+        if isinstance(v, list) and len({d if isinstance(d, str) else id(d) for d in v}) != len(v):
             raise ValueError("a device is listed more than once")
         return v
 
@@ -143,5 +143,5 @@ def export_openvino_stage(ctx, cfg: OpenVINOExportConfig) -> dict:
 
 
 def _meta(ctx) -> dict:
-    """Provenance written into graph-format exports."""
-    return {"recipe_sha256": ctx.loaded.sha256, "model": ctx.loaded.recipe.model.path}
+    """Provenance written into every export (`${VAR}` references as written, not their values)."""
+    return {"recipe_sha256": ctx.loaded.sha256, "model": ctx.loaded.recorded["model"]["path"]}

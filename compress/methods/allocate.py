@@ -528,10 +528,8 @@ def _weighted(select: "Terminal", p: Problem, level: str) -> tuple[Problem, dict
 
 def _resumed_plan(ctx) -> Plan | None:
     st = ctx.workspace.manifest["stages"].get(ctx.key, {})
-    path = ctx.workspace.path(PLAN_FILE)
-    if st.get("status") == "done" and path.is_file():
-        return Plan.from_json(json.loads(path.read_text()), str(path))
-    return None
+    path = ctx.workspace.verified(PLAN_FILE) if st.get("status") == "done" else None
+    return Plan.from_json(json.loads(path.read_text()), str(path)) if path else None
 
 
 def _finish(ctx, plan: Plan, curve, seconds: float) -> dict:
