@@ -386,6 +386,12 @@ def size_report(ctx: StageContext, exports: dict) -> dict:
                 if n in names)  # the FP bytes those layers replace
     packed = _param_bytes(model) - other + math.ceil(qbits / 8)
     on_disk = next((v["bytes"] for v in exports.values() if v.get("bytes")), None)
-    return {"fp_bytes": ctx.fp_bytes, "bytes": on_disk if on_disk is not None else packed, "packed_bytes": packed,
-            "effective_bits": round(qbits / qnumel, 4) if qnumel else None,
-            "quantized_params": qnumel, "quantized_layers": len(ctx.qweights)}
+    out = {"fp_bytes": ctx.fp_bytes, "bytes": on_disk if on_disk is not None else packed, "packed_bytes": packed,
+           "effective_bits": round(qbits / qnumel, 4) if qnumel else None,
+           "quantized_params": qnumel, "quantized_layers": len(ctx.qweights)}
+    # what each export really stored: a layer its format cannot hold packed is written dense
+    stored = {fmt: {"bytes": v.get("bytes"), "packed_layers": len(ctx.qweights) - v["dense_layers"],
+                    "dense_layers": v["dense_layers"]} for fmt, v in exports.items() if "dense_layers" in v}
+    if stored:
+        out["stored"] = stored
+    return out

@@ -33,9 +33,13 @@ def render_markdown(report: dict) -> str:
                             "gen_agree", "gen_kl", "gen_top1", "cosine", "fp_probe_acc", "probe_acc")
                 if any(c in r for r in rows)]
         out.append("\n## Evaluation (full precision vs compressed, same tokens)\n\n" + _table(rows, cols))
-    size = report.get("size") or {}
+    size = dict(report.get("size") or {})
+    stored = size.pop("stored", {})
     if size:
         out.append("\n## Size\n\n" + _table([size], list(size)))
+    if stored:
+        out.append("\n### What each export stored\n\n" + _table(
+            [{"format": k, **v} for k, v in stored.items()], ["format", "bytes", "packed_layers", "dense_layers"]))
     if report.get("figures"):
         out.append("\n## Figures\n\n" + "".join(f"![{t}]({p})\n\n" for t, p in report["figures"].items()))
     if report.get("exports"):
@@ -62,5 +66,9 @@ def summary_lines(report: dict) -> list[str]:
         eb = s.get("effective_bits")
         lines.append(f"size: {s['fp_bytes'] / 2**20:.2f} MiB (FP) -> {s['bytes'] / 2**20:.2f} MiB; effective bits "
                      f"{eb if eb is not None else '-'} over {s.get('quantized_layers', 0)} layers")
+        for fmt, st in (s.get("stored") or {}).items():
+            if st["dense_layers"]:
+                lines.append(f"{fmt}: {st['dense_layers']} of {s.get('quantized_layers', 0)} quantized layers are "
+                             "stored dense (the format cannot hold their shape packed); see report.md")
     lines.append(f"time: {report.get('seconds')} s, peak RSS {report.get('peak_rss_mb')} MB")
     return lines

@@ -164,3 +164,35 @@ def test_a_kill_while_exporting_leaves_no_half_written_file(tmp_path, monkeypatc
     assert rc == 0, err
     assert (out / fmt / name).stat().st_size > 0
     assert not [p for p in out.iterdir() if p.name.endswith((".tmp", ".old"))], staged
+
+
+# -- what a run stores, and GGUF inputs -----------------------------------------------------------------
+def test_the_report_states_layers_stored_dense(tmp_path):
+    """group_size 48 divides no layer of stories260K (64 and 172 wide): every layer is written dense."""
+    out = tmp_path / "out"
+    rc, stdout, err = invoke("run", recipe(tmp_path), "--output", out, "--set", "stages.0.group_size=48")
+    assert rc == 0, err
+    report = json.loads((out / "report.json").read_text())
+    assert report["size"]["quantized_layers"] == 35
+    assert report["size"]["stored"]["hf"] == {"bytes": report["size"]["bytes"], "packed_layers": 0, "dense_layers": 35}
+    assert "hf: 35 of 35 quantized layers are stored dense" in stdout
+    assert "| hf | " in (out / "report.md").read_text() and "dense_layers" in (out / "report.md").read_text()
+    rc, stdout, err = invoke("run", recipe(tmp_path), "--output", tmp_path / "g32", "--json")
+    stored = json.loads(stdout)["size"]["stored"]["hf"]
+    assert stored["packed_layers"] == 20 and stored["dense_layers"] == 15  # the 172-wide MLP layers
+
+
+def test_a_gguf_model_exports_like_its_safetensors_twin(tmp_path):
+    gguf = STORIES260K / "stories260K-f32.gguf"
+    a, b = tmp_path / "gguf", tmp_path / "st"
+    r = recipe(tmp_path, formats=("hf", "onnx", "openvino"))
+    rc, err = run(r, "--model", gguf, "--output", a)
+    assert rc == 0, err
+    assert run(recipe(tmp_path), "--output", b)[0] == 0
+    from safetensors.torch import load_file
+
+    ta, tb = load_file(str(a / "hf" / "model.safetensors")), load_file(str(b / "hf" / "model.safetensors"))
+    assert set(ta) == set(tb) and all(torch.equal(ta[k], tb[k]) for k in ta)
+    assert (a / "onnx" / "model.onnx").stat().st_size > 0 and (a / "openvino" / "openvino_model.xml").is_file()
+    config = json.loads((a / "hf" / "config.json").read_text())
+    assert config["quantization_config"]["quant_method"] == "auto-round"

@@ -110,7 +110,7 @@ def export_hf(model, qweights: dict[str, QuantizedWeight], tokenizer, out_dir, *
     """Write `model` (whose quantized linears hold `qw.dequantize()`) to `out_dir`.
 
     fmt "auto_round": packed auto-round checkpoint; "fake": `save_pretrained` of the dequantized model.
-    Returns {"files": [absolute paths], "bytes": total size}.
+    Returns {"files": [absolute paths], "bytes": total size, "dense_layers": quantized layers written dense}.
     """
     if fmt not in FMTS:
         raise ValueError(f"unknown export format {fmt!r}; choose one of {FMTS}")
@@ -125,12 +125,14 @@ def export_hf(model, qweights: dict[str, QuantizedWeight], tokenizer, out_dir, *
         if fmt == "fake":
             model.save_pretrained(tmp, max_shard_size=MAX_SHARD)
             _patch_config(tmp, {"compress": compress_info})
+            dense = list(qweights)
         else:
-            _write_auto_round(model, qweights, tmp, compress_info)
+            dense = _write_auto_round(model, qweights, tmp, compress_info)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
     files = sorted(p for p in out_dir.rglob("*") if p.is_file())
-    return {"files": [str(p) for p in files], "bytes": sum(p.stat().st_size for p in files)}
+    return {"files": [str(p) for p in files], "bytes": sum(p.stat().st_size for p in files),
+            "dense_layers": len(dense)}
 
 
 def read_quantized(out_dir, tensors: dict[str, torch.Tensor] | None = None) -> tuple[dict, dict[str, QuantizedWeight]]:
@@ -176,15 +178,18 @@ def mixed_meta(qweights: dict[str, QuantizedWeight]) -> dict:
 
 # -- auto-round writer -----------------------------------------------------------------------
 
-def _write_auto_round(model, qweights: dict[str, QuantizedWeight], tmp: Path, compress_info: dict) -> None:
+def _write_auto_round(model, qweights: dict[str, QuantizedWeight], tmp: Path, compress_info: dict) -> list[str]:
+    """Write the packed checkpoint; returns the quantized layers written dense (not packable)."""
     if not qweights:
         raise ValueError("fmt='auto_round' needs at least one QuantizedWeight; use fmt='fake' for a plain model")
     packed = {n: qw for n, qw in qweights.items() if loadable(qw)}
-    for name, qw in qweights.items():
-        if name not in packed:
-            logger.warning("%s: %dx%d at %d bits, group %d cannot be packed for auto-round's kernels "
-                           "(needs in/out multiples of 32 and group dividing in); written dense in %s",
-                           name, qw.out_features, qw.in_features, qw.bits, qw.group_size, _dtype_of(model, name))
+    dense = [n for n in qweights if n not in packed]
+    if dense:
+        qw = qweights[dense[0]]
+        logger.warning("hf export: %d of %d quantized layers cannot be packed for auto-round's kernels (needs in/out "
+                       "multiples of 32 and a group dividing in) and are written dense in %s, e.g. %s (%dx%d, bits %d, "
+                       "group %d)", len(dense), len(qweights), _dtype_of(model, dense[0]), dense[0], qw.out_features,
+                       qw.in_features, qw.bits, qw.group_size)
     qconfig = _quantization_config(model, packed, qweights)
     v1 = qconfig["packing_format"] in V1_PACKINGS
     state_dict = model.state_dict()
@@ -198,6 +203,7 @@ def _write_auto_round(model, qweights: dict[str, QuantizedWeight], tmp: Path, co
     if _output_embedding_name(model) in packed and _ties_embeddings(model):
         updates["tie_word_embeddings"] = False  # the packed lm_head no longer shares the embedding tensor
     _patch_config(tmp, updates)
+    return dense
 
 
 def _quantization_config(model, packed: dict[str, QuantizedWeight], qweights: dict[str, QuantizedWeight]) -> dict:

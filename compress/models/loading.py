@@ -98,12 +98,25 @@ def load_model(path: str, dtype: str = "float32", gguf_file: str | None = None):
             raise BadInput(f"corrupt safetensors in `{path}`: {e}") from e
         raise
     model.eval()
+    if gguf:
+        _as_plain_weights(model)
     check_finite(model, path)
     try:
         tok = AutoTokenizer.from_pretrained(src, gguf_file=gguf) if gguf else AutoTokenizer.from_pretrained(src)
     except (OSError, ValueError) as e:
         raise BadInput(f"cannot load the tokenizer of `{path}`: {e}") from e
     return model, tok
+
+
+def _as_plain_weights(model) -> None:
+    """transformers dequantizes GGUF tensors to the requested dtype but keeps marking the model as
+    gguf-quantized, and then refuses to save it. The weights are plain tensors: drop the marks, so every
+    export writes them (a GGUF input exports like a safetensors one)."""
+    model.hf_quantizer = None
+    model.is_quantized = False
+    model.quantization_method = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
 
 
 def check_finite(model, path: str) -> None:
