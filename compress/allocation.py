@@ -1,4 +1,5 @@
-"""Mixed-precision allocation over column chunks (ALGORITHMS.md 2, WINDQuant): the problem and the non-RL solvers.
+"""Mixed-precision allocation over column chunks (WINDQuant; docs/allocate.md#the-problem): the problem and the
+non-RL solvers.
 
 Pure functions over tensors (no model, no hooks). A *unit* is chunk `j` of a quantized linear: input
 columns `[j*c, (j+1)*c)` (the last chunk may be shorter). An *option* is a bit width and a treatment
@@ -121,7 +122,7 @@ def layer_units(W: torch.Tensor, energy: torch.Tensor, options: list[Option], ch
 
 
 def unit_features(W: torch.Tensor, energy: torch.Tensor, chunk_size: int) -> torch.Tensor:
-    """Per chunk: log energy mean and max, weight std, max|w| and kurtosis (ALGORITHMS 2 state), (n_chunks, 5)."""
+    """Per chunk: log energy mean and max, weight std, max|w| and kurtosis (docs/allocate.md#state), (n_chunks, 5)."""
     W = W.detach().float()
     out = []
     for s in range(0, W.shape[1], chunk_size):
@@ -244,7 +245,7 @@ def _neighbour(p: Problem, u: int, cur: int, up: bool) -> int | None:
 
 
 def refine(p: Problem, choice: torch.Tensor, loss, tries: int, seed: int, step=None) -> tuple[torch.Tensor, dict]:
-    """Local search on a real-model loss (our design, ALGORITHMS 2 leaves the final plan to the allocator):
+    """Local search on a real-model loss (our design, docs/allocate.md#refine):
     `tries` random pair moves, one unit one option up and another one option down (`_neighbour`), each kept
     when `loss(plan)` decreases and the plan's bits stay within [floor, budget], floor = the lower of the start
     plan's bits and the budget less 0.005 bits per weight (a move may not spend the budget on nothing).
@@ -298,7 +299,7 @@ def nearest_uniform(p: Problem) -> int | None:
 
 
 def suffix_min(p: Problem) -> torch.Tensor:
-    """(U+1,) least cost of units u.. end (0 at U): the masking term of ALGORITHMS 2."""
+    """(U+1,) least cost of units u.. end (0 at U): the masking term of docs/allocate.md#action-masking."""
     least = p.cost.min(1).values
     return torch.cat([least.flip(0).cumsum(0).flip(0), torch.zeros(1, dtype=torch.int64)])
 

@@ -1,4 +1,5 @@
-"""Typed configs shared by stages. Every config forbids unknown keys (CONVENTIONS 5)."""
+"""Typed configs shared by stages. Every config forbids unknown keys, so a misspelt recipe key is an error,
+not a silently ignored setting. Quantizer options: docs/quantize.md#shared-options."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The one block-by-block calibration driver (CONVENTIONS 7).
+"""The one block-by-block calibration driver, shared by every data-dependent method so that none of them
+re-implements capture, propagation, resume or memory release (docs/quantize.md).
 
     capture block-0 inputs -> for each block i:
         collect the statistics the method declares (Hessians, FP targets),
@@ -31,9 +32,9 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class MixedSpec:
-    """A layer's per-chunk options from an allocation plan (ALGORITHMS 2): `options[j] = (bits, treatment)`
-    of input columns [j*chunk_size, (j+1)*chunk_size); bits 16 keeps the chunk in fp16. `energy` (d_in,)
-    is E[x^2] per input column (weights the clip search), or None."""
+    """A layer's per-chunk options from an allocation plan (docs/quantize.md#allocation-plans-mixed-precision):
+    `options[j] = (bits, treatment)` of input columns [j*chunk_size, (j+1)*chunk_size); bits 16 keeps the
+    chunk in fp16. `energy` (d_in,) is E[x^2] per input column (weights the clip search), or None."""
 
     chunk_size: int
     options: tuple[tuple[int, str], ...]
@@ -120,7 +121,7 @@ def propagate(block: nn.Module, inputs: list[torch.Tensor], kwargs: list[dict]) 
 
 @torch.no_grad()
 def collect_hessians(block, linears: dict[str, nn.Linear], inputs, kwargs) -> dict[str, torch.Tensor]:
-    """H = 2/n * sum x x^T over every calibration row reaching each linear (ALGORITHMS 0.5)."""
+    """H = 2/n * sum x x^T over every calibration row reaching each linear (docs/quantize.md#gptq)."""
     H = {n: torch.zeros(m.in_features, m.in_features, dtype=torch.float64) for n, m in linears.items()}
     count = {n: 0 for n in linears}
 

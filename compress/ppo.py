@@ -1,4 +1,5 @@
-"""A small deterministic PPO controller for chunk allocation (ALGORITHMS.md 2; our own implementation).
+"""A small deterministic PPO controller for chunk allocation (docs/allocate.md#the-rl-controller; our own
+implementation).
 
 Episode: units are visited in problem order (layer by layer, chunk by chunk); the state of unit u is its
 static features (depth, layer type, chunk position, energy and weight statistics, relative log proxy
@@ -17,7 +18,7 @@ slice) at the last step.
 PPO: clip 0.2, gamma 1 (episodic), GAE lambda 0.95, Adam, entropy bonus, value loss coefficient,
 `episodes` parallel episodes per update, `epochs` passes over minibatches of `minibatch` steps.
 
-Step modes (`steps`, ALGORITHMS.md 2 "two mitigations" for long episodes): `unit` (default) = one step per
+Step modes (`steps`, docs/allocate.md#long-episodes): `unit` (default) = one step per
 unit, as above; `layer` = one step per layer with factorised actions: every chunk of the layer is decided
 by the same policy network applied to that chunk's features and the budget state at the layer's start
 (no previous action), i.e. independent per-chunk heads; the chunks are still masked one after another by

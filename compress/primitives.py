@@ -1,6 +1,7 @@
-"""Quantization primitives: pure functions, no modules, no devices (CONVENTIONS 1).
+"""Quantization primitives: pure functions, no modules, no devices (the bottom layer:
+methods build on them, only the pipeline touches models and devices).
 
-Formulas follow auto-round's `int_asym` and full-range `int_sym` (ALGORITHMS.md 0.2), so that RTN,
+Formulas follow auto-round's `int_asym` and full-range `int_sym` (docs/quantize.md#integer-grid), so that RTN,
 GPTQ and AutoRound produce codes in one convention:
 
     asym: wmin = min(min(w), 0) * alpha, wmax = max(max(w), 0) * beta
@@ -76,7 +77,7 @@ def fake_quantize(W: torch.Tensor, bits: int, group_size: int, sym: bool) -> tor
     return rtn(W, bits, group_size, sym).dequantize(W.dtype)
 
 
-# -- per-unit fitting for mixed precision (ALGORITHMS.md 2) ----------------------------------------
+# -- per-unit fitting for mixed precision (docs/quantize.md#allocation-plans-mixed-precision) -----------
 CLIP_RATIOS = tuple(round(1.0 - 0.05 * i, 2) for i in range(11))  # 1.0, 0.95, ..., 0.5
 TREATMENTS = ("minmax", "clip")
 

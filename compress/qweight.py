@@ -14,9 +14,9 @@ When `group_size` does not divide `d_in`, the last group of each row is shorter
 (`n_groups = ceil(d_in / g)`), as auto-round does by zero padding: its scale and zero point are
 computed over the real columns only.
 
-Mixed precision (ALGORITHMS.md 2, `allocate` stage): with `chunk_size > 0` the input columns are cut
-into chunks `[j*c, (j+1)*c)` (the last one may be shorter; `c` is a multiple of the group, so every
-group lies in one chunk) and `chunk_bits[j]` is chunk j's bit width: 2..8, or 16 for a chunk kept
+Mixed precision (`allocate` stage; docs/quantize.md#allocation-plans-mixed-precision): with
+`chunk_size > 0` the input columns are cut into chunks `[j*c, (j+1)*c)` (the last one may be shorter;
+`c` is a multiple of the group, so every group lies in one chunk) and `chunk_bits[j]` is chunk j's bit width: 2..8, or 16 for a chunk kept
 in fp16. `bits` is then the widest quantized chunk (the container width); each code lies in
 `[0, 2^chunk_bits)` of its chunk, so the same `codes/scales/zeros` tensors hold every chunk. A kept
 chunk has codes 0, scale 1, zero 0, and its fp16 values in `kept` (d_out, kept columns, in column
@@ -37,7 +37,8 @@ KEEP_BITS = 16  # a mixed-precision chunk kept in fp16
 
 def unit_storage_bits(d_out: int, width: int, group: int, bits: int, sym: bool, map_bits: int = 0) -> int:
     """Exact storage of `width` input columns of a (d_out, .) weight at `bits` (16 = kept in fp16) with groups
-    of `group` columns: codes + fp16 scales + zero points (asym) + the plan's `map_bits` (ALGORITHMS 0.3, 2)."""
+    of `group` columns: codes + fp16 scales + zero points (asym) + the plan's `map_bits`
+    (docs/quantize.md#effective-bits)."""
     if bits == KEEP_BITS:
         return d_out * width * KEEP_BITS + map_bits
     n_groups = math.ceil(width / group)
@@ -143,5 +144,5 @@ class QuantizedWeight:
         return self.codes.numel() * self.bits + n * (SCALE_BITS + zero_bits)
 
     def effective_bits(self) -> float:
-        """ALGORITHMS.md 0.3: b + (b_scale + b_zero) / g, computed exactly from the stored tensors."""
+        """docs/quantize.md#effective-bits: b + (b_scale + b_zero) / g, computed exactly from the stored tensors."""
         return self.storage_bits() / self.codes.numel()

@@ -1,4 +1,4 @@
-"""Registry of `(stage, method) -> (Config, apply)` (CONVENTIONS 4).
+"""Registry of `(stage, method) -> (Config, apply)`: the pipeline finds a stage by name, never by its class.
 
 A method module registers itself with a decorator; modules are imported by name in `load_all`,
 nothing is discovered by scanning.

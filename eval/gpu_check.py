@@ -51,19 +51,9 @@ def ensure_triton(wheel_dir: str | None) -> str:
 
 
 def ensure_compress() -> None:
-    """Import `compress.kernels` from this checkout, installed or not."""
+    """Import `compress` from this checkout, installed or not (compress/kernels links to kernels/)."""
     sys.path.insert(0, str(REPO))
-    try:
-        importlib.import_module("compress.kernels.gpu")
-        return
-    except ImportError:
-        pass
-    for name, folder in (("compress.kernels", "kernels"), ("compress.eval", "eval")):
-        spec = importlib.util.spec_from_file_location(name, REPO / folder / "__init__.py",
-                                                      submodule_search_locations=[str(REPO / folder)])
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
+    importlib.import_module("compress.kernels.gpu")
 
 
 def run_pytest() -> int | None:
@@ -150,7 +140,7 @@ def bench(n: int, k: int, bits: int, group: int, batch: int, sweep: bool) -> lis
 
     from compress.kernels import gpu
 
-    from compress.eval.bench_kernels import random_qweight
+    from compress.eval.bench.kernels import random_qweight
 
     qw = random_qweight(n, k, bits, group)
     w = qw.dequantize().cuda()

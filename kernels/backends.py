@@ -1,4 +1,6 @@
-"""Kernel backends behind one interface, chosen at load time (CONVENTIONS 9), and `QuantLinear`.
+"""Kernel backends behind one interface, chosen at load time, and `QuantLinear`.
+
+See docs/kernels.md#backends-and-selection.
 
 A backend turns a QuantizedWeight into its own packed state once (`prepare`) and multiplies
 activations by it (`matmul(x, state) -> x @ W_hat.T` in fp32). `reference` (dequantize, then matmul)

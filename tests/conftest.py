@@ -33,7 +33,7 @@ def invoke(*args) -> tuple[int, str, str]:
     """(exit code, stdout, stderr) of `compress ARGS` run in this process from the repository root
     (recipes name their data relative to it); the root logger, which `cli` reconfigures per command,
     is restored afterwards."""
-    import cli
+    from compress import cli
 
     out, err = io.StringIO(), io.StringIO()
     root = logging.getLogger()

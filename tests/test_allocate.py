@@ -1,4 +1,4 @@
-"""Mixed-precision allocation (ALGORITHMS.md 2 "Minimal tiny-model test") and the mixed-precision QuantizedWeight
+"""Mixed-precision allocation (docs/allocate.md#tests) and the mixed-precision QuantizedWeight
 through packing, kernels, the workspace and the hf export."""
 
 from __future__ import annotations

@@ -52,7 +52,7 @@ def test_bench_kernels_isa_avx2_runs_every_side_on_its_avx2_code(tmp_path):
     js = tmp_path / "k.json"
     env = {k: v for k, v in os.environ.items()
            if k not in ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "COMPRESS_CPU_ISA")}
-    proc = subprocess.run([sys.executable, "-c", "import sys, cli; sys.exit(cli.main())", "bench", "kernels",
+    proc = subprocess.run([sys.executable, "-c", "import sys; from compress import cli; sys.exit(cli.main())", "bench", "kernels",
                            "--quick", "--threads", "1", "--isa", "avx2", "--json", str(js)],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr

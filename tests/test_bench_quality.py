@@ -5,12 +5,13 @@ import math
 import pytest
 
 from compress.errors import BadInput
-from compress.eval.bench_quality import METHODS, QUICK, run_quality, selected
+from compress.eval.bench.quality import METHODS, QUICK, run_quality, selected
 
 from conftest import MODELS
 
 
 @pytest.mark.skipif(not (MODELS / "stories260K").is_dir(), reason="shared/data is not available")
+@pytest.mark.e2e
 def test_quick_stories260k_rows_and_table():
     rows, md = run_quality(quick=True, only=["stories260K"])
     assert {r["model"] for r in rows} == {"stories260K"}
@@ -39,8 +40,9 @@ def test_only_rejects_unknown_model():
 
 
 @pytest.mark.skipif(not (MODELS / "stories260K").is_dir(), reason="shared/data is not available")
+@pytest.mark.e2e
 def test_quick_lfq_suite_on_stories260k():
-    from compress.eval.bench_lfq import QUICK as LQ, VARIANTS, run_lfq
+    from compress.eval.bench.lfq import QUICK as LQ, VARIANTS, run_lfq
 
     result, md = run_lfq(quick=True, only=["stories260K"])
     assert [(c["variant"], c["bits"], c["seed"]) for c in result["cells"]] == [(v, 2, 0) for v in VARIANTS]
@@ -58,8 +60,9 @@ def test_quick_lfq_suite_on_stories260k():
 
 
 @pytest.mark.skipif(not (MODELS / "stories260K").is_dir(), reason="shared/data is not available")
+@pytest.mark.e2e
 def test_quick_walsh_suite_on_stories260k():
-    from compress.eval.bench_walsh import VARIANTS, run_walsh
+    from compress.eval.bench.walsh import VARIANTS, run_walsh
 
     result, md = run_walsh(quick=True, only=["stories260K"])
     assert [(c["variant"], c["bits"], c["group_size"]) for c in result["cells"]] == [(v, 2, 64) for v in VARIANTS]
@@ -80,7 +83,7 @@ def test_quick_walsh_suite_on_stories260k():
 
 def test_walsh_suite_runs_chosen_variants_beside_vanilla(monkeypatch):
     from compress.errors import BadInput
-    from compress.eval import bench_walsh
+    from compress.eval.bench import walsh as bench_walsh
 
     ran = []
     monkeypatch.setattr(bench_walsh, "cell", lambda bench, path, calib, bits, group, variant, *a: ran.append(variant) or
@@ -95,8 +98,9 @@ def test_walsh_suite_runs_chosen_variants_beside_vanilla(monkeypatch):
         bench_walsh.run_walsh(quick=True, only=["stories260K"], variants=["walsh-spectral-typo"])
 
 
+@pytest.mark.e2e
 def test_quick_mixed_suite_on_stories260k(tmp_path):
-    from compress.eval.bench_mixed import METHODS as MM, run_mixed
+    from compress.eval.bench.mixed import METHODS as MM, run_mixed
 
     result, md = run_mixed(quick=True, only=["stories260K"], curve_png=tmp_path / "curves.png")
     assert [(c["method"], c["budget"], c["seed"]) for c in result["cells"]] == [(m, 3.0, 0) for m in MM]
@@ -113,7 +117,7 @@ def test_quick_mixed_suite_on_stories260k(tmp_path):
 
 def test_mixed_suite_runs_chosen_rows_with_a_longer_refine(monkeypatch, tmp_path):
     from compress.errors import BadInput
-    from compress.eval import bench_mixed
+    from compress.eval.bench import mixed as bench_mixed
 
     ran = []
 

@@ -46,7 +46,7 @@ def test_help_has_an_example(command):
 
 def test_console_script_help_and_bad_option_exit_codes():
     exe = shutil.which("compress")
-    base = [exe] if exe else [sys.executable, "-c", "import cli; cli.entry()"]
+    base = [exe] if exe else [sys.executable, "-c", "from compress import cli; cli.entry()"]
     ok = subprocess.run(base + ["--help"], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert ok.returncode == 0 and "Example" in ok.stdout
     bad = subprocess.run(base + ["run", "--no-such-option"], capture_output=True, text=True, cwd=REPO, timeout=120)

@@ -30,7 +30,7 @@ TRIALS = 20
 
 def _command() -> list[str]:
     exe = shutil.which("compress")
-    return [exe] if exe else [sys.executable, "-c", "import cli; cli.entry()"]
+    return [exe] if exe else [sys.executable, "-c", "from compress import cli; cli.entry()"]
 
 
 def _env() -> dict:

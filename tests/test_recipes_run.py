@@ -41,6 +41,7 @@ def test_bundled_recipes():
     assert required <= {p.name for p in RECIPES}
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
 def test_bundled_recipe_runs_and_exports(recipe: Path, tmp_path):
     from transformers import AutoModelForCausalLM

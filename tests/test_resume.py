@@ -60,7 +60,7 @@ def block_files(out: Path) -> dict[str, tuple[int, int]]:
 
 def compress_command() -> list[str]:
     exe = shutil.which("compress")
-    return [exe] if exe else [sys.executable, "-c", "import cli; cli.entry()"]
+    return [exe] if exe else [sys.executable, "-c", "from compress import cli; cli.entry()"]
 
 
 # -- kill, then resume ---------------------------------------------------------------------------------

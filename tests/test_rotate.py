@@ -415,7 +415,7 @@ def test_spectral_mode_is_exact_on_the_minilm_encoder(tmp_path_factory):
     from transformers import AutoModel
 
     from compress.errors import BadInput
-    from compress.eval.bench_quality import CACHE
+    from compress.eval.bench.quality import CACHE
     from compress.eval.encoder import ensure_minilm
 
     model = AutoModel.from_pretrained(ensure_minilm(CACHE), dtype=torch.float64).eval()

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-import cli
+from compress import cli
 from tests.conftest import MODELS, TEXT
 
 BUILD = """
@@ -76,7 +76,7 @@ def test_streamed_export_equals_in_memory_export(tmp_path, method, extra):
 def peak_rss(tmp_path, layers, stream=True):
     model = build(tmp_path, layers, 512, 2048)
     out = tmp_path / f"rss-{layers}-{stream}"
-    code = f"import cli, sys; sys.exit(cli.main(['run', '{recipe(tmp_path, model, stream)}', '-o', '{out}', '--quiet']))"
+    code = f"import sys; from compress import cli; sys.exit(cli.main(['run', '{recipe(tmp_path, model, stream)}', '-o', '{out}', '--quiet']))"
     subprocess.run([sys.executable, "-c", code], check=True)
     return json.loads((out / "report.json").read_text())["peak_rss_mb"]
 

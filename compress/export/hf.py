@@ -40,8 +40,8 @@ What the loader expects (read from transformers 5.24 and auto-round 0.16.1)
 * If no layer ends up packed, no backend is used and the model stays in its own dtype.
 * Negative scales (auto-round full-range sym) need nothing special: the kernels multiply by them.
 
-Mixed precision (an `allocate` plan: one bit width per column chunk; ALGORITHMS.md 2)
-------------------------------------------------------------------------------------
+Mixed precision (an `allocate` plan: one bit width per column chunk; docs/formats.md#mixed-precision-layers-in-hf)
+-----------------------------------------------------------------------------------------------------------------
 auto-round's format has one `bits` per layer (`extra_config`), not per chunk, and transformers builds
 its modules from the config, so split linears would need custom modeling code. We write an **exact
 container** instead: a mixed layer is packed at its widest chunk's bit width (`qw.bits`); a chunk of

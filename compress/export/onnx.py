@@ -13,7 +13,7 @@ TorchScript exporter stops at transformers' mask code (`aten::diff`) and its dyn
 onnxscript, which is not installed here. Supported `model_type`s: llama, mistral (no sliding
 window), qwen2 (q/k/v biases).
 
-MatMulNBits (ALGORITHMS.md 8.6), for a QuantizedWeight of shape (N, K) with b in {2, 4, 8} bits:
+MatMulNBits (docs/formats.md#matmulnbits-operator), for a QuantizedWeight of shape (N, K) with b in {2, 4, 8} bits:
   B            uint8 (N, k_blocks, block*b/8)  codes along K, LSB first within each byte, K zero padded
   scales       fp32  (N, k_blocks)             (negative scales are kept as they are)
   zero_points  uint8 (N, ceil(k_blocks*b/8))   zero points packed the same way along k_blocks

@@ -2,9 +2,10 @@
 
 The frontend turns each `com.microsoft::MatMulNBits` into a compressed integer Constant (u2 / u4 / u8
 codes and zero points) followed by the decompression subgraph (Convert, Subtract, Multiply, Reshape),
-the pattern of ALGORITHMS.md 8.5, so the IR keeps the weights compressed and the CPU plugin runs them
-as a low-bit `FullyConnected` (runtime precision u2 / u4 / u8). Files: `openvino_model.xml` / `.bin`,
-with rt_info `compress/format` = "openvino-ir", `compress/version` and `compress/meta` (JSON).
+the pattern of docs/formats.md#compressed-weight-subgraph, so the IR keeps the weights compressed and
+the CPU plugin runs them as a low-bit `FullyConnected` (runtime precision u2 / u4 / u8). Files:
+`openvino_model.xml` / `.bin`, with rt_info `compress/format` = "openvino-ir", `compress/version` and
+`compress/meta` (JSON).
 
 To reproduce the exported model's numbers on CPU, compile with `EXACT_CPU_CONFIG`: by default the CPU
 plugin quantizes activations to int8 for u4/u8 weights (dynamic quantization) and may run in bf16.

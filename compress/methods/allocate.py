@@ -1,4 +1,4 @@
-"""`allocate` stage: mixed precision over column chunks under an effective-bit budget (ALGORITHMS.md 2).
+"""`allocate` stage: mixed precision over column chunks under an effective-bit budget (docs/allocate.md).
 
 Methods: `rl` (PPO controller, compress/ppo.py), `greedy` (error-per-bit knapsack), `lagrangian`
 (multiple-choice knapsack by Lagrangian relaxation), `uniform` (one option everywhere: the nearest

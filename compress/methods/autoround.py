@@ -1,6 +1,6 @@
 """AutoRound / SignRound (arXiv 2309.05516) with Intel auto-round's quantizers and optimizer.
 
-Per block (ALGORITHMS.md 0.4): every linear gets a rounding perturbation V (init 0) and, with
+Per block (docs/quantize.md#autoround): every linear gets a rounding perturbation V (init 0) and, with
 minmax tuning, per-group range coefficients alpha, beta (init 1, clamped to [0, 1]). The block's
 output on the quantized-model inputs is fitted to the full-precision block's output on the
 full-precision inputs by MSE (the last block optionally through the frozen LM head: `final_block`,

@@ -1,8 +1,8 @@
 """GPTQ (Frantar et al., arXiv 2210.17323): Hessian-aware rounding with error propagation.
 
 The heart is the pure function `gptq(W, H, ...)`, written in the paper's notation and following
-IST-DASLab `gptq.py` (ALGORITHMS.md 0.5). Codes use the same convention as RTN
-(`compress.primitives`, ALGORITHMS.md 0.2), so GPTQ with `H = I` is exactly RTN.
+IST-DASLab `gptq.py` (docs/quantize.md#gptq). Codes use the same convention as RTN
+(`compress.primitives`, docs/quantize.md#integer-grid), so GPTQ with `H = I` is exactly RTN.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""LFQ: logit-aware final-block quantization (arXiv 2605.29756; ALGORITHMS.md section 1).
+"""LFQ: logit-aware final-block quantization (arXiv 2605.29756; docs/quantize.md#final-block-objective-lfq).
 
 Blocks 1..L-1 keep their method's own objective. The last decoder block is tuned (AutoRound's
 sign-gradient rounding) to minimise, through the frozen final norm and the frozen full-precision

@@ -1,4 +1,5 @@
-"""Model adapters: architecture plumbing as data (CONVENTIONS 6).
+"""Model adapters: architecture plumbing as data, so that no method matches module names or branches on
+`model_type`.
 
 An `ArchMap` names, per Hugging Face `model_type`, where the roles live: the block list, the
 embeddings, the final norm, the LM head, and inside a block the attention projections, the MLP,

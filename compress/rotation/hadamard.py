@@ -1,4 +1,4 @@
-"""Orthonormal Walsh-Hadamard transforms for n = K * 2^m (ALGORITHMS.md 3.10).
+"""Orthonormal Walsh-Hadamard transforms for n = K * 2^m (docs/walsh.md#fast-walsh-hadamard-transform).
 
 `hadamard_matrix(n)` is `H_K (x) H_{2^m}` (Kronecker product) with `H_{2^m}` the Sylvester matrix
 and `H_K` a Paley matrix built from a prime `q`:

@@ -1,11 +1,11 @@
-"""`rotate` stage, `method: walsh`: Walsh-Hadamard rotation and BBT-spectral energy scaling (ALGORITHMS.md 3).
+"""`rotate` stage, `method: walsh`: Walsh-Hadamard rotation and BBT-spectral energy scaling (docs/walsh.md).
 
 Every mode is an exact re-parametrisation of the full-precision model (float64 tests: tests/test_rotate.py).
 `fused` and `no_rotation` land in ordinary weights of the same architecture, so the quantizer that
 follows rounds the transformed weights and every exporter writes them unchanged (deployable at full
 compression); `spectral` adds a run-time transform and is evaluation-only:
 
-* `fused: true` (ALGORITHMS 3.8/3.9, QuaRot R1 + SpinQuant R2, zero run-time cost):
+* `fused: true` (docs/walsh.md#fused-rotation, QuaRot R1 + SpinQuant R2, zero run-time cost):
   1. tied input/output embeddings are untied (`config.tie_word_embeddings = False`), because the
      LM head receives the final norm's weight and the embedding does not;
   2. every RMSNorm weight is folded into the columns of the modules that read it (q/k/v; gate/up,
@@ -15,7 +15,7 @@ compression); `spectral` adds a run-time transform and is evaluation-only:
   4. per value head, `v_proj` rows `<- Q_hd^T W` (and bias) and the matching `o_proj` columns `<- W Q_hd`;
      q/k are never rotated on their output side, so RoPE and Qwen3's q_norm/k_norm see vanilla q/k.
   There is no R4 (online Hadamard on the down_proj input): it would need a run-time operator.
-* `mode: no_rotation` (ALGORITHMS 3.2, the published norm-absorbed BBT scaling): per-coordinate
+* `mode: no_rotation` (docs/walsh.md#no-rotation-scaling, the published norm-absorbed BBT scaling): per-coordinate
   activation energy `e` of each input group on the calibration data, `rho = e / sum(e)`,
   `s = clamp((1 + n rho) ** alpha, min=1e-2)`; then
   group 1: `input_norm.weight /= s`, q/k/v columns `*= s`; group 2: `post_attn_norm.weight /= s`,
@@ -30,13 +30,13 @@ compression); `spectral` adds a run-time transform and is evaluation-only:
 
   The scaled weights `W diag(s)` are what the block-wise quantizer (AutoRound, GPTQ, RTN) rounds, so
   high-energy input coordinates are boosted before per-group rounding, as in the paper.
-* `mode: spectral` (ALGORITHMS 3.1, the paper's headline mode; `fused: false` only): every block linear
+* `mode: spectral` (docs/walsh.md#spectral-mode, the paper's headline mode; `fused: false` only): every block linear
   `W` (d_out, d_in) becomes `WalshInput -> Linear(d_pad, d_out)` with `d_pad = next_pow2(d_in)`,
   `x~ = pad(x) Q D^-1` computed at run time and `W~ = pad(W) Q D`, `D = diag(s)` from the energy of
   `pad(x) Q` over all d_pad coordinates (the paper's definition). Exact in full precision and evaluated
   in memory, but **not exportable**: no exporter here writes the run-time transform, so a recipe with
   `mode: spectral` and any `export.formats` is refused at plan time. As in the published code, models
-  with q_norm/k_norm (Qwen3) keep their attention linears untransformed in this mode (pitfall 3.7.5).
+  with q_norm/k_norm (Qwen3) keep their attention linears untransformed in this mode (docs/walsh.md#pitfalls).
   It is the one mode that also runs on post-LayerNorm encoders (BERT/MiniLM): it touches no norm.
   The padded weight is what gets rounded and stored: `d_pad - d_in` more columns (stories260K's down_proj
   172 -> 256, +12% of the model's rounded weights). `pad: none` transforms at `d_pad = d_in` with a K * 2^m
@@ -44,14 +44,14 @@ compression); `spectral` adds a run-time transform and is evaluation-only:
 * `alpha: auto` (any scaling mode): per scale vector, the alpha of `alpha_grid` whose energy-weighted
   round-to-nearest error at the next quantize stage's bits, group size and symmetry is least (`Scaler`).
 
-* `pair_pca: true` (ALGORITHMS 3.4, the paper's `spectral_pca_2d` when layered on `no_rotation`): per
+* `pair_pca: true` (docs/walsh.md#pair-pca, the paper's `spectral_pca_2d` when layered on `no_rotation`): per
   KV head and RoPE plane `(c, c + hd/2)` (transformers' `rotate_half` layout), the 2x2 covariance of
   `k_proj`'s output on the calibration data gives principal axes `U` (det forced to +1); the plane's
   rows of `k_proj` and of every query head of that KV group (weights and biases) become `U^T rows`.
   RoPE rotates each plane and plane rotations commute, so `q.k` after RoPE is unchanged: deployable as
   plain weights. Refused with q_norm/k_norm (their per-channel weights do not commute) and partial RoPE.
 
-* `head_pca: true` (ALGORITHMS 3.3, the paper's `spectral_pca` when layered on `no_rotation`; Qwen3's
+* `head_pca: true` (docs/walsh.md#head-pca, the paper's `spectral_pca` when layered on `no_rotation`; Qwen3's
   q_norm/k_norm): per q (and k) head, the eigenvectors `U_h` of the head's output covariance on the
   calibration data (det +1, largest first) rotate its rows `W_h <- U_h^T W_h`, and q_norm/k_norm become
   `MatrixGammaRMSNorm` with `Gamma_h = diag(gamma) U_h` (the asymmetric form: RoPE then sees vanilla
@@ -99,9 +99,11 @@ class WalshConfig(StrictModel):
     influence_basis: Optional[Literal["wht", "channel"]] = Field(
         None, description="energy basis without fusion: wht (paper code, default) or channel; fused: channel")
     pair_pca: bool = Field(False, description="also rotate each RoPE plane of q/k by the SO(2) principal axes of k "
-                                              "(ALGORITHMS 3.4; the paper's spectral_pca_2d layers it on no_rotation)")
+                                              "(docs/walsh.md#pair-pca; the paper's spectral_pca_2d layers it on "
+                                              "no_rotation)")
     head_pca: bool = Field(False, description="Qwen3 (q_norm/k_norm): rotate each q/k head onto its principal axes and "
-                                              "make q_norm/k_norm matrix-gamma norms (ALGORITHMS 3.3; evaluation only)")
+                                              "make q_norm/k_norm matrix-gamma norms (docs/walsh.md#head-pca; "
+                                              "evaluation only)")
 
     @model_validator(mode="after")
     def _check(self):
@@ -326,7 +328,7 @@ class Scaler:
 
 
 def apply_scaling(adapter, energy: dict, scaler: Scaler, actual: dict | None = None) -> dict:
-    """Groups 1-4 of ALGORITHMS 3.2; returns how many scale vectors were applied per group.
+    """Groups 1-4 of docs/walsh.md#no-rotation-scaling; returns how many scale vectors were applied per group.
     `actual`: the channel-basis energies when `energy` is in another basis (only `alpha: auto` reads them)."""
     heads, kv, hd = adapter.attention_shape()
     done = {"norm": 0, "up_down": 0, "v_o": 0}
@@ -367,7 +369,7 @@ def apply_scaling(adapter, energy: dict, scaler: Scaler, actual: dict | None = N
     return done
 
 
-# -- pair-PCA and per-head PCA: output-side rotations of q/k (ALGORITHMS 3.3, 3.4) -------------------
+# -- pair-PCA and per-head PCA: output-side rotations of q/k (docs/walsh.md#pair-pca, #head-pca) ------
 def _principal_axes(cov: torch.Tensor) -> torch.Tensor:
     """Eigenvectors of (..., d, d) covariances as columns, largest eigenvalue first, det forced to +1."""
     _, U = torch.linalg.eigh(cov)
@@ -419,7 +421,7 @@ class MatrixGammaRMSNorm(nn.Module):
     """Per-head RMSNorm whose weight is a matrix: out_h = Gamma_h x_h / RMS(x_h), Gamma_h = diag(gamma) U_h.
 
     Replaces Qwen3's q_norm/k_norm after the head's rows were rotated by U_h^T, so that
-    Gamma_h (U_h^T y_h) / RMS(U_h^T y_h) = gamma * y_h / RMS(y_h) exactly (ALGORITHMS 3.3)."""
+    Gamma_h (U_h^T y_h) / RMS(U_h^T y_h) = gamma * y_h / RMS(y_h) exactly (docs/walsh.md#head-pca)."""
 
     def __init__(self, gamma: torch.Tensor, U: torch.Tensor, eps: float):
         super().__init__()

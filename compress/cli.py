@@ -35,8 +35,17 @@ bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks whose numbers go 
 app.add_typer(bench_app, name="bench")
 
 STATE = {"debug": False, "argv": []}  # argv: this invocation's arguments (for a command that restarts itself)
-REPO = Path(__file__).resolve().parent
-RECIPES = REPO / "recipes"
+
+
+@bench_app.callback()
+def _bench():
+    import importlib.util
+
+    from compress.errors import BadInput
+
+    if importlib.util.find_spec("compress.eval.bench") is None:
+        raise BadInput("`compress bench` runs from a checkout of the repository (its harness reads the models and text "
+                       "in ../shared/data and is not installed with the package): clone it and `pip install -e .`")
 
 
 @app.callback()
@@ -236,10 +245,10 @@ def recipes():
 
     Example: compress recipes
     """
-    from compress.recipe import describe
+    from compress.recipe import bundled, describe
 
-    for path in sorted(RECIPES.glob("*.yaml")):
-        typer.echo(f"{path.relative_to(REPO)}: {describe(path)}")
+    for name, path in bundled().items():
+        typer.echo(f"recipes/{name}: {describe(path)}")
 
 
 def _emit_bench(result, md: str, json_out: Optional[Path], md_out: Optional[Path]) -> None:
@@ -286,19 +295,19 @@ def bench_quality(
     if (budget or seed or method or refine is not None) and suite != "mixed":
         raise BadInput("--budget, --seed, --method and --refine select rows of --suite mixed")
     if suite == "ptq":
-        from compress.eval.bench_quality import run_quality
+        from compress.eval.bench.quality import run_quality
 
         rows, md = run_quality(quick=quick, only=only or None)
     elif suite == "lfq":
-        from compress.eval.bench_lfq import run_lfq
+        from compress.eval.bench.lfq import run_lfq
 
         rows, md = run_lfq(quick=quick, only=only or None)
     elif suite == "walsh":
-        from compress.eval.bench_walsh import run_walsh
+        from compress.eval.bench.walsh import run_walsh
 
         rows, md = run_walsh(quick=quick, only=only or None, variants=variant or None)
     elif suite == "mixed":
-        from compress.eval.bench_mixed import run_mixed
+        from compress.eval.bench.mixed import run_mixed
 
         curves = md_out.with_name(f"{md_out.stem}-rl-curves.png") if md_out else None
         rows, md = run_mixed(quick=quick, only=only or None, curve_png=curves, budgets=budget or None,
@@ -326,14 +335,14 @@ def bench_kernels(
     Example: compress bench kernels --json bench-kernels.json --markdown bench-kernels.md
     """
     from compress.errors import BadInput
-    from compress.eval.bench_kernels import isa_env_missing, markdown, run as run_kernels
+    from compress.eval.bench.kernels import isa_env_missing, markdown, run as run_kernels
 
     try:
         missing = isa_env_missing(isa)
     except ValueError as e:
         raise BadInput(str(e)) from None
     if missing:  # torch and MKL read them once, at start: run this command again in a process that has them
-        restart = "import sys, cli; sys.exit(cli.main())"
+        restart = "import sys; from compress import cli; sys.exit(cli.main())"
         os.execve(sys.executable, [sys.executable, "-c", restart, *STATE["argv"]], {**os.environ, **missing})
     _setup_logging(False)
     result = run_kernels(quick=quick, repeats=repeats, threads=threads, isa=isa)
@@ -357,7 +366,7 @@ def bench_decode(
     Example: compress bench decode --threads 2 --json bench/decode.json --markdown bench/decode.md
     """
     from compress.errors import BadInput
-    from compress.eval.bench_decode import SIZES, markdown, run as run_decode
+    from compress.eval.bench.decode import SIZES, markdown, run as run_decode
 
     _setup_logging(False)
     if quick:

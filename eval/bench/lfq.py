@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from compress.eval import bench_quality as bq
+from compress.eval.bench import quality as bq
 
 VARIANTS = ("same", "lfq", "hard_ce")
 METRICS = ("ppl", "kl", "top1", "gen_prefix", "gen_agree", "gen_kl", "gen_top1")

@@ -1,4 +1,5 @@
-"""`compress bench quality --suite mixed`: mixed-precision allocation (ALGORITHMS.md 2) against its baselines.
+"""`compress bench quality --suite mixed`: mixed-precision allocation against its baselines
+(docs/allocate.md#measured-results).
 
 On the models that are sensitive at low bits (stories260K, stories-llama-1m), at effective budgets 2.25,
 2.5 and 3.0 bits, every cell is one real pipeline run (`allocate` then `quantize: rtn`) with the same
@@ -31,7 +32,7 @@ from pathlib import Path
 
 import yaml
 
-from compress.eval import bench_quality as bq
+from compress.eval.bench import quality as bq
 
 BASELINES = ("uniform", "greedy", "lagrangian", "greedy-sens", "greedy-sens+refine")
 RL_METHODS = ("rl", "rl+refine")

@@ -42,7 +42,7 @@ import yaml
 
 log = logging.getLogger(__name__)
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DATA = REPO.parent / "shared" / "data"
 MODELS, TEXT = DATA / "models", DATA / "text"
 CACHE = Path(os.environ.get("COMPRESS_CACHE", Path.home() / ".cache" / "compress"))

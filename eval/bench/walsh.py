@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from compress.eval import bench_quality as bq
+from compress.eval.bench import quality as bq
 
 VARIANTS = {
     "autoround": None,
