@@ -279,7 +279,9 @@ def bench_quality(
                               "with and without LFQ and hard-label CE, three seeds, with greedy-continuation scores; "
                               "`walsh`: AutoRound after no rotation, auto-round's Hadamard and the walsh modes; "
                               "`mixed`: RL vs uniform/greedy/Lagrangian mixed-precision allocation at 2.25/2.5/3.0 "
-                              "effective bits (the RL learning curves go next to --markdown as *-rl-curves.png)"),
+                              "effective bits (the RL learning curves go next to --markdown as *-rl-curves.png); "
+                              "`flipguard`: a quantization-conditioned backdoor on stories260K against RTN int4, "
+                              "with and without FlipGuard and noise"),
 ):
     """FP, RTN, GPTQ and AutoRound at W4/W3/W2 on the real small models and MiniLM (`--suite ptq`),
     the LFQ comparison (`--suite lfq`), the rotation comparison (`--suite walsh`) or mixed-precision
@@ -312,8 +314,12 @@ def bench_quality(
         curves = md_out.with_name(f"{md_out.stem}-rl-curves.png") if md_out else None
         rows, md = run_mixed(quick=quick, only=only or None, curve_png=curves, budgets=budget or None,
                              seeds=seed or None, methods=method or None, refine=refine)
+    elif suite == "flipguard":
+        from compress.eval.bench.flipguard import run_flipguard
+
+        rows, md = run_flipguard(quick=quick)
     else:
-        raise BadInput(f"unknown --suite `{suite}` (known: ptq, lfq, walsh, mixed)")
+        raise BadInput(f"unknown --suite `{suite}` (known: ptq, lfq, walsh, mixed, flipguard)")
     _emit_bench(rows, md, json_out, md_out)
 
 

@@ -30,6 +30,16 @@ class LayerOverride(StrictModel):
     _gs = field_validator("group_size")(lambda cls, v: v if v is None else check_group_size(v))
 
 
+class GuardConfig(StrictModel):
+    """FlipGuard before rounding (docs/guard.md): data-free, against quantization-conditioned backdoors."""
+
+    method: Literal["flipguard"] = "flipguard"
+    d_max: float = Field(0.15, gt=0, le=0.5, description="weights closer than this to a rounding boundary (in "
+                                                          "quantization steps) are candidates")
+    rho: float = Field(0.5, gt=0, le=1, description="share of the candidates moved, nearest to a boundary first")
+    eps: float = Field(0.1, gt=0, lt=0.5, description="how far past the boundary a moved weight lands (steps)")
+
+
 class QuantizeConfig(StrictModel):
     """Fields every weight-only quantizer shares."""
 
@@ -40,5 +50,13 @@ class QuantizeConfig(StrictModel):
     sym: bool = Field(True, description="symmetric (full-range, auto-round style) or asymmetric with zero points")
     lm_head: bool = Field(False, description="also quantize lm_head (RTN); embeddings are never quantized")
     overrides: list[LayerOverride] = Field(default_factory=list, description="per-layer regex overrides")
+    guard: Optional[GuardConfig] = Field(None, description="`flipguard` (or a mapping with its options): move the "
+                                                           "weights next to a rounding boundary across it before "
+                                                           "rounding, against quantization-conditioned backdoors")
 
     _gs = field_validator("group_size")(lambda cls, v: check_group_size(v))
+
+    @field_validator("guard", mode="before")
+    @classmethod
+    def _guard_name(cls, v):
+        return {"method": v} if isinstance(v, str) else v

@@ -91,6 +91,10 @@ def quantize_stage(ctx, cfg: QuantizeConfig, quantizer: BlockQuantizer) -> dict:
         head = LogitHead.of(adapter)
         log.info("last block: `final_block: %s`, tuned through the frozen final norm and LM head", cfg.final_block)
     tokens = ctx.calibration_tokens() if quantizer.needs_data else None
+    if cfg.guard is not None:
+        from compress.guard import Guarded
+
+        quantizer = Guarded(quantizer, cfg.guard)
     bar = ctx.progress(total=len(adapter.blocks), desc=f"{ctx.key} blocks", unit="block")
     qweights = run_blockwise(
         model=adapter.model, blocks=adapter.blocks, block_linears=adapter.block_linears,
@@ -107,9 +111,15 @@ def quantize_stage(ctx, cfg: QuantizeConfig, quantizer: BlockQuantizer) -> dict:
     target = lm_head_target(adapter, cfg)
     if target:  # after the blocks: a final-block objective through the head assumes it is FP
         name, lin = target
+        if cfg.guard is not None:
+            quantizer.guard(name, lin, LayerSpec(cfg.bits, cfg.group_size, cfg.sym))
         qw = rtn(lin.weight.data, cfg.bits, cfg.group_size, cfg.sym)
         set_weight(lin, qw)
         qweights[name] = qw
     ctx.qweights.update(qweights)
     ctx.plan = None  # consumed: a later quantize stage uses its own settings
-    return {"layers": len(qweights), "calibration_tokens": 0 if tokens is None else tokens.numel()}
+    out = {"layers": len(qweights), "calibration_tokens": 0 if tokens is None else tokens.numel()}
+    if cfg.guard is not None:
+        out["guard_moved"] = quantizer.moved  # blocks loaded from checkpoints on resume are not counted again
+        log.info("flipguard moved %d weights across a rounding boundary before rounding", quantizer.moved)
+    return out

@@ -412,17 +412,17 @@ class Workspace:
         return f"stages/{key}/block_{i:04d}.safetensors"
 
     def save_block(self, key: str, i: int, qweights: dict[str, QuantizedWeight]) -> None:
-        """Write block i's checkpoint (temporary name, then rename) and record its sha256 in the manifest."""
+        """Write block i's checkpoint to a temporary name, record its sha256 in the manifest, then rename it into
+        place; a kill in between leaves a recorded hash without its file (recomputed), never the reverse."""
         tensors, meta = qweights_to_tensors(qweights)
         rel = self._block_rel(key, i)
         path = self.path(rel)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.tmp")
         save_file(tensors, str(tmp), metadata={"qweights": json.dumps(meta)})
-        digest = file_sha256(tmp)
+        self._record(rel, file_sha256(tmp))
+        self.save_manifest()  # before the rename: a checkpoint in place always has its sha256 recorded
         os.replace(tmp, path)
-        self._record(rel, digest)
-        self.save_manifest()
 
     def load_block(self, key: str, i: int, *, required: bool = False) -> dict[str, QuantizedWeight] | None:
         """Block i's QuantizedWeights if its checkpoint exists and is intact, else None (recompute it); with
