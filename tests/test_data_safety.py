@@ -324,3 +324,20 @@ def test_a_corrupt_stage_checkpoint_is_recomputed_on_resume(tmp_path):
     assert export_bytes(out) == export_bytes(clean)
     assert {p.name: p.stat().st_mtime_ns for p in block.parent.iterdir() if p != block} == others
     assert invoke("verify", out)[0] == 0
+
+
+def test_a_clean_up_that_cannot_remove_a_file_never_hides_the_runs_error(tmp_path, monkeypatch, caplog):
+    from compress import workspace
+    from compress.workspace import Workspace
+
+    ws = Workspace(tmp_path / "out")
+    (tmp_path / "out" / "stages").mkdir()
+
+    def refuse(path, *a, **k):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(workspace.shutil, "rmtree", refuse)
+    with caplog.at_level("WARNING"):
+        ws.discard()  # logs, never raises over the run's own error
+    assert "could not remove" in caplog.text and (tmp_path / "out" / "stages").is_dir()
+    assert not (tmp_path / "out" / ".compress.lock").exists()
