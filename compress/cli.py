@@ -390,9 +390,13 @@ def main(argv=None) -> int:
     """Console entry point with the documented exit codes."""
     from compress.errors import CompressError
 
-    STATE["argv"] = list(sys.argv[1:] if argv is None else argv)
+    args = list(sys.argv[1:] if argv is None else argv)
+    STATE["argv"] = args
+    # `--debug` anywhere (every error message suggests appending it): the app's option, placed before the command
+    if "--debug" in args[1:] and args[0] != "--debug" and "--" not in args[:args.index("--debug")]:
+        args = ["--debug", *[a for a in args if a != "--debug"]]
     try:
-        rc = app(args=argv, standalone_mode=False)  # an explicit typer.Exit(code) comes back as its code
+        rc = app(args=args, standalone_mode=False)  # an explicit typer.Exit(code) comes back as its code
         if rc == 130:  # typer turns Ctrl-C inside a command into Exit(130)
             typer.echo("interrupted; rerun with --resume to continue", err=True)
         return rc if isinstance(rc, int) else 0

@@ -11,8 +11,8 @@ def _table(rows: list[dict], cols: list[str]) -> str:
 
 
 def _fmt(v) -> str:
-    if isinstance(v, float):
-        return f"{v:.4g}"
+    if isinstance(v, float):  # ratios near 1 (ppl_ratio 1.000206) need their digits: 1.000206, not 1
+        return f"{v:.4g}" if abs(v - 1) > 0.01 or v == 1 else f"{v:.6g}"
     return "" if v is None else str(v)
 
 

@@ -234,6 +234,8 @@ def test_inspect_reports_bits_and_group_sizes(short_run):
     info = json.loads(out)
     assert info["quantized_layers"] == 28
     assert {(r["bits"], r["group_size"], r["sym"]) for r in info["layers"]} == {(4, 128, True)}
+    rc, whole, err = invoke("inspect", out_dir, "--json")  # the run's output directory stands for its export
+    assert rc == 0 and json.loads(whole)["layers"] == info["layers"], err
 
 
 def test_eval_of_the_export_agrees_with_the_report(short_run):
@@ -337,11 +339,29 @@ def test_bad_input_on_eval_and_inspect(tmp_path):
     _assert_bad_input(rc, err, "does not exist")
 
 
-def test_debug_shows_the_traceback(tmp_path):
-    rc, _, err = invoke("--debug", "run", QUICKSTART, "--model", tmp_path / "no-such-model", "-o", tmp_path / "o")
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_debug_shows_the_traceback(tmp_path, where):
+    args = ["run", QUICKSTART, "--model", tmp_path / "no-such-model", "-o", tmp_path / "o"]
+    rc, _, err = invoke(*(["--debug", *args] if where == "before" else [*args, "--debug"]))
     assert rc == 1
     assert "Traceback" in err and "BadInput" in err
     assert err.rstrip().splitlines()[-1].startswith("error: model path")
+
+
+def test_report_md_keeps_the_digits_of_a_ratio_near_1():
+    from compress.eval.report import _fmt
+
+    assert _fmt(1.000206) == "1.00021" and _fmt(0.99987) == "0.99987"
+    assert _fmt(1.0) == "1" and _fmt(158.4312) == "158.4" and _fmt(1.5) == "1.5"
+
+
+def test_kernel_cache_is_keyed_on_the_torch_installation(tmp_path, monkeypatch):
+    from compress.kernels import cpu
+
+    monkeypatch.setenv("COMPRESS_CACHE", str(tmp_path))
+    here = cpu._build_dir().name
+    monkeypatch.setattr(torch, "__file__", str(tmp_path / "other-venv" / "torch" / "__init__.py"))
+    assert cpu._build_dir().name != here
 
 
 def test_no_arguments_prints_help_and_exits_1():

@@ -11,7 +11,7 @@ from compress.workspace import verify_artifact
 def inspect_checkpoint(directory: Path) -> dict:
     from compress.export.hf import read_quantized
 
-    directory = Path(directory)
+    directory = _export_of(Path(directory))
     if not (directory / "config.json").exists():
         raise BadInput(f"`{directory}` is not a checkpoint directory (no config.json)")
     verify_artifact(directory)
@@ -27,3 +27,19 @@ def inspect_checkpoint(directory: Path) -> dict:
     return {"directory": str(directory), "quantization_config": config.get("quantization_config"),
             "layers": rows, "quantized_layers": len(rows),
             "effective_bits": round(bits / numel, 4) if numel else None, "bytes": size}
+
+
+def _export_of(directory: Path) -> Path:
+    """A run's output directory (it has a manifest.json, no config.json) stands for its packed `hf` export:
+    the checkpoint directory inside it whose config.json has a quantization_config."""
+    import json
+
+    if (directory / "config.json").exists() or not (directory / "manifest.json").is_file():
+        return directory
+    for config in sorted([*directory.glob("*/config.json"), *directory.glob("*/*/config.json")]):
+        try:
+            if "quantization_config" in json.loads(config.read_text()):
+                return config.parent
+        except (OSError, ValueError):
+            continue
+    return directory
