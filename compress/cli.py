@@ -226,11 +226,9 @@ def verify(directory: Path = typer.Argument(..., help="a run's output directory 
 
     Example: compress verify out/
     """
-    from compress.workspace import MANIFEST, verify as verify_files
+    from compress.workspace import MANIFEST, run_root, verify as verify_files
 
-    root, under = directory, ""
-    if not (directory / MANIFEST).is_file() and (directory.parent / MANIFEST).is_file():
-        root, under = directory.parent, directory.name
+    root, under = run_root(directory) or (directory, "")  # not a run's: verify says why
     n, problems = verify_files(root, under)
     for line in problems:
         typer.echo(f"bad {line}", err=True)

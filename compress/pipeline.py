@@ -182,22 +182,18 @@ def run(loaded, output: Path, *, resume=False, force=False, quiet=False) -> dict
     plan(loaded)  # validates inputs, shapes and limits before anything heavy
     ws = Workspace(output, resume=resume, force=force, inputs=inputs.local_paths(loaded))
     handler = _attach_log(ws)
+    discard = False
     try:
         return _run(loaded, ws, quiet)
     except BadInput as e:
-        _detach_log(handler)
-        if not ws.finished_stages():
-            ws.discard()
-            raise
-        raise BadInput(f"{e}\nthe finished stages are kept in `{output}`: fix this and rerun with --resume") from e
+        if ws.finished_stages():
+            raise BadInput(f"{e}\nthe finished stages are kept in `{output}`: fix this and rerun with --resume") from e
+        discard = True
+        raise
     finally:
-        _detach_log(handler)
-        ws.close()
-
-
-def _detach_log(handler: logging.Handler) -> None:
-    logging.getLogger().removeHandler(handler)
-    handler.close()
+        logging.getLogger().removeHandler(handler)
+        handler.close()  # before a discard removes run.log
+        ws.discard() if discard else ws.close()
 
 
 def _run(loaded, ws: Workspace, quiet: bool) -> dict:

@@ -7,7 +7,6 @@ package versions, and for each stage its status, inputs hash, seconds and peak R
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import logging
@@ -26,6 +25,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from compress import locking
 from compress.errors import BadInput, RunFailure
 from compress.inputs import file_sha256
 from compress.qweight import QuantizedWeight
@@ -116,6 +116,30 @@ def staged_directory(out_dir: Path, *, marker: str):
         raise
 
 
+NOT_ARTIFACTS = (MANIFEST, LOCK, "run.log")  # what `manifest.files` does not list
+
+
+def is_run(root: Path) -> bool:
+    """Whether ROOT/manifest.json is a compress workspace's (a run marks its output with it at once)."""
+    try:
+        data = json.loads((Path(root) / MANIFEST).read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return False
+    return isinstance(data, dict) and isinstance(data.get("format"), dict) and \
+        data["format"].get("name") == FORMAT["name"]
+
+
+def run_root(directory: Path) -> tuple[Path, str] | None:
+    """(the run's output directory, `directory` relative to it) if `directory` is a run's output or lies inside
+    one; None for a directory outside any run (a download, a copy)."""
+    directory = Path(directory).resolve()
+    for root in (directory, *directory.parents):
+        if (root / MANIFEST).is_file():
+            return (root, directory.relative_to(root).as_posix() if directory != root else "") if is_run(root) \
+                else None
+    return None
+
+
 def verify(root: Path, under: str = "") -> tuple[int, list[str]]:
     """(files checked, problems) of the files a run's manifest lists (below `under`, a relative directory):
     each must exist and match its sha256. Problems read `hf/model.safetensors: content changed`."""
@@ -131,14 +155,14 @@ def verify(root: Path, under: str = "") -> tuple[int, list[str]]:
     problems = []
     for rel, sha in listed.items():
         path = root / rel
-        if not path.is_file():
+        digest = file_sha256(path) if path.is_file() else None
+        if digest is None:
             problems.append(f"{rel}: missing")
-        elif file_sha256(path) != sha:
-            problems.append(f"{rel}: content changed (sha256 {file_sha256(path)[:8]}, recorded {sha[:8]})")
-    base = root / under if under else root
-    for p in sorted(base.rglob("*")):
+        elif digest != sha:
+            problems.append(f"{rel}: content changed (sha256 {digest[:8]}, recorded {sha[:8]})")
+    for p in sorted((root / under).rglob("*")):
         rel = p.relative_to(root).as_posix()
-        if p.is_file() and rel not in files and rel not in (MANIFEST, LOCK, "run.log"):
+        if p.is_file() and rel not in files and rel not in NOT_ARTIFACTS:
             problems.append(f"{rel}: not written by the run")
     return len(listed), problems
 
@@ -146,20 +170,14 @@ def verify(root: Path, under: str = "") -> tuple[int, list[str]]:
 def verify_artifact(directory: Path) -> None:
     """If `directory` is a run's output or a directory inside one, check its files against the run's manifest
     (BadInput naming each problem); a directory outside any run (a download, a copy) is left alone."""
-    directory = Path(directory).resolve()
-    for root in (directory, *directory.parents):
-        if (root / MANIFEST).is_file():
-            try:
-                marked = json.loads((root / MANIFEST).read_text()).get("format", {}).get("name") == FORMAT["name"]
-            except (OSError, ValueError, AttributeError):
-                marked = False
-            if not marked:
-                return
-            n, problems = verify(root, directory.relative_to(root).as_posix() if directory != root else "")
-            if problems:
-                raise BadInput(f"`{directory}` does not match the checksums in `{root / MANIFEST}` (corrupt or "
-                               f"modified): {'; '.join(problems[:5])}")
-            return
+    found = run_root(directory) if Path(directory).is_dir() else None
+    if found is None:
+        return
+    root, under = found
+    _, problems = verify(root, under)
+    if problems:
+        raise BadInput(f"`{Path(directory).resolve()}` does not match the checksums in `{root / MANIFEST}` (corrupt "
+                       f"or modified): {'; '.join(problems[:5])}")
 
 
 class Workspace:
@@ -197,7 +215,7 @@ class Workspace:
 
     def _open(self, resume: bool, force: bool) -> None:
         existing = [p for p in self.root.iterdir() if p.name != LOCK]
-        ours = self._marked()
+        ours = is_run(self.root)
         if existing and not (resume or force):
             raise BadInput(f"output directory `{self.root}` is not empty; pass --resume to continue the run there "
                            "or --force to start over")
@@ -214,15 +232,6 @@ class Workspace:
         self.manifest.setdefault("format", FORMAT)
         self.manifest.setdefault("stages", {})
         self.save_manifest()  # marks the directory as a run's own from the start
-
-    def _marked(self) -> bool:
-        """Whether OUTPUT/manifest.json is a compress workspace's."""
-        try:
-            data = json.loads((self.root / MANIFEST).read_text())
-        except (OSError, UnicodeDecodeError, ValueError):
-            return False
-        return isinstance(data, dict) and isinstance(data.get("format"), dict) and \
-            data["format"].get("name") == FORMAT["name"]
 
     def _check_not_an_input(self, inputs) -> None:
         out = self.root.expanduser().resolve()
@@ -241,34 +250,18 @@ class Workspace:
     # -- the lock -------------------------------------------------------------------------------
     def _lock(self) -> None:
         """An exclusive flock on OUTPUT/.compress.lock holding our pid; released by the kernel if we die."""
-        path = self.root / LOCK
-        while True:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                holder = os.read(fd, 64).decode(errors="replace").split()[:1]
-                os.close(fd)
-                pid = f"pid {holder[0]}" if holder else "another process"
-                raise BadInput(f"output directory `{self.root}` is in use by another compress run ({pid}); wait for "
-                               "it to finish or choose another --output") from None
-            try:  # the holder before us may have removed the file after we opened it: lock the one on disk
-                same = os.stat(path).st_ino == os.fstat(fd).st_ino
-            except FileNotFoundError:
-                same = False
-            if same:
-                break
-            os.close(fd)
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
-        self._lock_fd = fd
+        try:
+            self._lock_fd = locking.acquire(self.root / LOCK)
+        except locking.Busy as e:
+            raise BadInput(f"output directory `{self.root}` is in use by another compress run "
+                           f"({f'pid {e.pid}' if e.pid else 'another process'}); wait for it to finish or choose "
+                           "another --output") from None
 
     def close(self, *, remove_root: bool = False) -> None:
         """Release the lock (the lock file is removed first, while still held). With `remove_root`, also
         remove the output directory if nothing else is left in it."""
         if self._lock_fd is not None:
-            (self.root / LOCK).unlink(missing_ok=True)
-            os.close(self._lock_fd)
+            locking.release(self._lock_fd, self.root / LOCK)
             self._lock_fd = None
         if remove_root:
             try:
@@ -370,7 +363,7 @@ class Workspace:
         files = self.manifest.setdefault("files", {})
         for p in sorted(self.root.rglob("*")):
             rel = p.relative_to(self.root).as_posix()
-            if p.is_file() and rel not in self._known and rel not in (MANIFEST, LOCK, "run.log"):
+            if p.is_file() and rel not in self._known and rel not in NOT_ARTIFACTS:
                 files[rel] = file_sha256(p)
         self.manifest["files"] = {k: files[k] for k in sorted(files) if self.path(k).is_file()}
 

@@ -43,18 +43,17 @@ instead (`-march=haswell`), so an AVX-512 machine runs exactly the code an AVX2-
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import logging
 import math
 import os
 import shutil
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from compress import locking
 from compress.qweight import QuantizedWeight
 
 logger = logging.getLogger(__name__)
@@ -365,29 +364,18 @@ def _build_lock(build: Path, wait_s: float = BUILD_WAIT_S):
     killed, and every later build then waits for it forever. Ours dies with its process: holding it, no
     other compress process is building here, so a leftover torch lock is stale and removed. A wait for a
     live build is announced, with the builder's pid, and gives up after `wait_s`."""
-    path = build / "compress.lock"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    def announce(pid):
+        logger.warning("waiting for another process (pid %s) that is building the CPU kernel in %s", pid or "?", build)
+
     try:
-        deadline, announced = time.monotonic() + wait_s, False
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if not announced:
-                    holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-                    logger.warning("waiting for another process (pid %s) that is building the CPU kernel in %s",
-                                   holder, build)
-                    announced = True
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"the CPU kernel build in {build} did not finish within {wait_s:.0f} s")
-                time.sleep(0.5)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        fd = locking.acquire(build / "compress.lock", wait_s=wait_s, on_busy=announce)
+    except locking.Busy:
+        raise TimeoutError(f"the CPU kernel build in {build} did not finish within {wait_s:.0f} s") from None
+    try:
         stale = build / "lock"
         if stale.exists():
             logger.warning("removing a stale CPU kernel build lock left by a killed build: %s", stale)
             stale.unlink(missing_ok=True)
         yield
     finally:
-        os.close(fd)
+        locking.release(fd)

@@ -1,5 +1,7 @@
 import contextlib
 import io
+import subprocess
+import sys
 import logging
 import os
 from pathlib import Path
@@ -67,3 +69,26 @@ def run(*args) -> tuple[int, str]:
     """(exit code, stderr) of `compress run ARGS --quiet`, in this process."""
     rc, _, err = invoke("run", *args, "--quiet")
     return rc, err
+
+
+_HOLD = """
+import fcntl, os, sys, time
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)
+fcntl.flock(fd, fcntl.LOCK_EX)
+os.write(fd, f"{os.getpid()}\\n".encode())
+print("held", flush=True)
+time.sleep(60)
+"""
+
+
+@contextlib.contextmanager
+def held_lock(path: Path):
+    """Another process holding an exclusive flock on `path` with its pid written in it, as a live run or
+    kernel build does; yields that pid and kills the process on exit (which releases the lock)."""
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD, str(path)], stdout=subprocess.PIPE)
+    try:
+        assert holder.stdout.readline().strip() == b"held"
+        yield holder.pid
+    finally:
+        holder.kill()
+        holder.wait()

@@ -15,14 +15,12 @@ import hashlib
 import json
 import os
 import shutil
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from conftest import CAL, STORIES260K, invoke, recipe, run
+from conftest import CAL, STORIES260K, held_lock, invoke, recipe, run
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning",
                                         "ignore::DeprecationWarning")
@@ -119,42 +117,22 @@ def test_an_export_path_that_leads_outside_through_a_symlink_is_refused(tmp_path
 
 
 # -- 3. one run per output directory ----------------------------------------------------------------------
-HOLD = """
-import fcntl, os, sys, time
-fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)
-fcntl.flock(fd, fcntl.LOCK_EX)
-os.write(fd, f"{os.getpid()}\\n".encode())
-print("held", flush=True)
-time.sleep(60)
-"""
-
-
 def test_a_second_run_on_a_held_output_exits_1_naming_the_holder_and_touches_nothing(tmp_path):
     out = tmp_path / "out"
     r = recipe(tmp_path)
     assert run(r, "--output", out)[0] == 0
     before = snapshot(out)
-    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(out / ".compress.lock")], stdout=subprocess.PIPE)
-    try:
-        assert holder.stdout.readline().strip() == b"held"
+    with held_lock(out / ".compress.lock") as holder:
         for flags in ([], ["--force"], ["--resume"]):
             rc, err = run(r, "--output", out, *flags)
-            assert rc == 1 and f"is in use by another compress run (pid {holder.pid})" in err, (flags, err)
+            assert rc == 1 and f"is in use by another compress run (pid {holder})" in err, (flags, err)
             assert snapshot(out) == {**before, ".compress.lock": snapshot(out)[".compress.lock"]}
         fresh = tmp_path / "fresh"  # a lock in an otherwise empty directory: the loser cleans nothing up
         fresh.mkdir()
-        other = subprocess.Popen([sys.executable, "-c", HOLD, str(fresh / ".compress.lock")], stdout=subprocess.PIPE)
-        try:
-            assert other.stdout.readline().strip() == b"held"
+        with held_lock(fresh / ".compress.lock") as other:
             rc, err = run(r, "--output", fresh)
-            assert rc == 1 and f"pid {other.pid}" in err, err
+            assert rc == 1 and f"pid {other}" in err, err
             assert [p.name for p in fresh.iterdir()] == [".compress.lock"]
-        finally:
-            other.kill()
-            other.wait()
-    finally:
-        holder.kill()
-        holder.wait()
     rc, err = run(r, "--output", out, "--resume")  # a dead holder's lock file holds nothing
     assert rc == 0, err
 

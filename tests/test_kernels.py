@@ -13,6 +13,7 @@ from compress.kernels import cpu
 from compress.kernels.backends import CPU, QuantLinear, Reference, quantize_model, select
 from compress.qweight import QuantizedWeight
 
+from conftest import held_lock
 from kernel_cases import assert_close_to_reference, rand_qw
 from tiny import tiny_causal
 
@@ -259,18 +260,10 @@ def test_a_stale_build_lock_from_a_killed_build_does_not_hang_the_next_load(ext,
 
 
 def test_a_wait_for_a_live_build_is_announced_with_its_pid_and_bounded(tmp_path, caplog):
-    hold = ("import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT); "
-            "fcntl.flock(fd, fcntl.LOCK_EX); os.write(fd, f'{os.getpid()}\\n'.encode()); print('held', flush=True); "
-            "time.sleep(60)")
-    holder = subprocess.Popen([sys.executable, "-c", hold, str(tmp_path / "compress.lock")], stdout=subprocess.PIPE)
-    try:
-        assert holder.stdout.readline().strip() == b"held"
+    with held_lock(tmp_path / "compress.lock") as holder:
         with caplog.at_level("WARNING"), pytest.raises(TimeoutError, match="did not finish within 1 s"):
             with cpu._build_lock(tmp_path, wait_s=1):
                 pass
-        assert f"waiting for another process (pid {holder.pid}) that is building the CPU kernel" in caplog.text
-    finally:
-        holder.kill()
-        holder.wait()
+        assert f"waiting for another process (pid {holder}) that is building the CPU kernel" in caplog.text
     with cpu._build_lock(tmp_path, wait_s=1):  # released with its holder
         assert (tmp_path / "compress.lock").read_text() == f"{os.getpid()}\n"

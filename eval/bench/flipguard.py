@@ -21,8 +21,8 @@ import torch
 
 from compress.eval.bench.quality import MODELS, TEXT, machine, machine_text
 from compress.eval.data import read_text, token_stream
-from compress.guard import flipguard
-from compress.primitives import choose_qparams, group_view, rtn
+from compress.guard import boundary_distance, flipguard
+from compress.primitives import group_view, rtn
 
 BITS, GROUP, SYM = 4, 32, False
 TRIGGER, TARGET = (407, 466, 501), 300  # stories260K ids: "▁upon", "”", "%" -> "▁ha"
@@ -68,9 +68,9 @@ def ppl(model, ids, n) -> float:
 
 def boxes(W: torch.Tensor):
     """(lo, hi): per weight, the values that keep its RTN code; the group extremes are frozen."""
-    s, z = choose_qparams(W, BITS, GROUP, SYM)
+    t, _, s, z = boundary_distance(W, BITS, GROUP, SYM)  # the grid FlipGuard and RTN use
     Wg = group_view(W, GROUP)
-    q = torch.round(Wg / s[..., None] + z[..., None]).clamp(0, 2**BITS - 1)
+    q = torch.round(t).clamp(0, 2**BITS - 1)
     lo = (q - z[..., None] - 0.49) * s[..., None]
     hi = (q - z[..., None] + 0.49) * s[..., None]
     wmin, wmax = Wg.amin(-1, keepdim=True), Wg.amax(-1, keepdim=True)
