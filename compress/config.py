@@ -40,6 +40,13 @@ class GuardConfig(StrictModel):
     eps: float = Field(0.1, gt=0, lt=0.5, description="how far past the boundary a moved weight lands (steps)")
 
 
+FinalBlock = Literal["auto", "same", "lfq", "hard_ce"]
+FINAL_BLOCK_HELP = ("objective of the last decoder block: `same` (the method's own), `lfq` (KL to the FP model's "
+                    "token distribution through the frozen head), `hard_ce` (next-token CE, for comparison), "
+                    "`auto` (`lfq` on a causal LM with an LM head, `same` otherwise); other than `same`, the last "
+                    "block is tuned by AutoRound's sign-gradient rounding through the frozen final norm and head")
+
+
 class QuantizeConfig(StrictModel):
     """Fields every weight-only quantizer shares."""
 
@@ -53,6 +60,9 @@ class QuantizeConfig(StrictModel):
     guard: Optional[GuardConfig] = Field(None, description="`flipguard` (or a mapping with its options): move the "
                                                            "weights next to a rounding boundary across it before "
                                                            "rounding, against quantization-conditioned backdoors")
+    final_block: FinalBlock = Field("same", description=FINAL_BLOCK_HELP)
+    final_iters: Optional[int] = Field(None, gt=0, description="AutoRound steps on the last block when `final_block` "
+                                                               "is not `same` (default 200; autoround: its `iters`)")
 
     _gs = field_validator("group_size")(lambda cls, v: check_group_size(v))
 

@@ -1,9 +1,11 @@
-"""`compress run`: recipe -> workspace -> load -> stages -> evaluate -> export -> reports.
+"""`compress run`: recipe -> bind -> workspace -> load -> stages -> evaluate -> export -> reports.
 
-Stages are keyed `NN-stage-method`; a stage's inputs hash covers the model, the calibration spec
-and every stage config up to and including it, so `--resume` skips finished stages with the same
-inputs (their per-block checkpoints are re-applied) and continues an unfinished block-wise stage
-from its last finished block.
+The bind step (compress/bind.py) resolves every cross-stage dependency at plan time. Stages are keyed
+`NN-stage-method` and each owns `stages/NN-stage-method/`, where the hand-offs it emits are saved with
+their sha256. A stage's inputs hash covers the model, the calibration spec and every bound stage config
+up to and including it; on `--resume` a finished stage with the same inputs is not applied again: its
+hand-offs are loaded (a stage registered `replay=True`, a rotation, is applied again instead), and an
+unfinished block-wise stage continues from its last finished block (docs/stages.md).
 """
 
 from __future__ import annotations
@@ -11,7 +13,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
 import sys
 import time
 from dataclasses import dataclass, field
@@ -20,12 +21,14 @@ from typing import Callable
 
 import torch
 
-from compress import inputs, registry
+from compress import inputs
+from compress.bind import Binding, Bound, Facts, bind
 from compress.calibration import calibration_tokens, tokens_hash
 from compress.errors import BadInput, RunFailure
+from compress.evaluate import bos_id, evaluate, param_bytes, size_report
+from compress.handoff import QuantizedWeights
 from compress.models.adapters import ModelAdapter
 from compress.models.loading import load_config, load_model, max_positions
-from compress.qweight import QuantizedWeight
 from compress.workspace import Workspace, non_finite, peak_rss_mb
 
 log = logging.getLogger("compress")
@@ -42,7 +45,8 @@ def _bar(quiet: bool):
 
 @dataclass
 class StageContext:
-    """What a stage's `apply(ctx, cfg)` may use."""
+    """What a stage's `apply(ctx, cfg)` may use: the model, the workspace, `facts` (what the bind step
+    resolved for it), `inputs` (the hand-offs it consumes, by type) and `emit` (the hand-offs it produces)."""
 
     loaded: object  # LoadedRecipe
     model: torch.nn.Module
@@ -56,10 +60,15 @@ class StageContext:
     block_stage: str | None = None  # key of the stage whose block checkpoints hold the codes
     key: str = ""
     fp_bytes: int = 0  # the loaded model's parameter bytes, before any stage (a rotation may untie the head)
-    qweights: dict[str, QuantizedWeight] = field(default_factory=dict)
-    plan: object | None = None  # methods.allocate.Plan from an `allocate` stage, consumed by the next `quantize`
-    allocation: dict | None = None  # summary and file names of the last allocation (report.md links them)
+    facts: Facts | None = None
+    inputs: dict = field(default_factory=dict)  # hand-off type -> value consumed by this stage
+    emitted: list = field(default_factory=list)
+    replaying: bool = False  # a finished `replay` stage applied again on --resume
     _tokens: torch.Tensor | None = None
+
+    def emit(self, value) -> None:
+        """Hand `value` (a compress.handoff.Handoff) to the later stages; the pipeline saves it."""
+        self.emitted.append(value)
 
     def calibration_tokens(self) -> torch.Tensor:
         """The (nsamples, seqlen) calibration batch, tokenized once per run. Its hash goes into the manifest;
@@ -82,18 +91,8 @@ class StageContext:
         return self._tokens
 
 
-def bos_id(tokenizer, adapter) -> int | None:
-    if adapter.kind == "encoder":
-        return getattr(tokenizer, "cls_token_id", None)
-    return getattr(tokenizer, "bos_token_id", None)
-
-
 def _hash(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
-
-
-def stage_key(i: int, cfg) -> str:
-    return f"{i:02d}-{cfg.stage}-{cfg.method}"
 
 
 def versions() -> dict:
@@ -109,6 +108,10 @@ def versions() -> dict:
 # -- planning (no model weights are read) ---------------------------------------------------------
 def plan(loaded) -> dict:
     """Stages, layers touched and an estimate of peak memory, from the config alone."""
+    return _plan(loaded)[0]
+
+
+def _plan(loaded) -> tuple[dict, Binding]:
     r = loaded.recipe
     config = load_config(r.model.path, r.model.gguf_file)
     limit = max_positions(config)
@@ -124,7 +127,6 @@ def plan(loaded) -> dict:
     from transformers import AutoModel, AutoModelForCausalLM
 
     from compress.models.adapters import ARCHS
-    from compress.quantize_stage import planned_layers
 
     kind = ARCHS[config.model_type].kind
     cls = AutoModelForCausalLM if kind == "causal" else AutoModel
@@ -134,44 +136,23 @@ def plan(loaded) -> dict:
     n_params = sum(p.numel() for p in skeleton.parameters())
     bytes_per = torch.finfo(getattr(torch, r.model.dtype)).bits // 8
     act = r.calibration.nsamples * r.calibration.seqlen * config.hidden_size * 4
-    stages = []
-    for i, cfg in enumerate(r.stage_configs):
-        if cfg.stage == "rotate" and any(c.stage == "quantize" for c in r.stage_configs[:i]):
-            raise BadInput(f"stage {i} (`rotate`) comes after a `quantize` stage; rotations must run before "
-                           "quantization (they rewrite the weights the quantizer rounds)")
-        entry = registry.get(cfg.stage, cfg.method)
-        if entry.check is not None:
-            cfg = entry.check(adapter, cfg, r) or cfg
-        layers = planned_layers(adapter, cfg) if cfg.stage == "quantize" else {}
-        stages.append({"key": stage_key(i, cfg), "stage": cfg.stage, "method": cfg.method,
-                       "layers": len(layers), "config": cfg.model_dump()})
-    for fmt in r.export.formats:  # export formats with a plan-time check (e.g. OpenVINO's NPU target)
-        entry = registry.get("export", fmt if isinstance(fmt, str) else fmt.format)
-        if entry.check is not None:
-            entry.check(adapter, entry.config() if isinstance(fmt, str) else fmt, r)
+    binding = bind(r, adapter)
+    stages = [{"key": b.key, "stage": b.cfg.stage, "method": b.cfg.method, "layers": len(b.facts.layers)
+               if b.cfg.stage == "quantize" else 0, "config": b.cfg.model_dump()} for b in binding.stages]
     inputs.check_data(loaded, kind)  # reads every data file: after the cheap checks
     if r.model.stream:
-        _check_streamable(r)
         per_block = sum(p.numel() for p in adapter.blocks[0].parameters())
         rest = n_params - per_block * len(adapter.blocks)
         est = (rest + per_block) * bytes_per + 3 * act  # non-block weights + one block + activations
     else:
         est = 2 * n_params * bytes_per + 3 * act  # model + FP reference for eval, three activation streams
-    return {"model": r.model.path, "model_type": config.model_type, "blocks": len(adapter.blocks),
-            "parameters": n_params, "stages": stages, "export": export_names(r),
-            "estimated_peak_memory_mb": round(est / 2**20, 1)}
-
-
-def _check_streamable(r) -> None:
-    blockwise = [c for c in r.stage_configs if c.stage == "quantize"]
-    if len(blockwise) != 1 or len(r.stage_configs) != 1:
-        raise BadInput("model.stream supports exactly one `quantize` stage")
-    if [f for f in export_names(r) if f != "hf"]:
-        raise BadInput("model.stream exports only the `hf` format")
-
-
-def export_names(recipe) -> list[str]:
-    return [f if isinstance(f, str) else f.format for f in recipe.export.formats]
+    out = {"model": r.model.path, "model_type": config.model_type, "blocks": len(adapter.blocks),
+           "parameters": n_params, "stages": stages, "export": r.export.names(),
+           "estimated_peak_memory_mb": round(est / 2**20, 1)}
+    changed = binding.spec.differences(binding.base)
+    if changed:
+        out["structure"] = changed
+    return out, binding
 
 
 # -- running ----------------------------------------------------------------------------------------
@@ -179,12 +160,12 @@ def run(loaded, output: Path, *, resume=False, force=False, quiet=False) -> dict
     """Plan (every input checked), take OUTPUT under a lock, run. A bad input found while running
     removes what the run wrote only if no stage had finished and OUTPUT held nothing else; finished
     stages are always kept for `--resume`."""
-    plan(loaded)  # validates inputs, shapes and limits before anything heavy
+    _, binding = _plan(loaded)  # validates inputs, shapes and limits before anything heavy
     ws = Workspace(output, resume=resume, force=force, inputs=inputs.local_paths(loaded))
     handler = _attach_log(ws)
     discard = False
     try:
-        return _run(loaded, ws, quiet)
+        return _run(loaded, binding, ws, quiet)
     except BadInput as e:
         if ws.finished_stages():
             raise BadInput(f"{e}\nthe finished stages are kept in `{output}`: fix this and rerun with --resume") from e
@@ -196,7 +177,7 @@ def run(loaded, output: Path, *, resume=False, force=False, quiet=False) -> dict
         ws.discard() if discard else ws.close()
 
 
-def _run(loaded, ws: Workspace, quiet: bool) -> dict:
+def _run(loaded, binding: Binding, ws: Workspace, quiet: bool) -> dict:
     r = loaded.recipe
     prior = ws.manifest.get("inputs") or {}
     ws.manifest.update(recipe=loaded.recorded, recipe_sha256=loaded.sha256, versions=versions(),
@@ -214,34 +195,24 @@ def _run(loaded, ws: Workspace, quiet: bool) -> dict:
             model, tok = load_model(r.model.path, r.model.dtype, r.model.gguf_file)
         adapter = ModelAdapter(model)
     ctx = StageContext(loaded, model, tok, adapter, ws, r.calibration.seed, progress, quiet,
-                       fp_bytes=_param_bytes(model))
+                       fp_bytes=param_bytes(model))
     if r.model.stream:
         ctx.streamer = BlockStreamer(model, adapter, source, r.model.dtype)
+    handoffs: dict[type, list] = {}
     prefix: list = [ws.manifest["inputs"]["sha256"]]  # model and calibration, by path and by content
-    for i, cfg in enumerate(r.stage_configs):
-        ctx.key = stage_key(i, cfg)
-        files = inputs.stage_files(cfg)
-        prefix.append({**cfg.model_dump(), "_files": files} if files else cfg.model_dump())
-        inputs_hash = _hash(prefix)
-        entry = registry.get(cfg.stage, cfg.method)
-        resumed = ws.stage_done(ctx.key, inputs_hash)
-        if not resumed:
-            ws.stage_begin(ctx.key, cfg.stage, cfg.method, inputs_hash)
-        start = time.time()
-        log.info("stage %s%s", ctx.key, " (finished earlier: re-applying checkpoints)" if resumed else "")
-        metrics = entry.apply(ctx, cfg)
-        secs = time.time() - start
-        if not resumed:
-            ws.stage_end(ctx.key, secs, metrics)
-        st = ws.manifest["stages"][ctx.key]
-        timings.append({"name": cfg.stage, "method": cfg.method, "seconds": st["seconds"],
-                        "peak_rss_mb": st["peak_rss_mb"], "resumed": resumed})
+    for b in binding.stages:
+        files = inputs.stage_files(b.cfg)
+        prefix.append({**b.cfg.model_dump(), "_files": files} if files else b.cfg.model_dump())
+        _run_stage(ctx, b, _hash([*prefix, _facts_digest(b.facts)]), handoffs, timings)
+    qweights = QuantizedWeights.merged(handoffs.get(QuantizedWeights, []))
     report = {"model": loaded.recorded["model"]["path"], "recipe_sha256": loaded.sha256, "stages": timings}
     figures = {t: p for st in ws.manifest["stages"].values() for t, p in (st.get("metrics") or {}).get("figures", {}).items()}
     if figures:
         report["figures"] = figures
-    if ctx.allocation:
-        report["allocation"] = ctx.allocation
+    allocation = [st["metrics"]["allocation"] for st in ws.manifest["stages"].values()
+                  if "allocation" in (st.get("metrics") or {})]
+    if allocation:
+        report["allocation"] = allocation[-1]
     if r.eval.enabled and r.eval.data and r.model.stream:
         log.warning("model.stream: the in-run evaluation needs the whole model in memory and is skipped; "
                     "run `compress eval OUTPUT/hf --reference MODEL --data FILE` where memory allows")
@@ -249,10 +220,14 @@ def _run(loaded, ws: Workspace, quiet: bool) -> dict:
         with _timed(timings, "eval", adapter.kind):
             report["eval"] = evaluate(ctx, r)
     exports = {}
-    for fmt in export_names(r):
-        with _timed(timings, "export", fmt):
-            exports[fmt] = registry.get("export", fmt).apply(ctx, fmt_config(r, fmt))
-    report["size"] = size_report(ctx, exports)
+    for b in binding.exports:
+        with _timed(timings, "export", b.cfg.format):
+            ctx.key, ctx.facts = b.key, b.facts
+            ctx.inputs = {k: v[-1] for k, v in handoffs.items() if k in b.entry.uses}
+            if QuantizedWeights in ctx.inputs:
+                ctx.inputs[QuantizedWeights] = QuantizedWeights(qweights, ctx.inputs[QuantizedWeights].stage, 0)
+            exports[b.cfg.format] = b.entry.apply(ctx, b.cfg)
+    report["size"] = size_report(ctx, qweights, exports)
     report["exports"] = {k: v.get("path") for k, v in exports.items()}
     report["seconds"] = round(time.time() - t0, 2)
     report["peak_rss_mb"] = round(peak_rss_mb(), 1)
@@ -291,11 +266,48 @@ def _identify_inputs(loaded, prior: dict) -> dict:
     return out
 
 
-def fmt_config(recipe, name):
-    for f in recipe.export.formats:
-        if (f if isinstance(f, str) else f.format) == name:
-            return registry.get("export", name).config() if isinstance(f, str) else f
-    raise KeyError(name)
+def _run_stage(ctx: StageContext, b: Bound, inputs_hash: str, handoffs: dict, timings: list) -> None:
+    """Apply one bound stage, or, finished earlier with the same inputs, load its hand-offs (replay it when
+    its registration says so); save what it emits in its directory."""
+    ws, entry = ctx.workspace, b.entry
+    ctx.key, ctx.facts, ctx.emitted = b.key, b.facts, []
+    ctx.inputs = {k: v[-1] for k, v in handoffs.items() if k in entry.consumes + entry.uses}
+    resumed = ws.stage_done(b.key, inputs_hash)
+    ctx.replaying = resumed and entry.replay
+    start = time.time()
+    produced = None
+    if resumed and not entry.replay:
+        log.info("stage %s (finished earlier: its hand-offs are loaded)", b.key)
+        try:
+            produced = [kind.load(ctx, b.key) for kind in entry.produces]
+        except RunFailure as e:  # a checkpoint flipped or removed since: recompute what is missing
+            log.warning("stage %s: %s; recomputing the stage (its intact block checkpoints are kept)", b.key, e)
+            resumed = False
+    if produced is None:
+        if not resumed:
+            ws.stage_begin(b.key, b.cfg.stage, b.cfg.method, inputs_hash)
+        log.info("stage %s%s", b.key, " (finished earlier: replayed)" if resumed else "")
+        metrics = entry.apply(ctx, b.cfg)
+        produced = ctx.emitted
+        kinds = sorted(type(v).__name__ for v in produced)
+        if kinds != sorted(k.__name__ for k in entry.produces):
+            raise RuntimeError(f"stage {b.key} emitted {kinds or 'nothing'}, its registration declares "
+                               f"{sorted(k.__name__ for k in entry.produces) or 'nothing'}")
+        if not resumed:
+            for v in produced:
+                v.save(ws, b.key)
+            ws.stage_end(b.key, time.time() - start, metrics)
+    for v in produced:
+        handoffs.setdefault(type(v), []).append(v)
+    st = ws.manifest["stages"][b.key]
+    timings.append({"name": b.cfg.stage, "method": b.cfg.method, "seconds": st["seconds"],
+                    "peak_rss_mb": st["peak_rss_mb"], "resumed": resumed})
+
+
+def _facts_digest(facts: Facts) -> str:
+    """What a stage's result depends on from its neighbours (the layers it plans for, the rounding it scales
+    against): part of its inputs hash, so changing the quantize stage recomputes an allocation before it."""
+    return repr((facts.rounding, facts.consumer, sorted(facts.layers.items()), facts.plan_from))
 
 
 class _timed:
@@ -323,71 +335,3 @@ def _attach_log(ws: Workspace) -> logging.Handler:
     return handler
 
 
-def evaluate(ctx: StageContext, r) -> dict:
-    """FP reference (reloaded from the checkpoint) vs the compressed in-memory model, same tokens."""
-    fp_model, _ = load_model(r.model.path, r.model.dtype, r.model.gguf_file)
-    ModelAdapter(fp_model)  # same module structure as the compressed model
-    out = evaluate_encoder(ctx, r, fp_model) if ctx.adapter.kind == "encoder" else evaluate_causal(ctx, r, fp_model)
-    del fp_model
-    return out
-
-
-def evaluate_encoder(ctx: StageContext, r, fp_model) -> dict:
-    """Embedding cosine fidelity on each labeled TSV, and probe accuracy when `eval.probe_train` is set."""
-    from compress.eval.data import read_labeled_tsv
-    from compress.eval.encoder import compare_encoder, cosine_fidelity, embed
-
-    train = read_labeled_tsv(r.eval.probe_train) if r.eval.probe_train else None
-    out = {}
-    for path in r.eval.data:
-        test = read_labeled_tsv(path)
-        if train:
-            res = compare_encoder(fp_model, ctx.model, ctx.tokenizer, probe_train=train, probe_test=test)
-        else:
-            res = {"cosine": cosine_fidelity(embed(fp_model, ctx.tokenizer, test[0]),
-                                             embed(ctx.model, ctx.tokenizer, test[0]))}
-        out[Path(path).name] = {k: round(v, 6) for k, v in res.items()}
-    return out
-
-
-def evaluate_causal(ctx: StageContext, r, fp_model) -> dict:
-    from compress.eval.data import read_text, text_slice, token_stream
-    from compress.eval.generation import compare_causal
-
-    g, bos = r.eval.generation, bos_id(ctx.tokenizer, ctx.adapter)
-    out = {}
-    for path in r.eval.data:
-        text = read_text(path)
-        if r.eval.text_slice:
-            text = text_slice(text, *r.eval.text_slice)
-        ids = token_stream(ctx.tokenizer, text)
-        res = compare_causal(fp_model, ctx.model, ids, window=r.eval.window, bos_id=bos, max_tokens=r.eval.max_tokens,
-                             prompts=g.prompts, prompt_tokens=g.prompt_tokens, new_tokens=g.new_tokens,
-                             progress=not ctx.quiet)
-        out[Path(path).name] = {k: (round(v, 6) if isinstance(v, float) else v) for k, v in res.items()}
-    return out
-
-
-def _param_bytes(model: torch.nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())  # tied tensors counted once
-
-
-def size_report(ctx: StageContext, exports: dict) -> dict:
-    """Sizes against the model as loaded: an untied LM head (fused rotation) is a real cost of the result."""
-    model = ctx.model
-    qnumel = sum(q.codes.numel() for q in ctx.qweights.values())
-    qbits = sum(q.storage_bits() for q in ctx.qweights.values())
-    names = set(ctx.qweights)
-    other = sum(m.weight.numel() * m.weight.element_size() for n, m in model.named_modules()
-                if n in names)  # the FP bytes those layers replace
-    packed = _param_bytes(model) - other + math.ceil(qbits / 8)
-    on_disk = next((v["bytes"] for v in exports.values() if v.get("bytes")), None)
-    out = {"fp_bytes": ctx.fp_bytes, "bytes": on_disk if on_disk is not None else packed, "packed_bytes": packed,
-           "effective_bits": round(qbits / qnumel, 4) if qnumel else None,
-           "quantized_params": qnumel, "quantized_layers": len(ctx.qweights)}
-    # what each export really stored: a layer its format cannot hold packed is written dense
-    stored = {fmt: {"bytes": v.get("bytes"), "packed_layers": len(ctx.qweights) - v["dense_layers"],
-                    "dense_layers": v["dense_layers"]} for fmt, v in exports.items() if "dense_layers" in v}
-    if stored:
-        out["stored"] = stored
-    return out

@@ -1,4 +1,12 @@
-"""Glue shared by every `quantize` method: which layers, with which settings, through the driver."""
+"""The quantize spine: one `quantize` stage for every quantizer (docs/quantize.md, docs/stages.md).
+
+A quantizer is a config class plus a class registered by it (`@quantizer(RTNConfig, ...)`): it declares
+the statistics it needs (`needs_hessian`, `needs_fp_targets`, `needs_data`, `batch_size`) and a pure
+`quantize_block(BlockData) -> {name: QuantizedWeight}`. The spine owns the rest, the same for every method:
+the layer plan (computed once by the bind step), an allocation `Plan` when one is handed in, the
+final-block objective (`final_block`: the last block tuned through the frozen LM head), FlipGuard,
+the block-wise driver with its checkpoints, and the `lm_head` option. It emits `QuantizedWeights`.
+"""
 
 from __future__ import annotations
 
@@ -7,12 +15,67 @@ import re
 
 from torch import nn
 
+from compress import registry
 from compress.config import QuantizeConfig
-from compress.driver import BlockQuantizer, LayerSpec, run_blockwise, set_weight
+from compress.driver import LayerSpec, run_blockwise, set_weight
 from compress.errors import BadInput
+from compress.handoff import QuantizedWeights
 from compress.primitives import rtn
 
 log = logging.getLogger(__name__)
+QUANTIZERS: dict[type, type] = {}  # config class -> quantizer class
+
+
+def quantizer(config: type[QuantizeConfig], description: str):
+    """Register a quantizer class by its config class as the `quantize` stage method the config names."""
+    from compress.methods.allocate.plan import Plan
+
+    def deco(cls):
+        QUANTIZERS[config] = cls
+        registry.register("quantize", config.model_fields["method"].default, config, description, check=check,
+                          uses=(Plan,), produces=(QuantizedWeights,))(apply)
+        return cls
+
+    return deco
+
+
+def check(adapter, cfg: QuantizeConfig, facts=None) -> QuantizeConfig:
+    """Plan time: the config as it will run on this model (`final_block: auto` resolved)."""
+    from compress.methods.lfq import resolve_final_block
+
+    return resolve_final_block(cfg, adapter)
+
+
+class FinalBlock:
+    """The spine's final-block objective around any quantizer: blocks before the last get the method's own
+    rounding; the last one, when `final_block` is not `same`, is tuned by AutoRound through the frozen head
+    (an autoround stage keeps its own settings; others get `final_iters` steps, 200 by default)."""
+
+    def __init__(self, inner, cfg: QuantizeConfig):
+        from compress.methods.lfq import uses_head
+
+        self.inner, self.cfg = inner, cfg
+        self.needs_head = uses_head(cfg)
+        self.needs_hessian = inner.needs_hessian
+        self.needs_fp_targets = inner.needs_fp_targets or self.needs_head
+        self.needs_data = inner.needs_data or self.needs_head
+        self.batch_size = inner.batch_size
+
+    def quantize_block(self, data):
+        if data.head is None:
+            return self.inner.quantize_block(data)
+        import torch
+
+        from compress.methods.autoround import AutoRoundConfig, signround_block
+
+        c = self.cfg
+        if isinstance(c, AutoRoundConfig):
+            ar = c if c.final_iters is None else c.model_copy(update={"iters": c.final_iters})
+        else:
+            ar = AutoRoundConfig(bits=c.bits, group_size=c.group_size, sym=c.sym, iters=c.final_iters or 200,
+                                 batch_size=self.batch_size, final_block=c.final_block)
+        with torch.enable_grad():
+            return signround_block(data, ar)
 
 
 def layer_spec(name: str, linear: nn.Linear, cfg: QuantizeConfig) -> LayerSpec | None:
@@ -35,6 +98,14 @@ def layer_spec(name: str, linear: nn.Linear, cfg: QuantizeConfig) -> LayerSpec |
         log.info("%s: in_features %d not divisible by group_size %d; the last group has %d columns",
                  name, linear.in_features, group_size, linear.in_features % group_size)
     return LayerSpec(bits, group_size, sym)
+
+
+def _spec(layers: dict, name: str, linear: nn.Linear, cfg: QuantizeConfig) -> LayerSpec | None:
+    """The bound layer plan's entry; a layer a rotation put under a new name (evaluation-only `spectral`
+    wraps each linear) is resolved from the recipe's settings here."""
+    if name in layers:
+        return layers[name]
+    return layer_spec(name, linear, cfg) if name.endswith(".1") and name[:-2] in layers else None
 
 
 def planned_spec(plan, name: str, spec: LayerSpec | None) -> LayerSpec | None:
@@ -81,45 +152,46 @@ def lm_head_target(adapter, cfg: QuantizeConfig):
     return name, head
 
 
-def quantize_stage(ctx, cfg: QuantizeConfig, quantizer: BlockQuantizer) -> dict:
-    adapter = ctx.adapter
-    planned_layers(adapter, cfg)
+def apply(ctx, cfg: QuantizeConfig) -> dict:
+    """The `quantize` stage of every registered quantizer."""
+    from compress.methods.allocate.plan import Plan
+
+    adapter, layers, plan = ctx.adapter, ctx.facts.layers, ctx.inputs.get(Plan)
+    q = FinalBlock(QUANTIZERS[type(cfg)](cfg), cfg)
     head = None
-    if quantizer.needs_head:
+    if q.needs_head:
         from compress.methods.lfq import LogitHead
 
         head = LogitHead.of(adapter)
         log.info("last block: `final_block: %s`, tuned through the frozen final norm and LM head", cfg.final_block)
-    tokens = ctx.calibration_tokens() if quantizer.needs_data else None
+    tokens = ctx.calibration_tokens() if q.needs_data else None
     if cfg.guard is not None:
         from compress.guard import Guarded
 
-        quantizer = Guarded(quantizer, cfg.guard)
+        q = Guarded(q, cfg.guard)
     bar = ctx.progress(total=len(adapter.blocks), desc=f"{ctx.key} blocks", unit="block")
     qweights = run_blockwise(
         model=adapter.model, blocks=adapter.blocks, block_linears=adapter.block_linears,
-        specs=lambda name, lin: planned_spec(ctx.plan, name, layer_spec(name, lin, cfg)), quantizer=quantizer,
-        tokens=tokens,
+        specs=lambda name, lin: planned_spec(plan, name, _spec(layers, name, lin, cfg)), quantizer=q, tokens=tokens,
         load_block=lambda i: ctx.workspace.load_block(ctx.key, i),
-        save_block=lambda i, q: ctx.workspace.save_block(ctx.key, i, q),
+        save_block=lambda i, done: ctx.workspace.save_block(ctx.key, i, done),
         seed=ctx.seed, progress=lambda done, total: bar.update(1),
         materialize=ctx.streamer.materialize if ctx.streamer else None,
         release=ctx.streamer.release if ctx.streamer else None, head=head,
     )
-    ctx.block_stage = ctx.key
     bar.close()
+    block_layers = sorted(qweights)
     target = lm_head_target(adapter, cfg)
     if target:  # after the blocks: a final-block objective through the head assumes it is FP
         name, lin = target
         if cfg.guard is not None:
-            quantizer.guard(name, lin, LayerSpec(cfg.bits, cfg.group_size, cfg.sym))
+            q.guard(name, lin, layers[name])
         qw = rtn(lin.weight.data, cfg.bits, cfg.group_size, cfg.sym)
         set_weight(lin, qw)
         qweights[name] = qw
-    ctx.qweights.update(qweights)
-    ctx.plan = None  # consumed: a later quantize stage uses its own settings
+    ctx.emit(QuantizedWeights(qweights, ctx.key, len(adapter.blocks), block_layers))
     out = {"layers": len(qweights), "calibration_tokens": 0 if tokens is None else tokens.numel()}
     if cfg.guard is not None:
-        out["guard_moved"] = quantizer.moved  # blocks loaded from checkpoints on resume are not counted again
-        log.info("flipguard moved %d weights across a rounding boundary before rounding", quantizer.moved)
+        out["guard_moved"] = q.moved  # blocks loaded from checkpoints on resume are not counted again
+        log.info("flipguard moved %d weights across a rounding boundary before rounding", q.moved)
     return out

@@ -60,7 +60,7 @@ Loc = tuple  # path into the recipe: str keys and int list indices
 
 
 # -- schema -----------------------------------------------------------------------------------------
-class ModelSpec(StrictModel):
+class ModelSource(StrictModel):
     path: str = Field(..., min_length=1, description="Hub id `org/name`, local directory or .gguf file")
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     gguf_file: Optional[str] = Field(None, description="GGUF file name inside `path`")
@@ -123,11 +123,18 @@ class ExportSpec(StrictModel):
     def names(self) -> list[str]:
         return [export_name(f) for f in self.formats]
 
+    def config(self, name: str) -> BaseModel:
+        """The typed config of export `name` (a bare name gets the format's defaults)."""
+        for f in self.formats:
+            if export_name(f) == name:
+                return registry.get("export", name).config() if isinstance(f, str) else f
+        raise KeyError(name)
+
 
 class Recipe(StrictModel):
     version: Literal[1]
     description: str = ""
-    model: ModelSpec
+    model: ModelSource
     calibration: CalibrationSpec = Field(default_factory=CalibrationSpec)
     stages: list[SerializeAsAny[BaseModel]] = Field(..., description="stage configs, run in order")
     eval: EvalSpec = Field(default_factory=EvalSpec)
@@ -142,14 +149,6 @@ class Recipe(StrictModel):
     def stage_configs(self) -> list[BaseModel]:
         """The typed config of every stage (a registry `Entry.config` instance), in order."""
         return list(self.stages)
-
-
-def next_stage(recipe, cfg, *stages: str):
-    """The first config of one of `stages` after `cfg` in `recipe.stage_configs`, or None. By position
-    (`cfg` is found by identity): two stage configs with the same fields compare equal."""
-    configs = recipe.stage_configs
-    i = next(k for k, c in enumerate(configs) if c is cfg)
-    return next((c for c in configs[i + 1:] if c.stage in stages), None)
 
 
 def _distinct_directories(formats: list) -> None:
@@ -719,7 +718,7 @@ def validate_paths(recipe: Recipe | LoadedRecipe) -> None:
         raise BadInput("\n".join(with_where(loc, msg, loc8) for loc, msg in problems))
 
 
-def _model_problems(m: ModelSpec) -> list[tuple[Loc, str]]:
+def _model_problems(m: ModelSource) -> list[tuple[Loc, str]]:
     from compress.models.loading import resolve_source
 
     p = Path(m.path).expanduser()

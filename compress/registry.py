@@ -1,10 +1,15 @@
-"""Registry of `(stage, method) -> (Config, apply)`: the pipeline finds a stage by name, never by its class.
+"""Registry of `(stage, method) -> Entry`: the pipeline finds a stage by name, never by its class.
 
-A method module registers itself with a decorator; modules are imported by name in `load_all`,
-nothing is discovered by scanning.
+A stage module registers itself with a decorator; modules are imported by name in `load_all`,
+nothing is discovered by scanning. The registration says what the stage consumes and produces (typed
+hand-offs, compress/handoff.py), whether a finished stage must replay on `--resume`, and whether the
+result can be exported (docs/stages.md):
 
-    @register("quantize", "rtn", RTNConfig)
-    def apply(ctx: StageContext, cfg: RTNConfig) -> dict: ...
+    @register("measure", "occupancy", OccupancyConfig, consumes=(QuantizedWeights,), produces=(ModelSpec,))
+    def apply(ctx: StageContext, cfg: OccupancyConfig) -> dict:
+        spec = ...  # from ctx.inputs[QuantizedWeights]
+        ctx.emit(spec)
+        return {"metric": ...}
 """
 
 from __future__ import annotations
@@ -37,18 +42,29 @@ class Entry:
     config: type[BaseModel]
     apply: Callable
     description: str = ""
-    # check(adapter, cfg, recipe) at plan time, on the weightless skeleton: raises BadInput, or returns None or the
-    # config as it will run on this model (model-dependent defaults resolved, e.g. `final_block: auto`)
+    # check(adapter, cfg, facts) at plan time, on the weightless skeleton, with what the bind step resolved for
+    # this stage from its neighbours (compress/bind.py `Facts`): raises BadInput, or returns None or the config
+    # as it will run on this model (model-dependent defaults resolved, e.g. `final_block: auto`)
     check: Callable | None = None
+    consumes: tuple[type, ...] = ()  # hand-offs an earlier stage must produce
+    uses: tuple[type, ...] = ()  # hand-offs consumed when an earlier stage produced them
+    produces: tuple[type, ...] = ()  # hand-offs this stage emits (saved in its directory, loaded on --resume)
+    replay: bool = False  # a finished stage is applied again on --resume (rotations rewrite weights in place)
+    # evaluation_only(cfg) -> None, or why this configuration cannot be exported (a run-time operator)
+    evaluation_only: Callable | None = None
+    # reshape(spec, cfg) -> ModelSpec at plan time: the shapes after this stage, for stages producing a ModelSpec
+    reshape: Callable | None = None
 
 
 _REGISTRY: dict[tuple[str, str], Entry] = {}
 
 
-def register(stage: str, method: str, config: type[BaseModel], description: str = "", check: Callable | None = None):
+def register(stage: str, method: str, config: type[BaseModel], description: str = "", check: Callable | None = None,
+             **declared):
+    """Register `fn(ctx, cfg) -> metrics` as `stage`/`method`; `declared`: the Entry fields above."""
     def deco(fn):
         _REGISTRY[(stage, method)] = Entry(stage, method, config, fn, description or (fn.__doc__ or "").strip(),
-                                           check)
+                                           check, **declared)
         return fn
 
     return deco

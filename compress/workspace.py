@@ -329,9 +329,13 @@ class Workspace:
         return path
 
     def write_bytes(self, rel: str, data: bytes) -> Path:
+        """Write OUTPUT/rel atomically and record its sha256; an intact file with the same bytes is left alone."""
+        digest = hashlib.sha256(data).hexdigest()
+        if rel != MANIFEST and self.manifest.get("files", {}).get(rel) == digest and self.verified(rel):
+            return self.path(rel)
         atomic_write_bytes(self.path(rel), data)
         if rel != MANIFEST:
-            self._record(rel, hashlib.sha256(data).hexdigest())
+            self._record(rel, digest)
         return self.path(rel)
 
     def _record(self, rel: str, digest: str) -> None:

@@ -92,3 +92,8 @@ def held_lock(path: Path):
     finally:
         holder.kill()
         holder.wait()
+
+
+def plan_path(out: Path) -> Path:
+    """The allocation plan of a run: in its allocate stage's directory."""
+    return next((Path(out) / "stages").glob("*-allocate-*/plan.json"))

@@ -4,7 +4,7 @@ import torch
 from compress.driver import LayerSpec, run_blockwise
 from compress.errors import BadInput
 from compress.methods.autoround import AutoRound, AutoRoundConfig
-from compress.methods.rtn import RTN
+from compress.methods.rtn import RTN, RTNConfig
 from compress.models.adapters import ModelAdapter
 from tests.tiny import configs, tiny_bert, tiny_causal
 
@@ -34,7 +34,7 @@ def test_roles_and_rtn_on_every_causal_family(model_type):
     if model_type in ("qwen2_moe", "mixtral"):
         assert ad.experts(0) is not None and any(".experts.3." in n for n in names)
         assert not any(n.endswith("shared_expert_gate") for n in names)
-    _, qw = quantize(model, RTN(), None)
+    _, qw = quantize(model, RTN(RTNConfig()), None)
     assert len(qw) == 2 * len(names)
     after = model(ids).logits
     assert 0 < (after - before).abs().max() < 0.5 * before.abs().max()

@@ -17,7 +17,7 @@ from compress.kernels.backends import QuantLinear
 from compress.kernels.packing import mixed_pack, mixed_unpack
 from compress.primitives import clip_search, fit_mixed, rtn
 from compress.workspace import qweights_to_tensors, tensors_to_qweights
-from conftest import MODELS, TEXT, invoke
+from conftest import MODELS, TEXT, invoke, plan_path
 from test_export_hf import check_reload
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
@@ -245,7 +245,7 @@ def test_rl_stage_with_sensitivity_and_warm_start(tmp_path):
     rc, _, err = invoke("run", recipe(tmp_path, method="rl", warm_start=20, keep_best=2, **common),
                         "--output", out, "--json")
     assert rc == 0, err
-    plan = json.loads((out / "plan.json").read_text())
+    plan = json.loads(plan_path(out).read_text())
     info = plan["info"]
     assert 2.49 < plan["effective_bits"] <= 2.5
     assert set(info["layer_sensitivity"]) == set(plan["layers"]) and min(info["layer_sensitivity"].values()) > 0
@@ -254,13 +254,13 @@ def test_rl_stage_with_sensitivity_and_warm_start(tmp_path):
     rc, _, err = invoke("run", recipe(tmp_path, method="rl", warm_start=0, sensitivity="none", steps="layer", **common),
                         "--output", out, "--json")
     assert rc == 0, err
-    info = json.loads((out / "plan.json").read_text())["info"]
+    info = json.loads(plan_path(out).read_text())["info"]
     assert "layer_sensitivity" not in info and info["picked"] != "reference"
     out = tmp_path / "rlu"
     rc, _, err = invoke("run", recipe(tmp_path, method="rl", sensitivity="unit", terminal="kl", **common),
                         "--output", out, "--json")
     assert rc == 0, err
-    plan = json.loads((out / "plan.json").read_text())
+    plan = json.loads(plan_path(out).read_text())
     w = plan["info"]["unit_sensitivity"]
     assert len(w) == sum(len(v["options"]) for v in plan["layers"].values()) and min(w) > 0
     assert plan["effective_bits"] <= 2.5 and plan["info"]["final_select"] <= 0  # -kappa * KL
@@ -277,7 +277,7 @@ def test_greedy_with_the_rl_controllers_statistics(tmp_path):
         method = "rl" if name == "rl" else "greedy"
         rc, _, err = invoke("run", recipe(tmp_path, method=method, **extra), "--output", out, "--json")
         assert rc == 0, err
-        plans[name] = json.loads((out / "plan.json").read_text())
+        plans[name] = json.loads(plan_path(out).read_text())
     sens = plans["sens"]["info"]["layer_sensitivity"]
     assert sens == plans["rl"]["info"]["layer_sensitivity"] and "layer_sensitivity" not in plans["plain"]["info"]
     assert 2.49 < plans["sens"]["effective_bits"] <= 2.5
@@ -290,7 +290,7 @@ def test_refine_in_the_stage(tmp_path):
     rc, _, err = invoke("run", recipe(tmp_path, method="greedy", refine=40, select_samples=4, select_seqlen=64),
                         "--output", out, "--json")
     assert rc == 0, err
-    plan = json.loads((out / "plan.json").read_text())
+    plan = json.loads(plan_path(out).read_text())
     r = plan["info"]["refine"]
     assert r["tries"] == 40 and r["evaluated"] > 0 and r["loss_end"] <= r["loss_start"]
     assert plan["effective_bits"] <= 2.5
@@ -369,22 +369,38 @@ def test_plan_time_errors(tmp_path):
     assert rc != 0
 
 
-def test_the_quantize_stage_after_allocate_is_found_by_position():
-    """An identical `allocate` config after the quantize stage is not "another allocate before it" (configs
-    compare by value, so finding them by value would take the later one for this one)."""
+def test_the_bind_step_hands_the_plan_to_the_next_quantize_stage():
+    """The bind step finds the quantize stage an allocation is for by position (an identical `allocate` config
+    after it is not "another allocate before it"), fills `group_size`/`sym`/`chunk_size` from it, and refuses
+    a plan nobody applies, one overwritten before use, and a quantizer that cannot fit it."""
     from types import SimpleNamespace as NS
 
-    from compress.errors import BadInput
-    from compress.methods.allocate import _next_quantize
+    from compress.bind import bind
+    from compress.methods.allocate.configs import GreedyConfig
+    from compress.methods.gptq import GPTQConfig
+    from compress.methods.rtn import RTNConfig
+    from compress.models.adapters import ModelAdapter
+    from compress.recipe import ExportSpec
+    from tiny import tiny_causal
 
-    a, q = NS(stage="allocate", budget=2.5), NS(stage="quantize", method="rtn")
-    assert _next_quantize(NS(stage_configs=[a, q, NS(stage="allocate", budget=2.5)]), a) is q
-    with pytest.raises(BadInput, match="another `allocate` before any `quantize`"):
-        _next_quantize(NS(stage_configs=[a, NS(stage="allocate", budget=2.5), q]), a)
+    adapter = ModelAdapter(tiny_causal("llama"))
+
+    def run(*stages):
+        return bind(NS(stage_configs=list(stages), export=ExportSpec(), model=NS(stream=False)), adapter)
+
+    a, q = GreedyConfig(budget=4.5), RTNConfig(bits=4, group_size=32, sym=True)
+    b = run(a, q, GreedyConfig(budget=4.5), RTNConfig(bits=4, group_size=32, sym=True))
+    assert (b.stages[0].cfg.group_size, b.stages[0].cfg.sym, b.stages[0].cfg.chunk_size) == (32, True, 32)
+    assert b.stages[1].facts.plan_from == "00-allocate-greedy" and b.stages[3].facts.plan_from == "02-allocate-greedy"
+    assert set(b.stages[0].facts.layers) == set(b.stages[1].facts.layers)
+    with pytest.raises(BadInput, match="another `allocate`"):
+        run(a, GreedyConfig(budget=4.5), q)
     with pytest.raises(BadInput, match="needs a `quantize` stage after it"):
-        _next_quantize(NS(stage_configs=[q, a]), a)
+        run(q, a)
     with pytest.raises(BadInput, match="uses method `gptq`"):
-        _next_quantize(NS(stage_configs=[a, NS(stage="quantize", method="gptq")]), a)
+        run(a, GPTQConfig(bits=4, group_size=32))
+    with pytest.raises(BadInput, match="must agree"):
+        run(GreedyConfig(budget=4.5, group_size=64), q)
 
 
 def test_run_plan_artifacts_and_plan_file(tmp_path):
@@ -392,15 +408,15 @@ def test_run_plan_artifacts_and_plan_file(tmp_path):
     rc, stdout, err = invoke("run", recipe(tmp_path), "--output", out, "--json")
     assert rc == 0, err
     report = json.loads(stdout)
-    plan = json.loads((out / "plan.json").read_text())
+    plan = json.loads(plan_path(out).read_text())
     assert plan["effective_bits"] <= 2.5 and plan["effective_bits"] > 2.49
     assert report["size"]["effective_bits"] == round(plan["effective_bits"], 4)
-    assert (out / "plan_heatmap.png").stat().st_size > 1000
+    assert plan_path(out).with_name("plan_heatmap.png").stat().st_size > 1000
     assert "plan_heatmap.png" in (out / "report.md").read_text()
     # the same plan from the file: no search, identical quantized weights
     path = tmp_path / "file.yaml"
     rec = yaml.safe_load(recipe(tmp_path).read_text())
-    rec["stages"][0] = {"stage": "allocate", "method": "file", "path": str(out / "plan.json")}
+    rec["stages"][0] = {"stage": "allocate", "method": "file", "path": str(plan_path(out))}
     path.write_text(yaml.safe_dump(rec))
     rc, _, err = invoke("run", path, "--output", tmp_path / "f", "--json")
     assert rc == 0, err
@@ -409,7 +425,7 @@ def test_run_plan_artifacts_and_plan_file(tmp_path):
     for blk in sorted((out / "stages" / "01-quantize-rtn").glob("*.safetensors")):
         a, b = load_file(str(blk)), load_file(str(tmp_path / "f" / "stages" / "01-quantize-rtn" / blk.name))
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    assert json.loads((tmp_path / "f" / "plan.json").read_text())["layers"] == plan["layers"]
+    assert json.loads(plan_path(tmp_path / "f").read_text())["layers"] == plan["layers"]
 
 
 def mixed_stories260k():

@@ -176,8 +176,8 @@ def test_run_output_directory(short_run):
     assert key == "00-quantize-autoround"
     assert st["status"] == "done" and len(st["inputs_hash"]) == 64
     assert st["seconds"] > 0 and st["peak_rss_mb"] > 0
-    assert sorted(p.name for p in (out_dir / "stages" / key).iterdir()) == [
-        f"block_{i:04d}.safetensors" for i in range(4)]
+    assert sorted(p.name for p in (out_dir / "stages" / key).iterdir()) == [  # its hand-off: QuantizedWeights
+        *[f"block_{i:04d}.safetensors" for i in range(4)], "weights.json", "weights.safetensors"]
     md = (out_dir / "report.md").read_text()
     assert report["recipe_sha256"] in md and WIKI.name in md
     assert "stage 00-quantize-autoround" in (out_dir / "run.log").read_text()

@@ -15,7 +15,7 @@ from compress.methods.autoround import AutoRound, AutoRoundConfig
 from compress.methods.gptq import GPTQ, GPTQConfig
 from compress.methods.lfq import LogitHead, kl_per_token, logit_loss_backward, shifted_labels
 from compress.models.adapters import ModelAdapter
-from compress.quantize_stage import layer_spec
+from compress.quantize_stage import FinalBlock, layer_spec
 from tiny import tiny_causal
 
 
@@ -71,6 +71,8 @@ def _digest(module: nn.Module) -> str:
 
 
 def _quantize(model, quantizer, cfg, tokens):
+    """The quantize spine's path: the method wrapped in the final-block objective, through the driver."""
+    quantizer = FinalBlock(quantizer, cfg)
     ad = ModelAdapter(model)
     head = LogitHead.of(ad) if quantizer.needs_head else None
     seen = []
@@ -129,25 +131,24 @@ def test_final_block_objective_needs_a_causal_lm():
         LogitHead.of(ModelAdapter(tiny_bert()))
 
 
-@pytest.mark.parametrize("method", ["autoround", "gptq"])
-def test_final_block_auto_is_lfq_on_causal_lms_and_same_on_encoders(method, monkeypatch):
-    """`auto` (AutoRound's default) resolves per model before the quantizer is built; an explicit value
-    is kept; a quantizer handed an unresolved `auto` refuses instead of guessing."""
-    from types import SimpleNamespace
-
-    import compress.quantize_stage
+@pytest.mark.parametrize("method", ["autoround", "gptq", "rtn"])
+def test_final_block_auto_is_lfq_on_causal_lms_and_same_on_encoders(method):
+    """`final_block` is a property of the quantize spine, for every quantizer: `auto` (AutoRound's default)
+    resolves per model at plan time; an explicit value is kept; the spine handed an unresolved `auto`
+    refuses instead of guessing."""
+    from compress.quantize_stage import QUANTIZERS, FinalBlock
     from compress.registry import get
     from tiny import tiny_bert
 
     entry = get("quantize", method)
-    Config, apply = entry.config, entry.apply
+    Config = entry.config
     assert Config(bits=4).final_block == ("auto" if method == "autoround" else "same")
-    built = []
-    monkeypatch.setattr(compress.quantize_stage, "quantize_stage", lambda ctx, cfg, q: built.append((cfg, q)))
     for model, explicit, expected in [(tiny_causal("llama"), "auto", "lfq"), (tiny_bert(), "auto", "same"),
                                       (tiny_causal("llama"), "same", "same"), (tiny_causal("llama"), "hard_ce", "hard_ce")]:
-        apply(SimpleNamespace(adapter=ModelAdapter(model)), Config(bits=4, final_block=explicit))
-        cfg, q = built.pop()
+        cfg = entry.check(ModelAdapter(model), Config(bits=4, final_block=explicit), None)
+        q = FinalBlock(QUANTIZERS[Config](cfg), cfg)
         assert cfg.final_block == expected and q.needs_head == (expected != "same")
+        assert q.needs_data == (q.inner.needs_data or expected != "same")
+    auto = Config(bits=4, final_block="auto")
     with pytest.raises(ValueError, match="resolve"):
-        (AutoRound if method == "autoround" else GPTQ)(Config(bits=4, final_block="auto"))
+        FinalBlock(QUANTIZERS[Config](auto), auto)

@@ -67,7 +67,7 @@ def test_bundled_recipe_runs_and_exports(recipe: Path, tmp_path):
     qc = config["quantization_config"]
     alloc = next((s for s in spec["stages"] if s["stage"] == "allocate"), None)
     if alloc:  # mixed precision: the plan's budget holds, layers are stored in exact per-layer containers
-        plan = json.loads((out / "plan.json").read_text())
+        plan = json.loads(plan_path(out).read_text())
         assert plan["method"] == alloc["method"] and alloc["budget"] - 0.01 <= plan["effective_bits"] <= alloc["budget"]
         assert report["size"]["effective_bits"] == round(plan["effective_bits"], 4)
         assert len(config["compress"]["meta"]["mixed"]) == 6 * 7

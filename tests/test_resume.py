@@ -149,7 +149,7 @@ def test_resume_of_a_finished_run_recomputes_nothing(uninterrupted):
     assert q["resumed"] is True and q["seconds"] == stage_seconds
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["stages"][KEY]["status"] == "done"
-    assert "finished earlier: re-applying checkpoints" in (out / "run.log").read_text()
+    assert "finished earlier: its hand-offs are loaded" in (out / "run.log").read_text()
     assert block_files(out) == blocks
     assert tensor_hashes(out) == hashes
     assert elapsed < first_seconds and elapsed < stage_seconds, (elapsed, first_seconds, stage_seconds)

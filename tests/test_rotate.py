@@ -57,10 +57,17 @@ def plain_rmsnorm(model):
 def rotate(model, vocab, **cfg):
     tokens = torch.randint(0, vocab, (4, 32), generator=torch.Generator().manual_seed(1))
     cfg = WalshConfig(**cfg)
-    quantize = SimpleNamespace(stage="quantize", bits=2, group_size=16, sym=False)  # what alpha: auto rounds with
-    ctx = SimpleNamespace(adapter=ModelAdapter(model), calibration_tokens=lambda: tokens,
-                          loaded=SimpleNamespace(recipe=SimpleNamespace(stage_configs=[cfg, quantize])))
+    facts = SimpleNamespace(rounding=(2, 16, False))  # the next quantize stage's, what alpha: auto rounds with
+    ctx = SimpleNamespace(adapter=ModelAdapter(model), calibration_tokens=lambda: tokens, facts=facts)
     return registry.get("rotate", "walsh").apply(ctx, cfg)
+
+
+def recipe_of(stages, formats=()):
+    """A recipe with these stage configs and export formats (the model section is not read by `bind`)."""
+    from compress.recipe import ExportSpec
+
+    return SimpleNamespace(stage_configs=stages, export=ExportSpec(formats=list(formats)),
+                           model=SimpleNamespace(stream=False))
 
 
 def rel(a, b):
@@ -237,15 +244,15 @@ def test_auto_alpha_picks_the_grid_alpha_with_the_least_weighted_rounding_error(
 
 
 def test_auto_alpha_needs_a_quantize_stage_after_the_rotation():
+    from compress.bind import bind
+    from compress.methods.rtn import RTNConfig
+
     llama = ModelAdapter(tiny_causal("llama"))
     cfg = WalshConfig(alpha="auto")
-    recipe = SimpleNamespace(export=SimpleNamespace(formats=[]), stage_configs=[cfg])
     with pytest.raises(BadInputErr, match="alpha: auto.*quantize"):
-        walsh.check(llama, cfg, recipe)
-    q = SimpleNamespace(stage="quantize", bits=3, group_size=32, sym=True)
-    recipe.stage_configs = [cfg, q]
-    walsh.check(llama, cfg, recipe)
-    assert walsh.rounding(recipe, cfg) == (3, 32, True)
+        bind(recipe_of([cfg]), llama)
+    binding = bind(recipe_of([cfg, RTNConfig(bits=3, group_size=32, sym=True)]), llama)
+    assert binding.stages[0].facts.rounding == (3, 32, True)
     with pytest.raises(ValidationError):
         WalshConfig(alpha="best")
     with pytest.raises(ValidationError):
@@ -258,9 +265,11 @@ def test_config_validation():
     with pytest.raises(ValidationError, match="pair_pca"):
         WalshConfig(fused=False, mode="spectral", pair_pca=True)
     qwen3 = ModelAdapter(tiny_causal("qwen3"))
+    from compress.bind import bind
+
     with pytest.raises(BadInputErr, match="head_pca.*export"):
-        walsh.check(qwen3, WalshConfig(head_pca=True), SimpleNamespace(export=SimpleNamespace(formats=["hf"])))
-    walsh.check(qwen3, WalshConfig(head_pca=True), SimpleNamespace(export=SimpleNamespace(formats=[])))
+        bind(recipe_of([WalshConfig(head_pca=True)], ["hf"]), qwen3)
+    bind(recipe_of([WalshConfig(head_pca=True)]), qwen3)
     with pytest.raises(ValidationError, match="influence_basis"):
         WalshConfig(fused=True, influence_basis="wht")
     with pytest.raises(ValidationError, match="changes nothing"):
@@ -377,7 +386,7 @@ def test_spectral_mode_runs_in_memory_and_refuses_export(tmp_path):
             "--set", "stages.0.mode=spectral", "--set", "calibration.nsamples=4", "--set", "calibration.seqlen=64",
             "--set", "stages.1.iters=2", "--set", "stages.1.group_size=32", "--set", "eval.max_tokens=256"]
     rc, _, err = invoke(*args, "--output", tmp_path / "a")
-    assert rc != 0 and "mode: spectral` needs a run-time input transform" in err
+    assert rc != 0 and "`mode: spectral`, a run-time input transform" in err and "no exporter writes" in err
     rc, stdout, err = invoke(*args, "--output", tmp_path / "b", "--set", "export.formats=[]")
     assert rc == 0, err
     report = json.loads(stdout)

@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import Field, field_validator
 
 from compress.config import StrictModel
+from compress.handoff import ExportedFiles, ModelSpec, QuantizedWeights
 from compress.registry import register
 
 
@@ -46,25 +47,36 @@ class FakeExportConfig(ExportConfig):
     directory: str = "hf-fake"
 
 
+def _qweights(ctx) -> dict:
+    """Every layer the run's quantize stages rounded (none: a run without one exports the FP model)."""
+    q = ctx.inputs.get(QuantizedWeights)
+    return q.weights if q is not None else {}
+
+
 def _export(ctx, cfg, fmt: str) -> dict:
     from compress.export.hf import export_hf, export_hf_streaming
 
     out = ctx.workspace.path(cfg.directory)
     meta = _meta(ctx)
     if ctx.streamer is not None:
-        res = export_hf_streaming(ctx.model, ctx.streamer.source, lambda i: ctx.workspace.load_block(ctx.block_stage, i, required=True),
-                                  ctx.qweights, ctx.tokenizer, out, meta=meta)
+        stage = ctx.inputs[QuantizedWeights].stage
+        res = export_hf_streaming(ctx.model, ctx.streamer.source,
+                                  lambda i: ctx.workspace.load_block(stage, i, required=True),
+                                  _qweights(ctx), ctx.tokenizer, out, meta=meta)
     else:
-        res = export_hf(ctx.model, ctx.qweights, ctx.tokenizer, out, fmt=fmt, meta=meta)
+        res = export_hf(ctx.model, _qweights(ctx), ctx.tokenizer, out, fmt=fmt, meta=meta)
     return {"path": str(out), **res}
 
 
-@register("export", "hf", HFExportConfig, "packed auto-round checkpoint loadable by transformers")
+EXPORT = {"uses": (QuantizedWeights, ModelSpec), "produces": (ExportedFiles,)}
+
+
+@register("export", "hf", HFExportConfig, "packed auto-round checkpoint loadable by transformers", **EXPORT)
 def export_hf_stage(ctx, cfg: HFExportConfig) -> dict:
     return _export(ctx, cfg, "auto_round")
 
 
-@register("export", "fake", FakeExportConfig, "dequantized floating-point checkpoint for FP-only tools")
+@register("export", "fake", FakeExportConfig, "dequantized floating-point checkpoint for FP-only tools", **EXPORT)
 def export_fake_stage(ctx, cfg: FakeExportConfig) -> dict:
     return _export(ctx, cfg, "fake")
 
@@ -76,11 +88,12 @@ class OnnxExportConfig(ExportConfig):
                                               "incremental decoding")
 
 
-@register("export", "onnx", OnnxExportConfig, "ONNX graph with com.microsoft::MatMulNBits linears (onnxruntime)")
+@register("export", "onnx", OnnxExportConfig, "ONNX graph with com.microsoft::MatMulNBits linears (onnxruntime)",
+          **EXPORT)
 def export_onnx_stage(ctx, cfg: OnnxExportConfig) -> dict:
     from compress.export.onnx import export_onnx
 
-    return export_onnx(ctx.model, ctx.qweights, ctx.workspace.path(cfg.directory), meta=_meta(ctx),
+    return export_onnx(ctx.model, _qweights(ctx), ctx.workspace.path(cfg.directory), meta=_meta(ctx),
                        kv_cache=cfg.kv_cache)
 
 
@@ -107,38 +120,35 @@ class OpenVINOExportConfig(ExportConfig):
         return v
 
 
-def check_openvino_targets(adapter, cfg: OpenVINOExportConfig, recipe) -> None:
+def check_openvino_targets(adapter, cfg: OpenVINOExportConfig, facts) -> None:
     """At plan time: every layer the recipe quantizes must suit each target device (NPU: sym int4, group
-    128 or per-channel), so a run does not calibrate for an export that must fail."""
+    128 or per-channel), so a run does not calibrate for an export that must fail. `facts`: the bind step's
+    layer plans of every quantize stage, and whether an allocation plan assigns per-chunk widths."""
     from compress.errors import BadInput
     from compress.export.openvino import npu_problems
-    from compress.quantize_stage import planned_layers
 
     if "NPU" not in cfg.device:
         return
-    for i, stage in enumerate(recipe.stage_configs):
-        if stage.stage == "allocate":
-            raise BadInput(f"export openvino targets NPU, which runs symmetric int4 only: stage {i} (`allocate`) "
-                           "assigns other bit widths; remove it or drop NPU from the openvino `device` list")
-        if stage.stage != "quantize":
-            continue
-        bad = {n: p for n, s in planned_layers(adapter, stage).items()
-               if (p := npu_problems(s.bits, s.group_size, s.sym))}
+    if facts.mixed:
+        raise BadInput("export openvino targets NPU, which runs symmetric int4 only: an `allocate` stage assigns "
+                       "other bit widths; remove it or drop NPU from the openvino `device` list")
+    for i, method, rounding, layers in facts.quantized:
+        bad = {n: p for n, s in layers.items() if (p := npu_problems(s.bits, s.group_size, s.sym))}
         if bad:
             name, problems = next(iter(bad.items()))
-            where = "its `overrides`" if not npu_problems(stage.bits, stage.group_size, stage.sym) else f"stages.{i}"
+            where = "its `overrides`" if not npu_problems(*rounding) else f"stages.{i}"
             raise BadInput(f"export openvino targets NPU, which runs symmetric int4 weights with group size 128 or "
-                           f"per-channel: stage {i} (`quantize`/{stage.method}) quantizes {len(bad)} layers otherwise "
+                           f"per-channel: stage {i} (`quantize`/{method}) quantizes {len(bad)} layers otherwise "
                            f"(e.g. `{name}`). Change in {where}: {'; '.join(problems)}; or drop NPU from the openvino "
                            "`device` list")
 
 
 @register("export", "openvino", OpenVINOExportConfig, "OpenVINO IR with compressed u2/u4/u8 weight constants",
-          check=check_openvino_targets)
+          check=check_openvino_targets, **EXPORT)
 def export_openvino_stage(ctx, cfg: OpenVINOExportConfig) -> dict:
     from compress.export.openvino import export_openvino
 
-    return export_openvino(ctx.model, ctx.qweights, ctx.workspace.path(cfg.directory), meta=_meta(ctx),
+    return export_openvino(ctx.model, _qweights(ctx), ctx.workspace.path(cfg.directory), meta=_meta(ctx),
                            devices=tuple(cfg.device), kv_cache=cfg.kv_cache)
 
 

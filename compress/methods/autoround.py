@@ -23,13 +23,12 @@ from auto_round.algorithms.quantization.sign_round.sign_sgd import SignSGD
 from auto_round.data_type.int import quant_tensor_asym, quant_tensor_sym
 from pydantic import Field
 
-from compress.config import QuantizeConfig
+from compress.config import FINAL_BLOCK_HELP, FinalBlock, QuantizeConfig
 from compress.driver import BlockData, LayerSpec, block_forward
-from compress.methods.lfq import (FINAL_BLOCK_HELP, FinalBlock, check_final_block, logit_loss_backward,
-                                  resolve_final_block, uses_head)
+from compress.methods.lfq import logit_loss_backward
 from compress.primitives import assemble_mixed, group_view, resolve_group
 from compress.qweight import KEEP_BITS, QuantizedWeight
-from compress.registry import register
+from compress.quantize_stage import quantizer
 
 
 class AutoRoundConfig(QuantizeConfig):
@@ -39,7 +38,7 @@ class AutoRoundConfig(QuantizeConfig):
     batch_size: int = Field(8, gt=0, description="calibration samples per step")
     minmax_tuning: bool = Field(True, description="also tune the per-group range (alpha, beta)")
     quanted_input: bool = Field(True, description="feed each block the quantized model's inputs")
-    final_block: FinalBlock = Field("auto", description=FINAL_BLOCK_HELP)
+    final_block: FinalBlock = Field("auto", description=FINAL_BLOCK_HELP)  # the method's own objective otherwise
     chunk_tokens: int = Field(512, gt=0, description="tokens per full-vocabulary logit chunk (final_block)")
 
 
@@ -189,6 +188,7 @@ def _tune(data: BlockData, tuned: dict, inputs, cfg: AutoRoundConfig):
     return best
 
 
+@quantizer(AutoRoundConfig, "AutoRound sign-gradient rounding (Intel auto-round)")
 class AutoRound:
     needs_hessian = False
     needs_fp_targets = True
@@ -197,17 +197,7 @@ class AutoRound:
     def __init__(self, cfg: AutoRoundConfig):
         self.cfg = cfg
         self.batch_size = cfg.batch_size
-        self.needs_head = uses_head(cfg)
 
     def quantize_block(self, data: BlockData) -> dict[str, QuantizedWeight]:
         with torch.enable_grad():
             return signround_block(data, self.cfg)
-
-
-@register("quantize", "autoround", AutoRoundConfig, "AutoRound sign-gradient rounding (Intel auto-round)",
-          check=check_final_block)
-def apply(ctx, cfg: AutoRoundConfig):
-    from compress.quantize_stage import quantize_stage
-
-    cfg = resolve_final_block(cfg, ctx.adapter)
-    return quantize_stage(ctx, cfg, AutoRound(cfg))

@@ -16,8 +16,7 @@ from compress.config import QuantizeConfig
 from compress.errors import RunFailure
 from compress.primitives import choose_qparams, quantize_codes, resolve_group
 from compress.qweight import QuantizedWeight
-from compress.methods.lfq import FINAL_BLOCK_HELP, FinalBlock, check_final_block, resolve_final_block, uses_head
-from compress.registry import register
+from compress.quantize_stage import quantizer
 
 CHOLESKY_TRIES = 4  # damp, then 10x, 100x, 1000x damp
 
@@ -156,43 +155,25 @@ class GPTQConfig(QuantizeConfig):
     damp: float = Field(0.01, gt=0, description="dampening, fraction of mean(diag H)")
     block_size: int = Field(128, gt=0, description="columns per lazy-update block")
     act_order: bool = Field(False, description="quantize columns by decreasing diag(H) (static groups)")
-    final_block: FinalBlock = Field("same", description=FINAL_BLOCK_HELP + "; the last block is then tuned "
-                                    "by AutoRound with `final_iters` steps instead of GPTQ")
-    final_iters: int = Field(200, gt=0, description="AutoRound steps on the last block when `final_block` is set")
 
 
+@quantizer(GPTQConfig, "GPTQ: Hessian-aware error propagation (our implementation)")
 class GPTQ:
-    """Driver glue: Hessians of each block's linears from the quantized-model inputs, then `gptq`."""
+    """Hessians of each block's linears from the quantized-model inputs, then `gptq`."""
 
     needs_hessian = True
+    needs_fp_targets = False
     needs_data = True
     batch_size = 8
 
     def __init__(self, cfg: GPTQConfig):
         self.cfg = cfg
-        self.needs_head = self.needs_fp_targets = uses_head(cfg)
 
     def quantize_block(self, data) -> dict[str, QuantizedWeight]:
         c = self.cfg
-        if data.head is not None and c.final_block != "same":
-            from compress.methods.autoround import AutoRoundConfig, signround_block
-
-            ar = AutoRoundConfig(bits=c.bits, group_size=c.group_size, sym=c.sym, iters=c.final_iters,
-                                 batch_size=self.batch_size, final_block=c.final_block)
-            with torch.enable_grad():
-                return signround_block(data, ar)
         return {
             name: gptq(lin.weight.data, data.hessians[name], bits=s.bits, group_size=s.group_size, sym=s.sym,
                        damp=c.damp, block_size=c.block_size, act_order=c.act_order)[0]
             for name, lin in data.linears.items()
             for s in [data.specs[name]]
         }
-
-
-@register("quantize", "gptq", GPTQConfig, "GPTQ: Hessian-aware error propagation (our implementation)",
-          check=check_final_block)
-def apply(ctx, cfg: GPTQConfig):
-    from compress.quantize_stage import quantize_stage
-
-    cfg = resolve_final_block(cfg, ctx.adapter)
-    return quantize_stage(ctx, cfg, GPTQ(cfg))

@@ -16,19 +16,11 @@ O(chunk_tokens x vocab) whatever the calibration size.
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from compress.errors import BadInput
-
-FinalBlock = Literal["auto", "same", "lfq", "hard_ce"]
-FINAL_BLOCK_HELP = ("objective of the last decoder block: `same` (the method's own), `lfq` (KL to the FP model's "
-                    "token distribution through the frozen head), `hard_ce` (next-token CE, for comparison), "
-                    "`auto` (`lfq` on a causal LM with an LM head, `same` otherwise)")
-
 
 def resolve_final_block(cfg, adapter):
     """`cfg` with `final_block: auto` replaced by what it means for this model; an objective through the LM
@@ -40,11 +32,6 @@ def resolve_final_block(cfg, adapter):
         raise BadInput(f"`final_block: {cfg.final_block}` needs a causal LM with an LM head; `{adapter.model_type}` "
                        "has none (use `same`, or `auto`, which is `same` here)")
     return cfg
-
-
-def check_final_block(adapter, cfg, recipe):
-    """The plan-time check of a method with `final_block` (registry): the config as it will run on this model."""
-    return resolve_final_block(cfg, adapter)
 
 
 def uses_head(cfg) -> bool:

@@ -8,19 +8,22 @@ from compress.config import QuantizeConfig
 from compress.driver import BlockData
 from compress.primitives import fit_mixed, rtn
 from compress.qweight import QuantizedWeight
-from compress.registry import register
+from compress.quantize_stage import quantizer
 
 
 class RTNConfig(QuantizeConfig):
     method: Literal["rtn"] = "rtn"
 
 
+@quantizer(RTNConfig, "round-to-nearest, group-wise, no calibration")
 class RTN:
     needs_hessian = False
     needs_fp_targets = False
     needs_data = False
-    needs_head = False
     batch_size = 1
+
+    def __init__(self, cfg: RTNConfig):
+        self.cfg = cfg
 
     def quantize_block(self, data: BlockData) -> dict[str, QuantizedWeight]:
         return {name: quantize_layer(lin.weight.data, data.specs[name]) for name, lin in data.linears.items()}
@@ -32,10 +35,3 @@ def quantize_layer(W, s) -> QuantizedWeight:
         m = s.mixed
         return fit_mixed(W, list(m.options), m.chunk_size, s.group_size, s.sym, m.energy, m.map_bits)
     return rtn(W, s.bits, s.group_size, s.sym)
-
-
-@register("quantize", "rtn", RTNConfig, "round-to-nearest, group-wise, no calibration")
-def apply(ctx, cfg: RTNConfig):
-    from compress.quantize_stage import quantize_stage
-
-    return quantize_stage(ctx, cfg, RTN())

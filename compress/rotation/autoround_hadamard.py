@@ -29,16 +29,15 @@ class AutoRoundHadamardConfig(StrictModel):
     fuse_online: bool = Field(True, description="auto-round `fuse_online_to_weight`")
 
 
-def check(adapter, cfg: AutoRoundHadamardConfig, recipe=None) -> None:
-    if recipe is not None and recipe.export.formats:
-        raise BadInput("rotate/autoround_hadamard keeps auto-round's online Hadamard hooks, which no exporter writes; "
-                       "remove `export.formats` (evaluation only) or use `rotate/walsh` with `fused: true`")
+def check(adapter, cfg: AutoRoundHadamardConfig, facts=None) -> None:
     if adapter.kind != "causal":
         raise BadInput(f"rotate/autoround_hadamard needs a decoder; `{adapter.model_type}` is an encoder")
 
 
 @register("rotate", "autoround_hadamard", AutoRoundHadamardConfig,
-          "auto-round's own QuaRot-style Hadamard rotation (evaluation-only baseline)", check=check)
+          "auto-round's own QuaRot-style Hadamard rotation (evaluation-only baseline)", check=check,
+          replay=True, evaluation_only=lambda cfg: ("keeps auto-round's online Hadamard hooks (use `rotate/walsh` "
+                                                    "with `fused: true`)"))
 def apply(ctx, cfg: AutoRoundHadamardConfig) -> dict:
     from auto_round.algorithms.transforms.hadamard.dispatcher import apply_hadamard_rotation
 

@@ -72,7 +72,6 @@ from compress.driver import collect_energy, collect_moments, head_covariance
 from compress.errors import BadInput
 from compress.models.adapters import get_module
 from compress.primitives import fake_quantize
-from compress.recipe import next_stage
 from compress.registry import register
 from compress.rotation.hadamard import factor, hadamard_transform
 
@@ -129,14 +128,22 @@ class WalshConfig(StrictModel):
 
 
 # -- checks ------------------------------------------------------------------------------------------
-def check(adapter, cfg: WalshConfig, recipe=None) -> None:
-    """Refuse what the rotation cannot handle exactly, before anything is changed."""
-    if cfg.alpha == "auto" and recipe is not None:
-        rounding(recipe, cfg)
-    if cfg.mode == "spectral" and recipe is not None and recipe.export.formats:
-        raise BadInput("rotate/walsh `mode: spectral` needs a run-time input transform (pad + Walsh-Hadamard + 1/s) "
-                       "that no exporter writes; remove `export.formats` (evaluation only), or use the deployable "
-                       "`fused: true` or `mode: no_rotation`")
+def evaluation_only(cfg: WalshConfig) -> str | None:
+    """Why this configuration cannot be exported (registered with the stage; the bind step refuses exports)."""
+    if cfg.mode == "spectral":
+        return ("uses `mode: spectral`, a run-time input transform (pad + Walsh-Hadamard + 1/s; use the deployable "
+                "`fused: true` or `mode: no_rotation`)")
+    if cfg.head_pca:
+        return "uses `head_pca: true`, which makes q_norm/k_norm matrix-gamma norms (set `head_pca: false`)"
+    return None
+
+
+def check(adapter, cfg: WalshConfig, facts=None) -> None:
+    """Refuse what the rotation cannot handle exactly, before anything is changed. `facts` (the bind step's):
+    the rounding of the next quantize stage, which `alpha: auto` needs."""
+    if cfg.alpha == "auto" and facts is not None and facts.rounding is None:
+        raise BadInput("rotate/walsh `alpha: auto` picks alpha against the rounding of the next `quantize` stage; "
+                       "add one after the rotation or give a number")
     if cfg.mode == "spectral":
         if cfg.pad == "none":
             for name, lin in spectral_targets(adapter).items():
@@ -161,9 +168,6 @@ def check(adapter, cfg: WalshConfig, recipe=None) -> None:
         if "q_norm" not in adapter.arch.roles:
             raise BadInput(f"head_pca replaces q_norm/k_norm, which `{adapter.model_type}` does not have; use "
                            "`pair_pca: true` for RoPE models without them")
-        if recipe is not None and recipe.export.formats:
-            raise BadInput("rotate/walsh `head_pca: true` makes q_norm/k_norm matrix-gamma norms that no exporter "
-                           "writes; remove `export.formats` (evaluation only) or set `head_pca: false`")
     if cfg.pair_pca:
         c = adapter.model.config
         if "q_norm" in adapter.arch.roles:
@@ -171,15 +175,6 @@ def check(adapter, cfg: WalshConfig, recipe=None) -> None:
                            f"(`{adapter.model_type}`); set `pair_pca: false`")
         if getattr(c, "partial_rotary_factor", 1.0) != 1.0 or adapter.attention_shape()[2] % 2:
             raise BadInput("pair_pca needs RoPE over the whole (even) head dimension; set `pair_pca: false`")
-
-
-def rounding(recipe, cfg: WalshConfig) -> tuple[int, int, bool]:
-    """(bits, group_size, sym) of the first `quantize` stage after this rotation: what `alpha: auto` rounds with."""
-    q = next_stage(recipe, cfg, "quantize")
-    if q is None:
-        raise BadInput("rotate/walsh `alpha: auto` picks alpha against the rounding of the next `quantize` stage; "
-                       "add one after the rotation or give a number")
-    return q.bits, q.group_size, q.sym
 
 
 # -- weight surgery (float64, written back in the weight's dtype) -----------------------------------
@@ -507,14 +502,18 @@ def _spectrum_taps(adapter) -> dict:
 
 
 @register("rotate", "walsh", WalshConfig,
-          "Walsh-Hadamard rotation + BBT-spectral energy scaling, absorbed into the weights", check=check)
+          "Walsh-Hadamard rotation + BBT-spectral energy scaling, absorbed into the weights", check=check, replay=True,
+          evaluation_only=evaluation_only)
 def apply(ctx, cfg: WalshConfig) -> dict:
+    """Rotate and scale. On --resume a finished rotation replays (it rewrites the weights in place) without
+    its figure, whose two calibration passes only feed report.md."""
     adapter = ctx.adapter
     check(adapter, cfg)
     workspace = getattr(ctx, "workspace", None)
-    before = collect_energy(adapter.model, ctx.calibration_tokens(), _spectrum_taps(adapter)) if workspace else None
+    figure = workspace is not None and not getattr(ctx, "replaying", False)
+    before = collect_energy(adapter.model, ctx.calibration_tokens(), _spectrum_taps(adapter)) if figure else None
     metrics = _apply(ctx, adapter, cfg)
-    if workspace is not None:  # the per-layer energy spectrum the quantizer sees, before and after (report.md)
+    if figure:  # the per-layer energy spectrum the quantizer sees, before and after (report.md)
         from compress.eval.figures import energy_spectrum, save_png
 
         after = collect_energy(adapter.model, ctx.calibration_tokens(), _spectrum_taps(adapter))
@@ -531,7 +530,7 @@ def _apply(ctx, adapter, cfg: WalshConfig) -> dict:
         fuse_norms(adapter)
         rotate_residual(adapter)
         rotate_value_heads(adapter)
-    scaler = Scaler(cfg.alpha, cfg.alpha_grid, rounding(ctx.loaded.recipe, cfg) if cfg.alpha == "auto" else None)
+    scaler = Scaler(cfg.alpha, cfg.alpha_grid, ctx.facts.rounding if cfg.alpha == "auto" else None)
     if cfg.mode == "no_rotation":
         tokens = ctx.calibration_tokens()
         actual = measure(adapter, tokens, "channel") if cfg.alpha == "auto" and cfg.basis != "channel" else None

@@ -103,7 +103,8 @@ def run_cell(rec: dict, tmp: Path) -> tuple[dict, dict, list]:
         report = pipeline.run(load_recipe(path), out, force=True, quiet=True)
         manifest = json.loads((out / "manifest.json").read_text())
         metrics = next(st["metrics"] for k, st in manifest["stages"].items() if "allocate" in k)
-        curve = json.loads((out / "rl_curve.json").read_text()) if (out / "rl_curve.json").exists() else []
+        curve_file = next((out / "stages").glob("*-allocate-*/rl_curve.json"), None)
+        curve = json.loads(curve_file.read_text()) if curve_file else []
         return report, metrics, curve
     finally:
         shutil.rmtree(out, ignore_errors=True)
@@ -219,7 +220,7 @@ def run_mixed(quick: bool = False, only: list[str] | None = None, curve_png: Pat
 
 def write_curves(cells: list[dict], path: Path) -> bool:
     """The `rl` rows' learning curves (the `rl+refine` rows' when only those ran); False when there are none."""
-    from compress.methods.allocate import write_curve
+    from compress.methods.allocate.figures import write_curve
 
     rl = ([c for c in cells if c["method"] == "rl" and c["curve"]]
           or [c for c in cells if c["method"] == "rl+refine" and c["curve"]])

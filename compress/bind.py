@@ -1,0 +1,173 @@
+"""The bind step: every cross-stage dependency of a recipe, resolved once at plan time (docs/stages.md).
+
+It walks the stages in order on the weightless skeleton and
+- checks ordering rules (rotations before quantization, what a streamed model allows),
+- checks the typed hand-offs: each consumed one has an earlier producer, a Plan is applied by the next
+  quantize stage and not overwritten before,
+- computes each quantize stage's layer plan once (`Facts.layers`),
+- hands each stage what it needs from its neighbours (`Facts`): the rounding of the quantize stage after a
+  rotation or an allocation, the layers that stage rounds, the plan's producer, the shapes before it,
+- resolves model-dependent defaults through each registration's `check`,
+- checks the exports: evaluation-only stages, device rules, shapes the format cannot hold.
+
+No stage reads another stage's config: what it needs from one arrives in its `Facts`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pydantic import BaseModel
+
+from compress import registry
+from compress.errors import BadInput
+from compress.handoff import ModelSpec, name
+
+
+@dataclass
+class Facts:
+    """What the bind step resolved for one stage from the rest of the recipe."""
+
+    index: int
+    key: str
+    exports: list[str] = field(default_factory=list)  # the recipe's export formats
+    rounding: tuple[int, int, bool] | None = None  # (bits, group_size, sym) of the next quantize stage
+    consumer: str | None = None  # method of the next quantize stage (the one an allocation plan is for)
+    layers: dict = field(default_factory=dict)  # quantize: {name: LayerSpec} it rounds; allocate: its consumer's
+    plan_from: str | None = None  # quantize: the key of the allocate stage whose Plan it applies
+    spec: ModelSpec | None = None  # shapes before this stage
+    # exports: (index, method, (bits, group_size, sym), {name: LayerSpec}) of every quantize stage
+    quantized: list = field(default_factory=list)
+    mixed: bool = False  # exports: an allocation plan assigns per-chunk widths
+    stream: bool = False  # the model is streamed block by block
+
+
+@dataclass
+class Bound:
+    index: int
+    key: str
+    cfg: BaseModel  # as it will run on this model
+    entry: registry.Entry
+    facts: Facts
+
+
+@dataclass
+class Binding:
+    stages: list[Bound]
+    exports: list[Bound]
+    base: ModelSpec  # the source model's shapes
+    spec: ModelSpec  # the shapes after every stage
+
+
+def stage_key(i: int, cfg) -> str:
+    return f"{i:02d}-{cfg.stage}-{cfg.method}"
+
+
+def bind(recipe, adapter) -> Binding:
+    from compress.quantize_stage import planned_layers
+
+    cfgs, formats = recipe.stage_configs, recipe.export.names()
+    entries = [registry.get(c.stage, c.method) for c in cfgs]
+    _check_order(cfgs, recipe)
+    base = spec = ModelSpec.of(adapter)
+    produced: dict[type, int] = {}
+    pending: dict[type, int] = {}  # must-be-consumed hand-offs not yet consumed
+    layers: dict[int, dict] = {}
+    bound = []
+    for i, (cfg, entry) in enumerate(zip(cfgs, entries)):
+        facts = Facts(i, stage_key(i, cfg), exports=formats, spec=spec, stream=recipe.model.stream)
+        q = _next(cfgs, i, "quantize")
+        if q is not None:
+            facts.rounding, facts.consumer = (cfgs[q].bits, cfgs[q].group_size, cfgs[q].sym), cfgs[q].method
+            layers.setdefault(q, planned_layers(adapter, cfgs[q]))
+            if cfg.stage == "allocate":
+                facts.layers = layers[q]
+        for kind in entry.consumes:
+            if kind not in produced:
+                makers = [f"{e.stage}/{e.method}" for e in _all() if kind in e.produces]
+                raise BadInput(f"stage {i} (`{cfg.stage}`/{cfg.method}) consumes a {name(kind)}, which no earlier "
+                               f"stage produces; add one before it ({', '.join(makers) or 'none registered'})")
+        for kind in entry.consumes + entry.uses:
+            if kind in pending:
+                if cfg.stage == "quantize":
+                    facts.plan_from = stage_key(pending[kind], cfgs[pending[kind]])
+                del pending[kind]
+        if cfg.stage == "quantize":
+            facts.layers = layers.setdefault(i, planned_layers(adapter, cfg))
+        if entry.check is not None:
+            cfg = entry.check(adapter, cfg, facts) or cfg
+        for kind in entry.produces:
+            if kind in pending:
+                raise BadInput(f"stage {pending[kind]} (`{cfgs[pending[kind]].stage}`) is followed by another "
+                               f"`{cfg.stage}` (stage {i}) before any stage consumes its {name(kind)}")
+            produced[kind] = i
+            if kind.must_be_consumed:
+                pending[kind] = i
+        if ModelSpec in entry.produces and entry.reshape is not None:
+            spec = entry.reshape(spec, cfg)
+        bound.append(Bound(i, facts.key, cfg, entry, facts))
+    for kind, i in pending.items():
+        users = sorted({e.stage for e in _all() if kind in e.consumes + e.uses})
+        raise BadInput(f"stage {i} (`{cfgs[i].stage}`) needs a `{'`/`'.join(users)}` stage after it to apply its "
+                       f"{name(kind)}")
+    return Binding(bound, _bind_exports(recipe, adapter, bound, base, spec), base, spec)
+
+
+def _bind_exports(recipe, adapter, stages: list[Bound], base: ModelSpec, spec: ModelSpec) -> list[Bound]:
+    why = [(b, reason) for b in stages if b.entry.evaluation_only and (reason := b.entry.evaluation_only(b.cfg))]
+    formats = recipe.export.names()
+    if why and formats:
+        b, reason = why[0]
+        raise BadInput(f"stage {b.index} (`{b.cfg.stage}`/{b.cfg.method}) {reason}, which no exporter writes; remove "
+                       "`export.formats` (evaluation only) or use a deployable configuration")
+    quantized = [(b.index, b.cfg.method, (b.cfg.bits, b.cfg.group_size, b.cfg.sym), b.facts.layers)
+                 for b in stages if b.cfg.stage == "quantize"]
+    mixed = any(b.cfg.stage == "allocate" for b in stages)
+    out = []
+    for fmt in formats:
+        entry = registry.get("export", fmt)
+        cfg = recipe.export.config(fmt)
+        facts = Facts(-1, f"export-{fmt}", exports=formats, spec=spec, quantized=quantized, mixed=mixed,
+                      stream=recipe.model.stream)
+        problems = holds(fmt, spec, base)
+        if problems:
+            raise BadInput(f"export {fmt} cannot hold the shapes the stages produce: {'; '.join(problems)}")
+        if entry.check is not None:
+            cfg = entry.check(adapter, cfg, facts) or cfg
+        out.append(Bound(-1, facts.key, cfg, entry, facts))
+    return out
+
+
+def holds(fmt: str, spec: ModelSpec, base: ModelSpec) -> list[str]:
+    """Why `fmt` cannot hold `spec` (empty when it can). A transformers config has one FFN width and one head
+    count for every layer; the traced graphs (onnx, openvino) bake each layer's FFN width in but keep one
+    KV-cache layout, so their heads must stay uniform."""
+    out = []
+    if fmt in ("hf", "fake") and not spec.uniform("ffn"):
+        out.append("per-layer FFN widths (a transformers config has one `intermediate_size`)")
+    if not (spec.uniform("heads") and spec.uniform("kv_heads")):
+        out.append("per-layer head counts (one KV-cache layout for every layer)")
+    if any(b.experts and len(set(b.experts)) > 1 for b in spec.blocks):
+        out.append("experts of different widths")
+    return out
+
+
+def _check_order(cfgs, recipe) -> None:
+    for i, cfg in enumerate(cfgs):
+        if cfg.stage == "rotate" and any(c.stage == "quantize" for c in cfgs[:i]):
+            raise BadInput(f"stage {i} (`rotate`) comes after a `quantize` stage; rotations must run before "
+                           "quantization (they rewrite the weights the quantizer rounds)")
+    if recipe.model.stream:
+        if len(cfgs) != 1 or cfgs[0].stage != "quantize":
+            raise BadInput("model.stream supports exactly one `quantize` stage")
+        if [f for f in recipe.export.names() if f != "hf"]:
+            raise BadInput("model.stream exports only the `hf` format")
+
+
+def _next(cfgs, i: int, stage: str) -> int | None:
+    return next((k for k in range(i + 1, len(cfgs)) if cfgs[k].stage == stage), None)
+
+
+def _all() -> list[registry.Entry]:
+    registry.load_all()
+    return list(registry._REGISTRY.values())

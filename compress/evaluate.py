@@ -1,0 +1,85 @@
+"""The in-run evaluation and size report: the compressed in-memory model against the full-precision one."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from compress.models.adapters import ModelAdapter
+from compress.models.loading import load_model
+
+
+def bos_id(tokenizer, adapter) -> int | None:
+    if adapter.kind == "encoder":
+        return getattr(tokenizer, "cls_token_id", None)
+    return getattr(tokenizer, "bos_token_id", None)
+
+
+def param_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())  # tied tensors counted once
+
+
+def evaluate(ctx, r) -> dict:
+    """FP reference (reloaded from the checkpoint) vs the compressed in-memory model, same tokens."""
+    fp_model, _ = load_model(r.model.path, r.model.dtype, r.model.gguf_file)
+    ModelAdapter(fp_model)  # same module structure as the compressed model
+    out = evaluate_encoder(ctx, r, fp_model) if ctx.adapter.kind == "encoder" else evaluate_causal(ctx, r, fp_model)
+    del fp_model
+    return out
+
+
+def evaluate_encoder(ctx, r, fp_model) -> dict:
+    """Embedding cosine fidelity on each labeled TSV, and probe accuracy when `eval.probe_train` is set."""
+    from compress.eval.data import read_labeled_tsv
+    from compress.eval.encoder import compare_encoder, cosine_fidelity, embed
+
+    train = read_labeled_tsv(r.eval.probe_train) if r.eval.probe_train else None
+    out = {}
+    for path in r.eval.data:
+        test = read_labeled_tsv(path)
+        if train:
+            res = compare_encoder(fp_model, ctx.model, ctx.tokenizer, probe_train=train, probe_test=test)
+        else:
+            res = {"cosine": cosine_fidelity(embed(fp_model, ctx.tokenizer, test[0]),
+                                             embed(ctx.model, ctx.tokenizer, test[0]))}
+        out[Path(path).name] = {k: round(v, 6) for k, v in res.items()}
+    return out
+
+
+def evaluate_causal(ctx, r, fp_model) -> dict:
+    from compress.eval.data import read_text, text_slice, token_stream
+    from compress.eval.generation import compare_causal
+
+    g, bos = r.eval.generation, bos_id(ctx.tokenizer, ctx.adapter)
+    out = {}
+    for path in r.eval.data:
+        text = read_text(path)
+        if r.eval.text_slice:
+            text = text_slice(text, *r.eval.text_slice)
+        ids = token_stream(ctx.tokenizer, text)
+        res = compare_causal(fp_model, ctx.model, ids, window=r.eval.window, bos_id=bos, max_tokens=r.eval.max_tokens,
+                             prompts=g.prompts, prompt_tokens=g.prompt_tokens, new_tokens=g.new_tokens,
+                             progress=not ctx.quiet)
+        out[Path(path).name] = {k: (round(v, 6) if isinstance(v, float) else v) for k, v in res.items()}
+    return out
+
+
+def size_report(ctx, qweights: dict, exports: dict) -> dict:
+    """Sizes against the model as loaded: an untied LM head (fused rotation) is a real cost of the result."""
+    model = ctx.model
+    qnumel = sum(q.codes.numel() for q in qweights.values())
+    qbits = sum(q.storage_bits() for q in qweights.values())
+    names = set(qweights)
+    other = sum(m.weight.numel() * m.weight.element_size() for n, m in model.named_modules()
+                if n in names)  # the FP bytes those layers replace
+    packed = param_bytes(model) - other + math.ceil(qbits / 8)
+    on_disk = next((v["bytes"] for v in exports.values() if v.get("bytes")), None)
+    out = {"fp_bytes": ctx.fp_bytes, "bytes": on_disk if on_disk is not None else packed, "packed_bytes": packed,
+           "effective_bits": round(qbits / qnumel, 4) if qnumel else None,
+           "quantized_params": qnumel, "quantized_layers": len(qweights)}
+    # what each export really stored: a layer its format cannot hold packed is written dense
+    stored = {fmt: {"bytes": v.get("bytes"), "packed_layers": len(qweights) - v["dense_layers"],
+                    "dense_layers": v["dense_layers"]} for fmt, v in exports.items() if "dense_layers" in v}
+    if stored:
+        out["stored"] = stored
+    return out

@@ -1,0 +1,105 @@
+"""`compress bench reproduce`: rerun seeded cells of the stored benchmark JSONs and diff their values.
+
+Every quality cell is a seeded pipeline run, so a refactoring that keeps behaviour must give the same
+numbers bit for bit. This reruns a chosen set of stories260K cells of `bench/quality.json`, the walsh,
+lfq and mixed suites (the settings are read back from each stored JSON) and compares every value that is
+not a timing. A difference is listed field by field; the exit status is non-zero when any cell differs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tempfile
+import time
+from pathlib import Path
+
+from compress.eval.bench import lfq, mixed, walsh
+from compress.eval.bench import quality as bq
+
+TIMING = {"seconds", "cell_seconds", "alloc_seconds", "search_seconds", "curve"}
+MODEL = "stories260K"
+# (suite, stored file, cell selector): the cells the README quotes, one or more per method family
+CELLS = {
+    "ptq": ("quality.json", [("rtn", 4), ("gptq", 4), ("autoround", 4), ("rtn", 2), ("gptq", 2), ("autoround", 2),
+                             ("autoround-plain", 2)]),
+    "walsh": ("walsh-stories260K.json", [("walsh", 2, 0), ("walsh-fused", 2, 0), ("autoround_hadamard", 2, 0)]),
+    "lfq": ("lfq-stories260K.json", [("lfq", 2, 0), ("hard_ce", 2, 0)]),
+    "mixed": ("mixed-stories260K.json", [("greedy", 2.5, 0), ("lagrangian", 2.5, 0), ("uniform", 3.0, 0),
+                                         ("rl", 2.5, 0)]),
+    "mixed-refine": ("mixed-refine-stories260K.json", [("greedy-sens+refine", 2.5, 0)]),
+}
+QUICK = {"ptq": [("rtn", 4), ("gptq", 2)], "walsh": [("walsh", 2, 0)], "lfq": [], "mixed": [("greedy", 2.5, 0)],
+         "mixed-refine": []}
+
+
+def _settings(cls, stored: dict, base_cls=bq.Settings):
+    """The suite's dataclass with the stored settings (tuples where the dataclass has tuples)."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    kw = {k: tuple(v) if isinstance(v, list) else v for k, v in stored.items() if k in names}
+    if "base" in names:
+        base_names = {f.name for f in dataclasses.fields(base_cls)}
+        kw["base"] = base_cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in stored.items()
+                                 if k in base_names})
+    return cls(**kw)
+
+
+def _diff(stored: dict, fresh: dict) -> list[str]:
+    return [f"{k}: stored {stored.get(k)!r}, now {fresh.get(k)!r}" for k in sorted(set(stored) | set(fresh))
+            if k not in TIMING and stored.get(k) != fresh.get(k)]
+
+
+def _rerun(suite: str, key: tuple, stored: list | dict, bench, path: str, calib: str, tmp: Path) -> tuple[dict, dict]:
+    if suite == "ptq":
+        method, bits = key
+        old = next(r for r in stored if r["model"] == MODEL and r["method"] == method and r["bits"] == bits)
+        s = dataclasses.replace(bq.FULL, nsamples=old["nsamples"], seqlen=old["seqlen"],
+                                iters=old["iters"] or bq.FULL.iters)
+        return old, bq.cell_row(bench, method, bits, bq.run_cell(bq.recipe(bench, path, calib, method, bits, s), tmp), s)
+    cells, settings = stored["cells"], stored["settings"]
+    if suite in ("walsh", "lfq"):
+        variant, bits, seed = key
+        old = next(c for c in cells if c["model"] == MODEL and c["variant"] == variant and c["bits"] == bits
+                   and c["seed"] == seed)
+        mod = walsh if suite == "walsh" else lfq
+        s = _settings(mod.WalshSettings if suite == "walsh" else mod.LfqSettings, settings)
+        return old, mod.cell(bench, path, calib, bits, old["group_size"], variant, seed, s, tmp)
+    method, budget, seed = key
+    old = next(c for c in cells if c["model"] == MODEL and c["method"] == method and c["budget"] == budget
+               and c["seed"] == seed)
+    return old, mixed.cell(bench, path, calib, method, budget, seed, _settings(mixed.MixedSettings, settings), tmp)
+
+
+def run_reproduce(bench_dir: Path = Path("bench"), quick: bool = False, suites: list[str] | None = None) -> tuple[dict, str]:
+    bench = next(b for b in bq.benches() if b.name == MODEL)
+    rows, t0 = [], time.time()
+    with tempfile.TemporaryDirectory(prefix="compress-bench-reproduce-") as tmp_dir:
+        tmp = Path(tmp_dir)
+        path, calib = bq.model_path(bench), bq.calibration_file(bench, tmp)
+        for suite, (file, keys) in CELLS.items():
+            if suites and suite not in suites:
+                continue
+            stored = json.loads((bench_dir / file).read_text())
+            for key in (QUICK[suite] if quick else keys):
+                t = time.time()
+                old, new = _rerun(suite, key, stored, bench, path, calib, tmp)
+                diff = _diff(old, new)
+                rows.append({"suite": suite, "file": file, "cell": list(key), "identical": not diff, "diff": diff,
+                             "values": {k: v for k, v in new.items() if k not in TIMING},
+                             "seconds": round(time.time() - t, 1)})
+                bq.log.info("reproduce %s %s: %s", suite, key, "identical" if not diff else "; ".join(diff))
+    result = {"meta": {**bq.suite_meta(quick), "wall_seconds": round(time.time() - t0, 1)}, "cells": rows,
+              "identical": all(r["identical"] for r in rows)}
+    return result, markdown(result)
+
+
+def markdown(result: dict) -> str:
+    lines = ["# Seeded benchmark cells, rerun and diffed against the stored JSON", "",
+             bq.suite_header(result["meta"]), "",
+             "Every value of a cell except its timings must be equal, bit for bit, to the stored one.", "",
+             "| suite | file | cell | identical | differences | s |", "|---|---|---|---|---|---:|"]
+    for r in result["cells"]:
+        lines.append(f"| {r['suite']} | {r['file']} | {' '.join(map(str, r['cell']))} | "
+                     f"{'yes' if r['identical'] else '**no**'} | {'; '.join(r['diff']) or '-'} | {r['seconds']} |")
+    lines += ["", f"All identical: {'yes' if result['identical'] else '**no**'}", ""]
+    return "\n".join(lines)
