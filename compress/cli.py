@@ -6,9 +6,7 @@ A bad input never prints a traceback unless `--debug` is given.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import sys
 import traceback
 from pathlib import Path
@@ -30,22 +28,30 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   help="Offline compression toolkit for language models: `compress run recipe.yaml`.\n\n"
                        "Example: compress run recipes/quickstart.yaml --model ../shared/data/models/ref-llama-7m "
                        "--output out/")
-bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks whose numbers go in the README.\n\n"
-                        "Example: compress bench quality --quick")
-app.add_typer(bench_app, name="bench")
-
 STATE = {"debug": False, "argv": []}  # argv: this invocation's arguments (for a command that restarts itself)
 
 
-@bench_app.callback()
-def _bench():
+def _bench_app() -> typer.Typer:
+    """`compress bench`: the harness in eval/bench (a checkout only; it is not installed with the package)."""
     import importlib.util
 
-    from compress.errors import BadInput
+    if importlib.util.find_spec("compress.eval.bench") is not None:
+        from compress.eval.bench.commands import bench_app
 
-    if importlib.util.find_spec("compress.eval.bench") is None:
-        raise BadInput("`compress bench` runs from a checkout of the repository (its harness reads the models and text "
-                       "in ../shared/data and is not installed with the package): clone it and `pip install -e .`")
+        return bench_app
+    stub = typer.Typer(no_args_is_help=True, help="Benchmarks (from a checkout of the repository).")
+
+    @stub.callback(invoke_without_command=True)
+    def _missing():
+        from compress.errors import BadInput
+
+        raise BadInput("`compress bench` runs from a checkout of the repository (its harness reads the models and "
+                       "text in ../shared/data and is not installed with the package): clone it and `pip install -e .`")
+
+    return stub
+
+
+app.add_typer(_bench_app(), name="bench")
 
 
 @app.callback()
@@ -66,7 +72,7 @@ def _setup_logging(quiet: bool) -> None:
 
 
 def _emit_json(obj) -> None:
-    from compress.workspace import strict_json
+    from compress.files import strict_json
 
     sys.stdout.write(strict_json(obj))
 
@@ -116,6 +122,8 @@ def _print_plan(p: dict) -> None:
         last = s["config"].get("final_block", "same")
         tail = f"; last block: `final_block: {last}`" if last != "same" else ""
         typer.echo(f"  {s['key']}: {s['layers']} layers{tail}")
+    for change in p.get("structure", []):
+        typer.echo(f"  structure: {change}")
     typer.echo(f"export: {', '.join(p['export']) or '-'}")
     typer.echo(f"estimated peak memory: {p['estimated_peak_memory_mb']} MB")
 
@@ -218,6 +226,9 @@ def inspect(directory: Path = typer.Argument(..., help="an `hf` export directory
                    f"{'sym ' if row['sym'] else 'asym'} eff {row['effective_bits']:.3f}")
     typer.echo(f"quantized layers: {info['quantized_layers']}, effective bits {info['effective_bits']}, "
                f"size {info['bytes'] / 2**20:.3f} MiB")
+    from compress.handoff import ModelSpec
+
+    typer.echo(ModelSpec.from_json(info["structure"]).text())
 
 
 @app.command()
@@ -226,7 +237,8 @@ def verify(directory: Path = typer.Argument(..., help="a run's output directory 
 
     Example: compress verify out/
     """
-    from compress.workspace import MANIFEST, run_root, verify as verify_files
+    from compress.verify import run_root, verify as verify_files
+    from compress.workspace import MANIFEST
 
     root, under = run_root(directory) or (directory, "")  # not a run's: verify says why
     n, problems = verify_files(root, under)
@@ -247,141 +259,6 @@ def recipes():
 
     for name, path in bundled().items():
         typer.echo(f"recipes/{name}: {describe(path)}")
-
-
-def _emit_bench(result, md: str, json_out: Optional[Path], md_out: Optional[Path]) -> None:
-    """A benchmark's table on stdout, and its JSON / markdown where asked."""
-    typer.echo(md)
-    if json_out:
-        json_out.write_text(json.dumps(result, indent=2) + "\n")
-    if md_out:
-        md_out.write_text(md)
-
-
-@bench_app.command("quality")
-def bench_quality(
-    json_out: Optional[Path] = typer.Option(None, "--json", help="also write the rows as JSON here"),
-    md_out: Optional[Path] = typer.Option(None, "--markdown", help="also write the markdown table here"),
-    quick: bool = typer.Option(False, "--quick", help="tiny settings, for a smoke test"),
-    only: Optional[List[str]] = typer.Option(None, "--only", help="run only these models (repeatable)"),
-    variant: Optional[List[str]] = typer.Option(None, "--variant", help="--suite walsh: run only these rotation "
-                                                "variants (repeatable; vanilla `autoround` always runs as the reference)"),
-    budget: Optional[List[float]] = typer.Option(None, "--budget", help="--suite mixed: only these effective-bit "
-                                                 "budgets (repeatable)"),
-    seed: Optional[List[int]] = typer.Option(None, "--seed", help="--suite mixed: only these seeds (repeatable)"),
-    method: Optional[List[str]] = typer.Option(None, "--method", help="--suite mixed: only these allocation rows "
-                                               "(repeatable), e.g. greedy-sens+refine, rl+refine"),
-    refine: Optional[int] = typer.Option(None, "--refine", help="--suite mixed: pair moves of the +refine rows "
-                                         "(default 2000)"),
-    suite: str = typer.Option("ptq", "--suite", help="`ptq`: FP/RTN/GPTQ/AutoRound matrix; `lfq`: AutoRound "
-                              "with and without LFQ and hard-label CE, three seeds, with greedy-continuation scores; "
-                              "`walsh`: AutoRound after no rotation, auto-round's Hadamard and the walsh modes; "
-                              "`mixed`: RL vs uniform/greedy/Lagrangian mixed-precision allocation at 2.25/2.5/3.0 "
-                              "effective bits (the RL learning curves go next to --markdown as *-rl-curves.png); "
-                              "`flipguard`: a quantization-conditioned backdoor on stories260K against RTN int4, "
-                              "with and without FlipGuard and noise"),
-):
-    """FP, RTN, GPTQ and AutoRound at W4/W3/W2 on the real small models and MiniLM (`--suite ptq`),
-    the LFQ comparison (`--suite lfq`), the rotation comparison (`--suite walsh`) or mixed-precision
-    allocation (`--suite mixed`).
-
-    Example: compress bench quality --json bench/quality.json --markdown bench/quality.md
-    """
-    from compress.errors import BadInput
-
-    _setup_logging(False)
-    if variant and suite != "walsh":
-        raise BadInput("--variant selects rotation variants of --suite walsh")
-    if (budget or seed or method or refine is not None) and suite != "mixed":
-        raise BadInput("--budget, --seed, --method and --refine select rows of --suite mixed")
-    if suite == "ptq":
-        from compress.eval.bench.quality import run_quality
-
-        rows, md = run_quality(quick=quick, only=only or None)
-    elif suite == "lfq":
-        from compress.eval.bench.lfq import run_lfq
-
-        rows, md = run_lfq(quick=quick, only=only or None)
-    elif suite == "walsh":
-        from compress.eval.bench.walsh import run_walsh
-
-        rows, md = run_walsh(quick=quick, only=only or None, variants=variant or None)
-    elif suite == "mixed":
-        from compress.eval.bench.mixed import run_mixed
-
-        curves = md_out.with_name(f"{md_out.stem}-rl-curves.png") if md_out else None
-        rows, md = run_mixed(quick=quick, only=only or None, curve_png=curves, budgets=budget or None,
-                             seeds=seed or None, methods=method or None, refine=refine)
-    elif suite == "flipguard":
-        from compress.eval.bench.flipguard import run_flipguard
-
-        rows, md = run_flipguard(quick=quick)
-    else:
-        raise BadInput(f"unknown --suite `{suite}` (known: ptq, lfq, walsh, mixed, flipguard)")
-    _emit_bench(rows, md, json_out, md_out)
-
-
-@bench_app.command("kernels")
-def bench_kernels(
-    json_out: Optional[Path] = typer.Option(None, "--json", help="also write the rows as JSON here"),
-    md_out: Optional[Path] = typer.Option(None, "--markdown", help="also write the markdown table here"),
-    quick: bool = typer.Option(False, "--quick", help="one small shape, few repeats, for a smoke test"),
-    repeats: int = typer.Option(10, "--repeats", help="timed runs per measurement (min and median reported)"),
-    threads: Optional[int] = typer.Option(None, "--threads", help="threads for every backend (default: torch's)"),
-    isa: str = typer.Option("native", "--isa",
-                            help="native, or avx2: our kernel built for AVX2, torch's kernels and MKL's GEMM on "
-                                 "their AVX2 code, as an AVX2-only CPU runs them (OpenVINO stays native; the command "
-                                 "restarts itself with COMPRESS_CPU_ISA, ATEN_CPU_CAPABILITY and "
-                                 "MKL_ENABLE_INSTRUCTIONS set)"),
-):
-    """Packed GEMM speed: our CPU kernel vs the reference path, torch fp32/bf16/int4 and OpenVINO int4/int2.
-
-    Example: compress bench kernels --json bench-kernels.json --markdown bench-kernels.md
-    """
-    from compress.errors import BadInput
-    from compress.eval.bench.kernels import isa_env_missing, markdown, run as run_kernels
-
-    try:
-        missing = isa_env_missing(isa)
-    except ValueError as e:
-        raise BadInput(str(e)) from None
-    if missing:  # torch and MKL read them once, at start: run this command again in a process that has them
-        restart = "import sys; from compress import cli; sys.exit(cli.main())"
-        os.execve(sys.executable, [sys.executable, "-c", restart, *STATE["argv"]], {**os.environ, **missing})
-    _setup_logging(False)
-    result = run_kernels(quick=quick, repeats=repeats, threads=threads, isa=isa)
-    md = markdown(result)
-    _emit_bench(result, md, json_out, md_out)
-
-
-@bench_app.command("decode")
-def bench_decode(
-    json_out: Optional[Path] = typer.Option(None, "--json", help="also write the result as JSON here"),
-    md_out: Optional[Path] = typer.Option(None, "--markdown", help="also write the markdown table here"),
-    size: str = typer.Option("0.5b", "--size", help="model size: 0.5b (0.49B parameters) or tiny"),
-    quick: bool = typer.Option(False, "--quick", help="tiny model, 8 new tokens, 1 repeat: a smoke test"),
-    new_tokens: int = typer.Option(64, "--new-tokens", help="greedy tokens per run"),
-    repeats: int = typer.Option(3, "--repeats", help="runs per backend (the fastest is reported)"),
-    threads: Optional[int] = typer.Option(None, "--threads", help="threads for every backend (default: torch's)"),
-    openvino: bool = typer.Option(True, "--openvino/--no-openvino", help="also run the OpenVINO int4 export"),
-):
-    """Greedy decoding tokens/s of a random Llama (speed only): torch fp32 vs our int4 CPU kernel vs OpenVINO int4.
-
-    Example: compress bench decode --threads 2 --json bench/decode.json --markdown bench/decode.md
-    """
-    from compress.errors import BadInput
-    from compress.eval.bench.decode import SIZES, markdown, run as run_decode
-
-    _setup_logging(False)
-    if quick:
-        size, new_tokens, repeats = "tiny", 8, 1
-    if size not in SIZES:
-        raise BadInput(f"unknown --size `{size}` (known: {', '.join(SIZES)})")
-    if new_tokens < 2:
-        raise BadInput("--new-tokens must be at least 2 (tokens/s counts the steps after the first)")
-    result = run_decode(size, new_tokens=new_tokens, repeats=repeats, threads=threads, openvino=openvino)
-    md = markdown(result)
-    _emit_bench(result, md, json_out, md_out)
 
 
 def main(argv=None) -> int:

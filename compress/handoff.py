@@ -60,7 +60,7 @@ class QuantizedWeights(Handoff):
     def save(self, ws, key: str) -> None:
         from safetensors.torch import save
 
-        from compress.workspace import qweights_to_tensors
+        from compress.qweight import qweights_to_tensors
 
         extra = {n: q for n, q in self.weights.items() if n not in set(self.block_layers)}
         tensors, meta = qweights_to_tensors(extra)
@@ -76,7 +76,7 @@ class QuantizedWeights(Handoff):
         from safetensors.torch import load_file
 
         from compress.driver import light, set_weight
-        from compress.workspace import tensors_to_qweights
+        from compress.qweight import tensors_to_qweights
 
         ws = ctx.workspace
         index_path, extra_path = ws.verified(f"stages/{key}/{cls.INDEX}"), ws.verified(f"stages/{key}/{cls.EXTRA}")

@@ -77,7 +77,7 @@ def check_data(loaded, kind: str) -> None:
         if r.eval.probe_train:
             attempt(("eval", "probe_train"), lambda: read_labeled_tsv(r.eval.probe_train))
     if problems:
-        from compress.recipe import with_where
+        from compress.recipe_yaml import with_where
 
         raise BadInput("\n".join(with_where(loc, msg, loaded.locator) for loc, msg in problems))
 

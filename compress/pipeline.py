@@ -29,7 +29,8 @@ from compress.evaluate import bos_id, evaluate, param_bytes, size_report
 from compress.handoff import QuantizedWeights
 from compress.models.adapters import ModelAdapter
 from compress.models.loading import load_config, load_model, max_positions
-from compress.workspace import Workspace, non_finite, peak_rss_mb
+from compress.files import non_finite
+from compress.workspace import Workspace, peak_rss_mb
 
 log = logging.getLogger("compress")
 

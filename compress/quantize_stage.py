@@ -26,6 +26,22 @@ log = logging.getLogger(__name__)
 QUANTIZERS: dict[type, type] = {}  # config class -> quantizer class
 
 
+class Quantizer:
+    """Base of the registered quantizers: what the driver collects for `quantize_block` (defaults: nothing;
+    a method sets what it needs) and the method's config."""
+
+    needs_hessian = False  # Hessians of each block linear's inputs (GPTQ)
+    needs_fp_targets = False  # the full-precision block's outputs (AutoRound)
+    needs_data = False  # calibration tokens at all (RTN needs none)
+    batch_size = 1
+
+    def __init__(self, cfg: QuantizeConfig):
+        self.cfg = cfg
+
+    def quantize_block(self, data) -> dict:
+        raise NotImplementedError
+
+
 def quantizer(config: type[QuantizeConfig], description: str):
     """Register a quantizer class by its config class as the `quantize` stage method the config names."""
     from compress.methods.allocate.plan import Plan

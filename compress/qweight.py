@@ -146,3 +146,29 @@ class QuantizedWeight:
     def effective_bits(self) -> float:
         """docs/quantize.md#effective-bits: b + (b_scale + b_zero) / g, computed exactly from the stored tensors."""
         return self.storage_bits() / self.codes.numel()
+
+
+# -- serialization (block checkpoints, QuantizedWeights hand-offs) ---------------------------------------
+def qweights_to_tensors(qweights: dict[str, QuantizedWeight]) -> tuple[dict[str, torch.Tensor], dict]:
+    tensors, meta = {}, {}
+    for name, qw in qweights.items():
+        tensors[f"{name}.codes"] = qw.codes.contiguous()
+        tensors[f"{name}.scales"] = qw.scales.contiguous()
+        tensors[f"{name}.zeros"] = qw.zeros.contiguous()
+        meta[name] = {"bits": qw.bits, "group_size": qw.group_size, "sym": qw.sym}
+        if qw.mixed:
+            meta[name].update(chunk_size=qw.chunk_size, chunk_bits=list(qw.chunk_bits), map_bits=qw.map_bits)
+            if qw.kept is not None:
+                tensors[f"{name}.kept"] = qw.kept.contiguous()
+    return tensors, meta
+
+
+def tensors_to_qweights(tensors: dict[str, torch.Tensor], meta: dict) -> dict[str, QuantizedWeight]:
+    out = {}
+    for name, m in meta.items():
+        m = dict(m)
+        if "chunk_bits" in m:
+            m["chunk_bits"] = tuple(m["chunk_bits"])
+        out[name] = QuantizedWeight(codes=tensors[f"{name}.codes"], scales=tensors[f"{name}.scales"],
+                                    zeros=tensors[f"{name}.zeros"], kept=tensors.get(f"{name}.kept"), **m)
+    return out

@@ -42,21 +42,19 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Optional, Sequence, Union, get_args
+from typing import Literal, Optional, Sequence, Union
 
-import yaml
 from pydantic import BaseModel, Field, SerializeAsAny, ValidationError, field_validator
 
 from compress import registry
 from compress.config import StrictModel
 from compress.errors import BadInput
+from compress.recipe_errors import Problem, export_config, format_problems, from_pydantic, stage_config
+from compress.recipe_yaml import (Loc, Locator, apply_set, check_top, check_version, interpolate, line_map, read_yaml,
+                                  replace_key, with_where)
 
-SUPPORTED_VERSIONS = (1,)
-Loc = tuple  # path into the recipe: str keys and int list indices
 
 
 # -- schema -----------------------------------------------------------------------------------------
@@ -169,11 +167,6 @@ def export_name(fmt) -> str:
     return fmt if isinstance(fmt, str) else fmt.format
 
 
-def stage_methods() -> dict[str, list[str]]:
-    """Stages allowed in `stages:` (exports live in `export.formats`) -> their registered methods."""
-    return {s: registry.methods(s) for s in registry.stages() if s != "export"}
-
-
 def _stage_item(item):
     """Standalone validation (Recipe.model_validate); load_recipe validates items itself, with lines."""
     if isinstance(item, BaseModel):
@@ -202,42 +195,20 @@ def _export_item(item):
 
 
 # -- loaded recipe ----------------------------------------------------------------------------------
-@dataclass
-class _Locator:
-    """Maps a recipe loc to `file:line` (from the YAML node tree) or to the CLI option that set it."""
-
-    file: str
-    lines: dict = field(default_factory=dict)  # loc -> (key line, value line), 1-based
-    origins: dict = field(default_factory=dict)  # loc -> "--set a.b=1" / "--model"
-    templates: dict = field(default_factory=dict)  # loc -> the string as written, where `${VAR}` was substituted
-
-    def where(self, loc: Loc, *, key: bool = False) -> tuple[float, str]:
-        """(sort key, "at recipe.yaml:7" or "in --set a.b=1") for the deepest known prefix of `loc`."""
-        for n in range(len(loc), -1, -1):
-            if loc[:n] in self.origins:
-                return float("inf"), f"in {self.origins[loc[:n]]}"
-        for n in range(len(loc), -1, -1):
-            if loc[:n] in self.lines:
-                kline, vline = self.lines[loc[:n]]
-                line = kline if key or n < len(loc) else vline
-                return line, f"at {self.file}:{line}"
-        return 0, f"in {self.file}"
-
-
 @dataclass(frozen=True)
 class LoadedRecipe:
     recipe: Recipe
     resolved: dict  # validated recipe with defaults, JSON types; paths as written
     sha256: str  # of json.dumps(resolved, sort_keys=True)
     path: Path
-    locator: _Locator = field(default=None, repr=False, compare=False)
+    locator: Locator = field(default=None, repr=False, compare=False)
 
     @property
     def recorded(self) -> dict:
         """`resolved` as it may be written into artifacts: each value that came from `${VAR}` interpolation
         is the reference as written (`${HF_TOKEN}`), never the variable's value."""
         out = json.loads(json.dumps(self.resolved))
-        loc8 = self.locator or _Locator("")
+        loc8 = self.locator or Locator("")
         for loc, template in loc8.templates.items():
             if any(loc[:n] in loc8.origins for n in range(len(loc) + 1)):
                 continue  # replaced on the command line
@@ -263,19 +234,19 @@ def load_recipe(path, *, overrides: Sequence[str] = (), model: str | None = None
     """Read, interpolate, override and validate a recipe. Raises BadInput naming file, line and key."""
     path = recipe_file(path)
     overrides = [overrides] if isinstance(overrides, str) else list(overrides)
-    node, data = _read_yaml(path)
-    loc8 = _Locator(str(path), _line_map(node, str(path)) if node is not None else {})
-    _check_top(data, loc8)
-    data = _interpolate(data, (), loc8)
+    node, data = read_yaml(path)
+    loc8 = Locator(str(path), line_map(node, str(path)) if node is not None else {})
+    check_top(data, loc8)
+    data = interpolate(data, (), loc8)
     for spec in overrides:
-        _apply_set(data, spec, loc8.origins)
+        apply_set(data, spec, loc8.origins)
     for loc, value, label in ((("model", "path"), model, "--model"),
                               (("calibration", "sources"), calibration, "--calibration"),
                               (("eval", "data"), eval_data, "--eval-data"),
                               (("calibration", "seed"), seed, "--seed")):
         if value is not None:
-            _replace(data, loc, list(value) if isinstance(value, (list, tuple)) else value, label, loc8.origins)
-    _check_version(data, loc8)
+            replace_key(data, loc, list(value) if isinstance(value, (list, tuple)) else value, label, loc8.origins)
+    check_version(data, loc8)
     recipe = _validate(data, loc8)
     resolved = recipe.model_dump(mode="json")
     return LoadedRecipe(recipe, resolved, canonical_sha256(resolved), path, loc8)
@@ -302,395 +273,34 @@ def recipe_file(path) -> Path:
 
 def describe(path) -> str:
     """The recipe's one-line `description` (first line), without full validation; "" when absent."""
-    _, data = _read_yaml(recipe_file(path))
+    _, data = read_yaml(recipe_file(path))
     desc = data.get("description") if isinstance(data, dict) else None
     return str(desc).strip().splitlines()[0] if desc else ""
 
 
-# -- reading YAML -----------------------------------------------------------------------------------
-def _read_yaml(path: Path):
-    """(root node, plain data) from one parse; YAML errors become BadInput with the line."""
-    if not path.is_file():
-        what = "is not a file" if path.exists() else "does not exist"
-        raise BadInput(f"recipe file `{path}` {what}")
-    text = _recipe_text(path)
-    _check_shape(text, path)
-    loader = yaml.SafeLoader(text)
-    try:
-        node = loader.get_single_node()
-        data = loader.construct_document(node) if node is not None else None
-    except yaml.YAMLError as e:
-        raise BadInput(_yaml_error(e, path)) from None
-    finally:
-        loader.dispose()
-    return node, data
-
-
-MAX_BYTES, MAX_DEPTH, MAX_ALIASES, MAX_NODES = 1 << 20, 32, 64, 100_000
-
-
-def _recipe_text(path: Path) -> str:
-    if path.stat().st_size > MAX_BYTES:
-        raise BadInput(f"recipe file `{path}` is {path.stat().st_size:,} bytes; a recipe is at most {MAX_BYTES:,}")
-    try:
-        return path.read_bytes().decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise BadInput(f"recipe file `{path}` is not UTF-8 text (byte {e.start}: {e.reason}); "
-                       "is it a recipe YAML file?") from None
-
-
-def _check_shape(text: str, path: Path) -> None:
-    """Refuse, before building anything, a recipe nested deeper than MAX_DEPTH, with more than MAX_ALIASES
-    aliases, or whose aliases expand to more than MAX_NODES values (a 'billion laughs' file is a few
-    hundred bytes that expand to gigabytes). One pass over the YAML event stream, linear in the file."""
-    aliases, expanded = 0, {}  # anchor -> values it expands to
-    stack = [[None, 0]]  # per open collection: [anchor, values inside it so far]
-    try:
-        for ev in yaml.parse(text, Loader=yaml.SafeLoader):
-            line = ev.start_mark.line + 1
-            if isinstance(ev, yaml.CollectionStartEvent):
-                if len(stack) > MAX_DEPTH:
-                    raise BadInput(f"recipe `{path}` nests deeper than {MAX_DEPTH} levels at line {line}")
-                stack.append([ev.anchor, 1])
-                continue
-            if isinstance(ev, yaml.CollectionEndEvent):
-                anchor, n = stack.pop()
-                if anchor:
-                    expanded[anchor] = n
-            elif isinstance(ev, yaml.AliasEvent):
-                aliases += 1
-                if aliases > MAX_ALIASES:
-                    raise BadInput(f"recipe `{path}` uses more than {MAX_ALIASES} YAML aliases (line {line}); "
-                                   "write the values out")
-                n = expanded.get(ev.anchor, 1)
-            elif isinstance(ev, yaml.ScalarEvent):
-                n = 1
-                if ev.anchor:
-                    expanded[ev.anchor] = 1
-            else:
-                continue
-            stack[-1][1] += n
-            if sum(c[1] for c in stack) > MAX_NODES:
-                raise BadInput(f"recipe `{path}` expands to more than {MAX_NODES:,} values through YAML aliases "
-                               f"(line {line}); write the values out")
-    except yaml.YAMLError:
-        return  # the full parse reports it, with its line
-
-
-def _yaml_error(e: yaml.YAMLError, path: Path) -> str:
-    """e.g. "bad YAML at r.yaml:15: expected ',' or ']', but got ':' (while parsing a flow sequence
-    started at line 14)"."""
-    problem, context = getattr(e, "problem", None), getattr(e, "context", None)
-    pmark, cmark = getattr(e, "problem_mark", None), getattr(e, "context_mark", None)
-    mark = pmark or cmark
-    where = f"{path}:{mark.line + 1}" if mark else str(path)
-    what = problem or str(e)
-    if context:
-        started = f" started at line {cmark.line + 1}" if cmark and pmark and cmark.line != pmark.line else ""
-        what += f" ({context}{started})"
-    return f"bad YAML at {where}: {what}"
-
-
-def _line_map(root, file: str) -> dict:
-    """loc -> (line of the key, line of the value), 1-based; duplicate keys are an error."""
-    lines = {(): (root.start_mark.line + 1, root.start_mark.line + 1)}
-    stack: list = [(root, ())]
-    while stack:
-        node, loc = stack.pop()
-        if isinstance(node, yaml.MappingNode):
-            seen: dict = {}
-            for k, v in node.value:
-                key = k.value if isinstance(k, yaml.ScalarNode) else str(k.start_mark)
-                if key in seen:
-                    raise BadInput(f"duplicate key `{key}` at {file}:{k.start_mark.line + 1} "
-                                   f"(first at line {seen[key]})")
-                seen[key] = k.start_mark.line + 1
-                scalar = isinstance(v, yaml.ScalarNode)  # a collection's errors point at its key
-                lines[loc + (key,)] = (k.start_mark.line + 1, (v if scalar else k).start_mark.line + 1)
-                if len(loc) < 32:
-                    stack.append((v, loc + (key,)))
-        elif isinstance(node, yaml.SequenceNode):
-            for i, v in enumerate(node.value):
-                lines[loc + (i,)] = (v.start_mark.line + 1, v.start_mark.line + 1)
-                if len(loc) < 32:
-                    stack.append((v, loc + (i,)))
-    return lines
-
-
-def _check_top(data, loc8: _Locator) -> None:
-    if data is None:
-        raise BadInput(f"recipe {loc8.file} is empty: expected a mapping with `version`, `model` and `stages`")
-    if not isinstance(data, dict):
-        kind = "a list" if isinstance(data, list) else f"a {type(data).__name__}"
-        raise BadInput(f"the top level of a recipe must be a mapping, got {kind} at {loc8.file}:{loc8.lines[()][0]}")
-
-
-def _check_version(data: dict, loc8: _Locator) -> None:
-    if "version" not in data:
-        raise BadInput(f"missing required key `version` {loc8.where((), key=True)[1]} "
-                       f"(add `version: {SUPPORTED_VERSIONS[-1]}`)")
-    v = data["version"]
-    if type(v) is not int or v not in SUPPORTED_VERSIONS:
-        raise BadInput(f"unsupported recipe version `{v}` {loc8.where(('version',))[1]}; "
-                       f"this compress reads version {', '.join(map(str, SUPPORTED_VERSIONS))}")
-
-
-# -- interpolation, overrides, replacements ----------------------------------------------------------
-_VAR = re.compile(r"\$(\$)?\{([^}]*)\}")
-_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-
-
-def _interpolate(obj, loc: Loc, loc8: _Locator):
-    """A fresh copy of `obj` (no shared YAML aliases) with `${VAR}` substituted in string values."""
-    if isinstance(obj, dict):
-        return {k: _interpolate(v, loc + (k,), loc8) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_interpolate(v, loc + (i,), loc8) for i, v in enumerate(obj)]
-    if isinstance(obj, str) and "${" in obj:
-        value = _VAR.sub(lambda m: _substitute(m, loc, loc8), obj)
-        if _VAR.search(obj.replace("$${", "")):
-            loc8.templates[loc] = obj
-        return value
-    return obj
-
-
-def _substitute(m: re.Match, loc: Loc, loc8: _Locator) -> str:
-    if m.group(1):  # `$${...}` is a literal `${...}`
-        return m.group(0)[1:]
-    name, sep, default = m.group(2).partition(":-")
-    where = f"`{dotted(loc)}` {loc8.where(loc)[1]}"
-    if not _NAME.fullmatch(name):
-        raise BadInput(f"malformed `{m.group(0)}` in {where}; write `${{NAME}}` or `${{NAME:-default}}`")
-    value = os.environ.get(name)
-    if value is None or (sep and value == ""):
-        if sep:
-            return default
-        raise BadInput(f"environment variable `{name}` is not set (used by {where}); "
-                       f"set it or write `${{{name}:-default}}`")
-    return value
-
-
-def _parse_value(raw: str):
-    """A YAML scalar (`3`, `false`, `null`, `''`) or flow collection (`[a, b]`, `{format: hf}`); any other
-    text that YAML would read as a block collection (`note: x`, `- a`) or cannot parse stays a string."""
-    try:
-        value = yaml.safe_load(raw)
-    except yaml.YAMLError:
-        return raw
-    if isinstance(value, (dict, list)) and not raw.lstrip().startswith(("[", "{")):
-        return raw
-    return value
-
-
-def _apply_set(data: dict, spec: str, origins: dict) -> None:
-    """Apply one `--set a.b.0.c=value`. Missing mapping keys are created (validation then reports unknown
-    ones with a suggestion); list indices must exist (negative ones count from the end)."""
-    key, eq, raw = spec.partition("=")
-    parts = key.strip().split(".")
-    if not eq or not all(parts):
-        raise BadInput(f"--set expects dotted.key=value (e.g. stages.0.bits=3), got `{spec}`")
-    container, loc = data, ()
-    for i, part in enumerate(parts):
-        k = _step(container, part, loc, spec)
-        loc += (k,)
-        if i == len(parts) - 1:
-            container[k] = _parse_value(raw)
-        else:
-            if isinstance(container, dict) and k not in container:
-                container[k] = {}
-                origins.setdefault(loc, f"--set {spec}")  # errors about the new key point at the option
-            container = container[k]
-    origins[loc] = f"--set {spec}"
-
-
-def _step(container, part: str, loc: Loc, spec: str):
-    if isinstance(container, dict):
-        return part
-    if isinstance(container, list):
-        if not re.fullmatch(r"-?\d+", part):
-            raise BadInput(f"--set {spec}: `{dotted(loc)}` is a list; index it, e.g. `{dotted(loc)}.0`")
-        idx, n = int(part), len(container)
-        if not -n <= idx < n:
-            raise BadInput(f"--set {spec}: index {idx} is out of range for `{dotted(loc)}` ({n} items)")
-        return idx % n
-    raise BadInput(f"--set {spec}: `{dotted(loc)}` is a {type(container).__name__}, not a mapping or list")
-
-
-def _replace(data: dict, loc: Loc, value, label: str, origins: dict) -> None:
-    """CLI replacement of one key; a missing section is created, a malformed one is left to validation."""
-    parent = data
-    for k in loc[:-1]:
-        parent = parent.setdefault(k, {})
-        if not isinstance(parent, dict):
-            return
-    parent[loc[-1]] = value
-    origins[loc] = label
-
-
-# -- validation with file:line messages --------------------------------------------------------------
-@dataclass
-class _Err:
-    loc: Loc
-    kind: str  # unknown_key | missing | value | custom
-    msg: str = ""
-    choices: Sequence[str] = ()
-    suffix: str = ""
-
-
-def _validate(data: dict, loc8: _Locator) -> Recipe:
-    errors: list[_Err] = []
+# -- validation with file:line messages (compress/recipe_errors.py) ---------------------------------
+def _validate(data: dict, loc8: Locator) -> Recipe:
+    errors: list[Problem] = []
     data = dict(data)
     if data.get("stages") == []:
-        errors.append(_Err(("stages",), "value", "no stages: a recipe needs at least one (e.g. `- {stage: quantize, "
+        errors.append(Problem(("stages",), "value", "no stages: a recipe needs at least one (e.g. `- {stage: quantize, "
                                                  "method: rtn}`)"))
     if isinstance(data.get("stages"), list):
-        items = [_stage_config(item, ("stages", i), errors) for i, item in enumerate(data["stages"])]
+        items = [stage_config(item, ("stages", i), errors) for i, item in enumerate(data["stages"])]
         data["stages"] = items if all(c is not None for c in items) else []
     exp = data.get("export")
     if isinstance(exp, dict) and isinstance(exp.get("formats"), list):
-        fmts = [_export_config(item, ("export", "formats", i), errors) for i, item in enumerate(exp["formats"])]
+        fmts = [export_config(item, ("export", "formats", i), errors) for i, item in enumerate(exp["formats"])]
         data["export"] = {**exp, "formats": [f for f in fmts if f is not None]}
     recipe = None
     try:
         recipe = Recipe.model_validate(data)
     except ValidationError as e:
-        errors.extend(_from_pydantic(e, (), Recipe))
+        errors.extend(from_pydantic(e, (), Recipe))
     if errors:
-        raise BadInput(_format(errors, loc8))
+        raise BadInput(format_problems(errors, loc8))
     return recipe
 
-
-def _stage_config(item, loc: Loc, errors: list) -> BaseModel | None:
-    if not isinstance(item, dict):
-        errors.append(_Err(loc, "value", f"must be a mapping with `stage` and `method`, got {type(item).__name__}"))
-        return None
-    missing = [k for k in ("stage", "method") if k not in item]
-    if missing:
-        errors.extend(_Err(loc + (k,), "missing") for k in missing)
-        return None
-    known = stage_methods()
-    stage, method = item["stage"], item["method"]
-    bad = [k for k in ("stage", "method") if not isinstance(item[k], str)]
-    if bad:
-        errors.extend(_Err(loc + (k,), "value", f"must be a name, got {type(item[k]).__name__}") for k in bad)
-        return None
-    if stage not in known:
-        hint = " (export formats go under `export.formats`)" if stage == "export" else ""
-        errors.append(_unknown_name(loc + ("stage",), "stage", stage, sorted(known), hint=hint))
-        return None
-    if method not in known[stage]:
-        errors.append(_unknown_name(loc + ("method",), "method", method, known[stage], f" for stage `{stage}`"))
-        return None
-    cls = registry.get(stage, method).config
-    return _validate_with(cls, item, loc, errors)
-
-
-def _export_config(item, loc: Loc, errors: list):
-    if not isinstance(item, (str, dict)):
-        errors.append(_Err(loc, "value", "must be a format name or a mapping with `format`"))
-        return None
-    if isinstance(item, dict) and "format" not in item:
-        errors.append(_Err(loc + ("format",), "missing"))
-        return None
-    name = item if isinstance(item, str) else item["format"]
-    if not isinstance(name, str):
-        errors.append(_Err(loc + ("format",), "value", f"must be a format name, got {type(name).__name__}"))
-        return None
-    known = registry.methods("export")
-    if name not in known:
-        at = loc if isinstance(item, str) else loc + ("format",)
-        errors.append(_unknown_name(at, "export format", name, known))
-        return None
-    cls = registry.get("export", name).config
-    return item if isinstance(item, str) else _validate_with(cls, item, loc, errors)
-
-
-def _validate_with(cls: type[BaseModel], item: dict, loc: Loc, errors: list):
-    try:
-        return cls.model_validate(item)
-    except ValidationError as e:
-        errors.extend(_from_pydantic(e, loc, cls))
-        return None
-
-
-def _unknown_name(loc: Loc, what: str, name, known: Sequence[str], scope: str = "", hint: str = "") -> _Err:
-    """e.g. "unknown method `gtpq` for stage `quantize` at r.yaml:9, did you mean `gptq`? (known: ...)"."""
-    return _Err(loc, "custom", f"unknown {what} `{name}`{scope}",
-                suffix=f"{registry.suggest(name, known)} (known: {', '.join(known)}){hint}")
-
-
-def _from_pydantic(exc: ValidationError, prefix: Loc, root: type[BaseModel]) -> list[_Err]:
-    out = []
-    for e in exc.errors():
-        rel = tuple(e["loc"])
-        if e["type"] == "extra_forbidden":
-            cls = _model_at(root, rel[:-1])
-            out.append(_Err(prefix + rel, "unknown_key", choices=list(cls.model_fields) if cls else []))
-        elif e["type"] == "missing":
-            out.append(_Err(prefix + rel, "missing"))
-        else:
-            msg = e["msg"].removeprefix("Value error, ")
-            suffix = ""
-            if e["type"] == "literal_error" and isinstance(e.get("input"), str):
-                suffix = registry.suggest(e["input"], re.findall(r"'([^']*)'", e["ctx"]["expected"]))
-            out.append(_Err(prefix + rel, "value", msg, suffix=suffix))
-    return out
-
-
-def _model_at(cls, loc: Loc):
-    """The pydantic model class that validates the mapping at `loc` below `cls`, or None."""
-    for part in loc:
-        if isinstance(part, int):
-            continue
-        f = cls.model_fields.get(part) if cls else None
-        cls = _inner_model(f.annotation) if f else None
-    return cls
-
-
-def _inner_model(ann):
-    if isinstance(ann, type) and issubclass(ann, BaseModel):
-        return ann
-    for arg in get_args(ann):
-        found = _inner_model(arg)
-        if found is not None and found.model_fields:
-            return found
-    return None
-
-
-def _format(errors: list[_Err], loc8: _Locator) -> str:
-    msgs = [_format_one(e, loc8) for e in errors]
-    msgs.sort(key=lambda m: m[0])
-    return "\n".join(dict.fromkeys(m[1] for m in msgs))
-
-
-def _format_one(e: _Err, loc8: _Locator) -> tuple[float, str]:
-    if e.kind == "unknown_key":
-        line, where = loc8.where(e.loc, key=True)
-        hint = registry.suggest(e.loc[-1], e.choices)
-        if not hint and e.choices:
-            hint = f" (valid keys: {', '.join(e.choices)})"
-        return line, f"unknown key `{e.loc[-1]}` {where}{hint}"
-    if e.kind == "missing":
-        line, where = loc8.where(e.loc[:-1], key=True)
-        parent = f" in `{dotted(e.loc[:-1])}`" if e.loc[:-1] else ""
-        return line, f"missing required key `{e.loc[-1]}`{parent} {where}"
-    line, where = loc8.where(e.loc)
-    if e.kind == "custom":
-        return line, f"{e.msg} {where}{e.suffix}"
-    return line, f"`{leaf(e.loc)}` {where}: {e.msg}{e.suffix}"
-
-
-def dotted(loc: Loc) -> str:
-    return ".".join(str(p) for p in loc)
-
-
-def leaf(loc: Loc) -> str:
-    """`bits` for ('stages', 0, 'bits'); `data[1]` for ('eval', 'data', 1)."""
-    if not loc:
-        return "recipe"
-    if isinstance(loc[-1], int) and len(loc) > 1:
-        return f"{leaf(loc[:-1])}[{loc[-1]}]"
-    return str(loc[-1])
 
 
 # -- paths -----------------------------------------------------------------------------------------
@@ -734,7 +344,3 @@ def _model_problems(m: ModelSource) -> list[tuple[Loc, str]]:
     return []
 
 
-def with_where(loc: Loc, msg: str, loc8: _Locator | None) -> str:
-    if loc8 is None:
-        return f"{msg} ({dotted(loc)})"
-    return f"{msg} (`{dotted(loc)}` {loc8.where(loc)[1]})"

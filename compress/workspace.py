@@ -10,25 +10,20 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
 import os
-import re
 import resource
 import shutil
 import sys
-import tempfile
 import time
-import uuid
-from contextlib import contextmanager
 from pathlib import Path
 
-import torch
 from safetensors.torch import load_file, save_file
 
 from compress import locking
 from compress.errors import BadInput, RunFailure
 from compress.inputs import file_sha256
-from compress.qweight import QuantizedWeight
+from compress.files import STAGING, atomic_write_bytes, strict_json
+from compress.qweight import QuantizedWeight, qweights_to_tensors, tensors_to_qweights
 
 log = logging.getLogger(__name__)
 
@@ -42,78 +37,9 @@ def peak_rss_mb() -> float:
     return kb / 1024 if sys.platform != "darwin" else kb / 2**20
 
 
-def strict_json(obj) -> str:
-    """JSON that every parser reads: NaN and infinities become null (`json.dumps` writes a bare `NaN`)."""
-    return json.dumps(_finite(obj), indent=2, default=str, allow_nan=False) + "\n"
-
-
-def non_finite(obj, where: str = "") -> list[str]:
-    """Dotted paths of the NaN / infinite floats in a JSON-like object."""
-    if isinstance(obj, float):
-        return [] if math.isfinite(obj) else [where]
-    if isinstance(obj, dict):
-        return [p for k, v in obj.items() for p in non_finite(v, f"{where}.{k}" if where else str(k))]
-    if isinstance(obj, (list, tuple)):
-        return [p for i, v in enumerate(obj) for p in non_finite(v, f"{where}[{i}]")]
-    return []
-
-
-def _finite(obj):
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_finite(v) for v in obj]
-    return obj
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp creates 0600
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 LOCK = ".compress.lock"
 # names the run itself writes at the top of its directory; an export directory may not take one
-RESERVED = frozenset({MANIFEST, LOCK, "stages", "figures", "run.log", "report.json", "report.md", "plan.json",
-                      "plan_heatmap.png", "rl_curve.json", "rl_curve.png"})
-
-
-STAGING = re.compile(r"^\..+\.(tmp|old)$")  # hidden staging names: `.hf.1a2b3c4d.tmp`, `.model.onnx.x7k.tmp`
-
-
-@contextmanager
-def staged_directory(out_dir: Path, *, marker: str):
-    """Yield an empty hidden sibling of `out_dir` to write into; on success it replaces `out_dir` whole, so a
-    kill leaves the previous export or none, never a half-written one. `out_dir` must be absent, empty, or
-    an earlier export (it holds `marker`)."""
-    out_dir = Path(out_dir)
-    if out_dir.is_file() or (out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / marker).exists()):
-        raise FileExistsError(f"{out_dir} exists and is not an earlier export; choose an empty directory")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tag = uuid.uuid4().hex[:8]
-    tmp = out_dir.with_name(f".{out_dir.name}.{tag}.tmp")
-    tmp.mkdir()
-    try:
-        yield tmp
-        old = out_dir.with_name(f".{out_dir.name}.{tag}.old")
-        if out_dir.exists():
-            os.replace(out_dir, old)
-        os.replace(tmp, out_dir)
-        shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+RESERVED = frozenset({MANIFEST, LOCK, "stages", "figures", "run.log", "report.json", "report.md"})
 
 
 NOT_ARTIFACTS = (MANIFEST, LOCK, "run.log")  # what `manifest.files` does not list
@@ -127,57 +53,6 @@ def is_run(root: Path) -> bool:
         return False
     return isinstance(data, dict) and isinstance(data.get("format"), dict) and \
         data["format"].get("name") == FORMAT["name"]
-
-
-def run_root(directory: Path) -> tuple[Path, str] | None:
-    """(the run's output directory, `directory` relative to it) if `directory` is a run's output or lies inside
-    one; None for a directory outside any run (a download, a copy)."""
-    directory = Path(directory).resolve()
-    for root in (directory, *directory.parents):
-        if (root / MANIFEST).is_file():
-            return (root, directory.relative_to(root).as_posix() if directory != root else "") if is_run(root) \
-                else None
-    return None
-
-
-def verify(root: Path, under: str = "") -> tuple[int, list[str]]:
-    """(files checked, problems) of the files a run's manifest lists (below `under`, a relative directory):
-    each must exist and match its sha256. Problems read `hf/model.safetensors: content changed`."""
-    root = Path(root)
-    try:
-        files = json.loads((root / MANIFEST).read_text()).get("files")
-    except (OSError, ValueError) as e:
-        raise BadInput(f"`{root / MANIFEST}` is missing or unreadable ({e}); is `{root}` a run's output?") from None
-    if not isinstance(files, dict):
-        raise BadInput(f"`{root / MANIFEST}` lists no file checksums (a run that did not finish, or an older one)")
-    prefix = f"{under.strip('/')}/" if under else ""
-    listed = {rel: sha for rel, sha in files.items() if rel.startswith(prefix)}
-    problems = []
-    for rel, sha in listed.items():
-        path = root / rel
-        digest = file_sha256(path) if path.is_file() else None
-        if digest is None:
-            problems.append(f"{rel}: missing")
-        elif digest != sha:
-            problems.append(f"{rel}: content changed (sha256 {digest[:8]}, recorded {sha[:8]})")
-    for p in sorted((root / under).rglob("*")):
-        rel = p.relative_to(root).as_posix()
-        if p.is_file() and rel not in files and rel not in NOT_ARTIFACTS:
-            problems.append(f"{rel}: not written by the run")
-    return len(listed), problems
-
-
-def verify_artifact(directory: Path) -> None:
-    """If `directory` is a run's output or a directory inside one, check its files against the run's manifest
-    (BadInput naming each problem); a directory outside any run (a download, a copy) is left alone."""
-    found = run_root(directory) if Path(directory).is_dir() else None
-    if found is None:
-        return
-    root, under = found
-    _, problems = verify(root, under)
-    if problems:
-        raise BadInput(f"`{Path(directory).resolve()}` does not match the checksums in `{root / MANIFEST}` (corrupt "
-                       f"or modified): {'; '.join(problems[:5])}")
 
 
 class Workspace:
@@ -435,28 +310,3 @@ class Workspace:
         with safe_open(str(path), "pt") as f:
             meta = json.loads(f.metadata()["qweights"])
         return tensors_to_qweights(load_file(str(path)), meta)
-
-
-def qweights_to_tensors(qweights: dict[str, QuantizedWeight]) -> tuple[dict[str, torch.Tensor], dict]:
-    tensors, meta = {}, {}
-    for name, qw in qweights.items():
-        tensors[f"{name}.codes"] = qw.codes.contiguous()
-        tensors[f"{name}.scales"] = qw.scales.contiguous()
-        tensors[f"{name}.zeros"] = qw.zeros.contiguous()
-        meta[name] = {"bits": qw.bits, "group_size": qw.group_size, "sym": qw.sym}
-        if qw.mixed:
-            meta[name].update(chunk_size=qw.chunk_size, chunk_bits=list(qw.chunk_bits), map_bits=qw.map_bits)
-            if qw.kept is not None:
-                tensors[f"{name}.kept"] = qw.kept.contiguous()
-    return tensors, meta
-
-
-def tensors_to_qweights(tensors: dict[str, torch.Tensor], meta: dict) -> dict[str, QuantizedWeight]:
-    out = {}
-    for name, m in meta.items():
-        m = dict(m)
-        if "chunk_bits" in m:
-            m["chunk_bits"] = tuple(m["chunk_bits"])
-        out[name] = QuantizedWeight(codes=tensors[f"{name}.codes"], scales=tensors[f"{name}.scales"],
-                                    zeros=tensors[f"{name}.zeros"], kept=tensors.get(f"{name}.kept"), **m)
-    return out

@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from compress.errors import BadInput, RunFailure
-from compress.workspace import non_finite, verify_artifact
+from compress.files import non_finite
+from compress.verify import verify_artifact
 
 
 BACKENDS = ("auto", "cpu", "cpu-a8", "triton", "reference", "transformers")

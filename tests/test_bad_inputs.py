@@ -108,7 +108,7 @@ def test_non_finite_metrics_are_null_in_strict_json_and_fail_the_run(tmp_path, m
 
 
 def test_strict_json_never_writes_bare_nan():
-    from compress.workspace import non_finite, strict_json
+    from compress.files import non_finite, strict_json
 
     obj = {"a": [1.0, math.inf, {"b": -math.inf}], "c": math.nan, "d": "nan"}
     assert json.loads(strict_json(obj)) == {"a": [1.0, None, {"b": None}], "c": None, "d": "nan"}

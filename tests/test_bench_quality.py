@@ -7,10 +7,8 @@ import pytest
 from compress.errors import BadInput
 from compress.eval.bench.quality import METHODS, QUICK, run_quality, selected
 
-from conftest import MODELS
 
 
-@pytest.mark.skipif(not (MODELS / "stories260K").is_dir(), reason="shared/data is not available")
 @pytest.mark.e2e
 def test_quick_stories260k_rows_and_table():
     rows, md = run_quality(quick=True, only=["stories260K"])
@@ -39,7 +37,6 @@ def test_only_rejects_unknown_model():
     assert [b.name for b in selected(True, None)] == ["stories260K", "stories-llama-1m"]
 
 
-@pytest.mark.skipif(not (MODELS / "stories260K").is_dir(), reason="shared/data is not available")
 @pytest.mark.e2e
 def test_quick_lfq_suite_on_stories260k():
     from compress.eval.bench.lfq import QUICK as LQ, VARIANTS, run_lfq
@@ -59,7 +56,6 @@ def test_quick_lfq_suite_on_stories260k():
     assert md.startswith("# LFQ benchmark") and md.count("\n| stories260K | W2 |") == 3
 
 
-@pytest.mark.skipif(not (MODELS / "stories260K").is_dir(), reason="shared/data is not available")
 @pytest.mark.e2e
 def test_quick_walsh_suite_on_stories260k():
     from compress.eval.bench.walsh import VARIANTS, run_walsh

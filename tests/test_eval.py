@@ -19,7 +19,7 @@ STORIES = DATA / "models" / "stories260K"
 TINYSTORIES = DATA / "text" / "tinystories" / "tinystories_val.txt"
 SST2_DEV = DATA / "text" / "sst2" / "dev.tsv"
 
-needs_data = pytest.mark.skipif(not STORIES.is_dir(), reason="shared/data is not available")
+needs_data = pytest.mark.usefixtures("data_dir")  # fails, naming the path, when shared/data is missing
 
 
 # --- data ------------------------------------------------------------------------------------

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 from pathlib import Path
@@ -12,71 +11,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from compress.export.hf import export_hf, read_quantized
-from compress.primitives import rtn
+from conftest import STORIES260K
+from helpers import check_reload, in_blocks, quantize_model, tiny_llama
 
-STORIES = Path("/work/shared/data/models/stories260K")
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
-
-
-def tiny_llama(intermediate=128, seed=0, **kw) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=intermediate, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=128, max_position_embeddings=64, **kw)
-    return LlamaForCausalLM(cfg).float().eval()
-
-
-def quantize_model(model, scheme_of) -> dict:
-    """RTN every linear for which scheme_of(name) gives (bits, group_size, sym); set W <- W_hat."""
-    qweights = {}
-    for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear) and (scheme := scheme_of(name)) is not None:
-            qw = rtn(module.weight.data, *scheme)
-            module.weight.data = qw.dequantize(module.weight.dtype)
-            qweights[name] = qw
-    return qweights
-
-
-def in_blocks(scheme):
-    return lambda name: scheme if name.startswith("model.layers.") else None
-
-
-def as_loaded_reference(model, packed: set[str]):
-    """What auto-round's loader computes: packed layers exact, every other tensor rounded through fp16
-    (it forces the model to float16 after loading), tied embeddings split."""
-    ref = copy.deepcopy(model)
-    if "lm_head" in packed:
-        ref.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
-    for name, p in ref.named_parameters():
-        if name.rsplit(".", 1)[0] not in packed or name.endswith(".bias"):
-            p.data = p.data.half().float()
-    for b in ref.buffers():
-        if b.is_floating_point():
-            b.data = b.data.half().float()
-    return ref
-
-
-def check_reload(model, qweights, out_dir, vocab):
-    """Reload with transformers, compare logits three ways, and read_quantized bit-exactly."""
-    loaded = AutoModelForCausalLM.from_pretrained(out_dir)
-    config, back = read_quantized(out_dir)
-    x = torch.randint(0, vocab, (2, 24), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        ref = model(x).logits
-        as_loaded = loaded(x).logits.float()  # auto-round runs it in fp16 on CPU
-        torch.nn.Module.float(loaded)  # PreTrainedModel.float() refuses quantized models
-        fp32 = loaded(x).logits
-        exact = as_loaded_reference(model, set(back))(x).logits
-    rng = (ref.max() - ref.min()).item()
-    assert (fp32 - ref).abs().max().item() < 1e-3 * rng
-    assert (fp32 - exact).abs().max().item() <= 1e-5 * rng  # the packed layers decode exactly
-    assert (as_loaded - ref).abs().max().item() < 1e-2 * rng
-    for name, qw in back.items():
-        orig = qweights[name]
-        assert (qw.bits, qw.group_size, qw.sym) == (orig.bits, orig.group_size, orig.sym), name
-        assert torch.equal(qw.codes, orig.codes) and torch.equal(qw.zeros, orig.zeros), name
-        assert torch.equal(qw.scales, orig.scales), name
-        assert type(loaded.get_submodule(name)).__name__ == "QuantLinear", name
-    return config, back, loaded
 
 
 @pytest.mark.parametrize("group_size", (32, -1))
@@ -140,10 +78,9 @@ def test_mixed_schemes_tied_lm_head_bias(tmp_path):
     assert qc["extra_config"]["lm_head"] == {"bits": 8, "group_size": 32, "sym": True, "data_type": "int"}
 
 
-@pytest.mark.skipif(not STORIES.exists(), reason="stories260K not available")
 def test_stories260k_w4_g32_asym(tmp_path):
-    model = AutoModelForCausalLM.from_pretrained(STORIES).float().eval()
-    tokenizer = AutoTokenizer.from_pretrained(STORIES)
+    model = AutoModelForCausalLM.from_pretrained(STORIES260K).float().eval()
+    tokenizer = AutoTokenizer.from_pretrained(STORIES260K)
     qweights = quantize_model(model, in_blocks((4, 32, False)))
     out = tmp_path / "stories-w4g32"
     export_hf(model, qweights, tokenizer, out)
@@ -192,7 +129,6 @@ def test_errors(tmp_path):
         read_quantized(tmp_path / "ok")
 
 
-@pytest.mark.skipif(not STORIES.exists(), reason="stories260K tokenizer not available")
 def test_read_quantized_reads_auto_rounds_own_export(tmp_path):
     """A sym checkpoint written by auto-round itself (RTN, iters=0) reads back to QuantizedWeights whose
     dequantization equals what auto-round's loader computes, negative scales included."""
@@ -202,7 +138,7 @@ def test_read_quantized_reads_auto_rounds_own_export(tmp_path):
     cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
                       vocab_size=512, max_position_embeddings=64)  # the vocab covers the stories tokenizer
     model = LlamaForCausalLM(cfg).float().eval()
-    tokenizer = AutoTokenizer.from_pretrained(STORIES)
+    tokenizer = AutoTokenizer.from_pretrained(STORIES260K)
     ar = AutoRound(model, tokenizer, bits=4, group_size=32, sym=True, iters=0, disable_opt_rtn=True,
                    dataset=["once upon a time"] * 4, nsamples=2, seqlen=8, device_map="cpu")
     ar.quantize_and_save(str(tmp_path / "ar"), format="auto_round")

@@ -14,42 +14,11 @@ from transformers import AutoModelForCausalLM
 from compress.errors import BadInput
 from compress.export.onnx import export_onnx, pack_lsb
 from compress.kernels.backends import quantize_model
-from compress.primitives import rtn
 from conftest import MODELS, TEXT, invoke
 from tiny import tiny_causal
+from helpers import load, op_types, ort_logits, quantized, rel_err
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
-
-
-def quantized(model, bits, group, sym, skip=()):
-    """RTN every linear inside the blocks, W <- W_hat; returns the QuantizedWeights."""
-    qweights = {}
-    for name, mod in model.named_modules():
-        if isinstance(mod, torch.nn.Linear) and name.startswith("model.layers.") and not name.endswith(skip):
-            qw = rtn(mod.weight.data, bits, group, sym)
-            mod.weight.data = qw.dequantize()
-            qweights[name] = qw
-    return qweights
-
-
-def ort_logits(path, ids: torch.Tensor) -> np.ndarray:
-    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    return sess.run(["logits"], {"input_ids": ids.numpy()})[0]
-
-
-def rel_err(out: np.ndarray, ref: np.ndarray) -> float:
-    return float(np.abs(out - ref).max() / (ref.max() - ref.min()))
-
-
-def op_types(path) -> dict[str, int]:
-    counts = {}
-    for node in onnx.load(str(path)).graph.node:
-        counts[node.op_type] = counts.get(node.op_type, 0) + 1
-    return counts
-
-
-def load(name):
-    return AutoModelForCausalLM.from_pretrained(MODELS / name, dtype=torch.float32).eval()
 
 
 @pytest.mark.parametrize("name,bits,group,sym", [

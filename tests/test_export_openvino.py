@@ -9,28 +9,11 @@ import openvino as ov
 import pytest
 import torch
 
-from compress.export.openvino import EXACT_CPU_CONFIG, export_openvino
-from conftest import invoke
-from test_export_onnx import MODELS, TEXT, load, quantized, rel_err
+from compress.export.openvino import export_openvino
+from conftest import MODELS, TEXT, invoke
+from helpers import load, quantized, rel_err, run_ir
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
-
-
-def run_ir(path, ids: torch.Tensor):
-    compiled = ov.Core().compile_model(str(path), "CPU", {**EXACT_CPU_CONFIG, "INFERENCE_NUM_THREADS": 1})
-    runtime = fc_precisions(compiled)
-    return compiled([ids.numpy()])[0], runtime
-
-
-def fc_precisions(compiled) -> dict:
-    """(layerType, runtimePrecision) counts of the compiled model's FullyConnected layers."""
-    out = {}
-    for op in compiled.get_runtime_model().get_ops():
-        rt = op.get_rt_info()
-        if rt["layerType"].astype(str) == "FullyConnected":
-            key = rt["runtimePrecision"].astype(str)
-            out[key] = out.get(key, 0) + 1
-    return out
 
 
 @pytest.mark.parametrize("name,bits,group,sym,ctype", [

@@ -144,7 +144,7 @@ def down_proj_activations():
     overfits, beating RTN in-sample but losing to it on held-out tokens.
     """
     if not MODEL.exists() or not TEXT.exists():
-        pytest.skip(f"shared data not found under {SHARED}")
+        pytest.fail(f"shared data not found under {SHARED}; the repository must sit beside shared/")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(MODEL).eval()

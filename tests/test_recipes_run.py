@@ -11,26 +11,14 @@ import pytest
 import torch
 import yaml
 
-from conftest import MODELS, REPO, invoke
+from conftest import MODELS, REPO, invoke, plan_path
+from helpers import shrink
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning",
                                         "ignore::DeprecationWarning")
 
 MODEL = MODELS / "ref-llama-7m"
 RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
-
-
-def shrink(recipe: dict) -> list[str]:
-    """--set options that make a recipe quick; nothing else about it changes."""
-    sets = ["calibration.nsamples=8", "calibration.seqlen=64", "eval.max_tokens=512"]
-    for i, stage in enumerate(recipe["stages"]):
-        if "iters" in stage:
-            sets.append(f"stages.{i}.iters=2")
-        if "updates" in stage:
-            sets.append(f"stages.{i}.updates=2")
-    return [a for s in sets for a in ("--set", s)]
-
-
 
 
 def test_bundled_recipes():

@@ -7,7 +7,6 @@ with the same number of torch threads, so every run computes with the same kerne
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -21,6 +20,7 @@ import pytest
 import torch
 
 from conftest import MODELS, REPO, invoke
+from helpers import tensor_hashes
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning",
                                         "ignore::DeprecationWarning")
@@ -32,24 +32,10 @@ SMALL = ["--set", "calibration.nsamples=8", "--set", "calibration.seqlen=64", "-
 SLOW_BLOCKS = [*SMALL, "--set", "stages.0.iters=100"]  # ~1.5 s per block on an idle 2-core machine
 
 
-
-
 def run_ok(out: Path, *extra) -> dict:
     rc, stdout, err = invoke("run", W2, "--model", MODEL, "--output", out, "--json", *extra)
     assert rc == 0, err
     return json.loads(stdout)
-
-
-def tensor_hashes(out: Path) -> dict[str, str]:
-    """sha256 of every tensor's bytes in OUT/hf/model.safetensors."""
-    from safetensors import safe_open
-
-    hashes = {}
-    with safe_open(str(out / "hf" / "model.safetensors"), "pt") as f:
-        for name in f.keys():
-            t = f.get_tensor(name).contiguous().reshape(-1)
-            hashes[name] = hashlib.sha256(t.view(torch.uint8).numpy().tobytes()).hexdigest()
-    return hashes
 
 
 def block_files(out: Path) -> dict[str, tuple[int, int]]:

@@ -3,80 +3,23 @@ checkpoints, broken when a reader of the rotated stream is left out, exportable 
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 
 import pytest
 import torch
 from pydantic import ValidationError
 from transformers import AutoModelForCausalLM
 
-from compress import registry
 from compress.errors import BadInput as BadInputErr
 from compress.export.hf import export_hf
 from compress.models.adapters import ModelAdapter
 from compress.rotation import walsh
 from compress.rotation.walsh import WalshConfig
 from tests.conftest import MODELS
-from tests.test_export_hf import check_reload, in_blocks, quantize_model, tiny_llama
+from helpers import check_reload, in_blocks, quantize_model, tiny_llama
+from tests.rotation import CONFIGS, exact_rmsnorm, ids, plain_rmsnorm, recipe_of, rel, rotate
 from tests.tiny import tiny_causal
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
-
-CONFIGS = {
-    "fused": dict(fused=True),
-    "fused-rotation-only": dict(fused=True, mode="none"),
-    "no_rotation-wht": dict(fused=False),
-    "no_rotation-channel": dict(fused=False, influence_basis="channel"),
-    "spectral": dict(fused=False, mode="spectral"),
-    "pair_pca": dict(fused=False, pair_pca=True),
-    "fused-pair_pca": dict(fused=True, pair_pca=True),
-    "head_pca": dict(fused=False, head_pca=True),
-    "fused-auto": dict(fused=True, alpha="auto"),
-    "no_rotation-wht-auto": dict(fused=False, alpha="auto"),
-    "spectral-auto": dict(fused=False, mode="spectral", alpha="auto"),
-    "spectral-unpadded": dict(fused=False, mode="spectral", pad="none"),
-}
-
-
-def exact_rmsnorm(model):
-    """transformers' RMSNorm normalises in float32 even for float64 models (rel. error ~1e-7 after a
-    rotation); this computes it in the input dtype so a float64 test can demand 1e-10."""
-    for m in model.modules():
-        if type(m).__name__.endswith("RMSNorm"):
-            m.forward = (lambda mod: lambda x: mod.weight * x * torch.rsqrt(
-                x.pow(2).mean(-1, keepdim=True) + mod.variance_epsilon))(m)
-    return model
-
-
-def plain_rmsnorm(model):
-    for m in model.modules():
-        m.__dict__.pop("forward", None)
-    return model
-
-
-def rotate(model, vocab, **cfg):
-    tokens = torch.randint(0, vocab, (4, 32), generator=torch.Generator().manual_seed(1))
-    cfg = WalshConfig(**cfg)
-    facts = SimpleNamespace(rounding=(2, 16, False))  # the next quantize stage's, what alpha: auto rounds with
-    ctx = SimpleNamespace(adapter=ModelAdapter(model), calibration_tokens=lambda: tokens, facts=facts)
-    return registry.get("rotate", "walsh").apply(ctx, cfg)
-
-
-def recipe_of(stages, formats=()):
-    """A recipe with these stage configs and export formats (the model section is not read by `bind`)."""
-    from compress.recipe import ExportSpec
-
-    return SimpleNamespace(stage_configs=stages, export=ExportSpec(formats=list(formats)),
-                           model=SimpleNamespace(stream=False))
-
-
-def rel(a, b):
-    return ((a - b).norm() / b.norm()).item()
-
-
-def ids(vocab, n=24):
-    return torch.randint(0, vocab, (2, n), generator=torch.Generator().manual_seed(0))
-
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 @pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3", "qwen2_moe", "mixtral"])
@@ -175,32 +118,6 @@ def test_real_models_are_invariant_in_float64(name, cfg):
     assert rel(after, before) < 1e-6  # transformers' RMSNorm (float32 inside)
     assert rel(after_exact, before_exact) < 1e-10
     assert metrics["untied_embeddings"] == (cfg == "fused" and name == "stories260K")
-
-
-@pytest.mark.parametrize("pad", ["pow2", "none"])
-def test_spectral_padding_grows_the_rounded_weight_unless_pad_none(pad):
-    """stories260K's down_proj reads 172 columns: pow2 rounds 256 of them (+84 per row), pad: none a
-    Williamson H_172, both exact in float64."""
-    model = exact_rmsnorm(AutoModelForCausalLM.from_pretrained(MODELS / "stories260K", dtype=torch.float64).eval())
-    x = ids(model.config.vocab_size, 64)
-    with torch.no_grad():
-        before = model(x).logits
-        metrics = rotate(model, model.config.vocab_size, fused=False, mode="spectral", pad=pad)
-        after = model(x).logits
-    assert rel(after, before) < 1e-10
-    down = model.model.layers[0].mlp.down_proj[-1]
-    assert down.in_features == {"pow2": 256, "none": 172}[pad]
-    assert metrics["padded_weights"] == {"pow2": 5 * 64 * (256 - 172), "none": 0}[pad]
-
-
-def test_pad_none_refuses_sizes_without_a_hadamard_matrix():
-    model = tiny_causal("llama")
-    model.model.layers[0].mlp.down_proj = torch.nn.Linear(100, 64, bias=False)  # 100 = 25 * 4: no H_25
-    with pytest.raises(BadInputErr, match=r"pad: none.*layers\.0\.mlp\.down_proj.*size 100"):
-        walsh.check(ModelAdapter(model), WalshConfig(fused=False, mode="spectral", pad="none"))
-    walsh.check(ModelAdapter(model), WalshConfig(fused=False, mode="spectral"))
-    with pytest.raises(ValidationError, match="pad applies"):
-        WalshConfig(pad="none")
 
 
 def test_scales_formula():
@@ -321,7 +238,7 @@ def test_walsh_recipes_run_on_stories_llama_1m(recipe, tmp_path):
     import yaml
 
     from tests.conftest import REPO, invoke
-    from tests.test_recipes_run import shrink
+    from helpers import shrink
 
     path = REPO / "recipes" / f"{recipe}.yaml"
     spec = yaml.safe_load(path.read_text())
@@ -361,7 +278,7 @@ def test_resume_reapplies_the_rotation(tmp_path):
     import json
 
     from tests.conftest import REPO, invoke
-    from tests.test_resume import tensor_hashes
+    from helpers import tensor_hashes
 
     args = ["run", REPO / "recipes" / "w2-walsh-fused-autoround.yaml", "--model", MODELS / "stories-llama-1m",
             "--output", tmp_path / "o", "--json", "--set", "calibration.nsamples=4", "--set", "calibration.seqlen=32",
@@ -373,26 +290,6 @@ def test_resume_reapplies_the_rotation(tmp_path):
     assert rc == 0, err
     assert [s["resumed"] for s in json.loads(stdout)["stages"] if "resumed" in s] == [True, True]
     assert tensor_hashes(tmp_path / "o") == first
-
-
-def test_spectral_mode_runs_in_memory_and_refuses_export(tmp_path):
-    """Mode spectral quantizes the transformed linears (d_pad inputs) and evaluates in memory; with an
-    export format the plan refuses it before loading the model."""
-    import json
-
-    from tests.conftest import REPO, invoke
-
-    args = ["run", REPO / "recipes" / "w2-walsh-autoround.yaml", "--model", MODELS / "stories260K", "--json",
-            "--set", "stages.0.mode=spectral", "--set", "calibration.nsamples=4", "--set", "calibration.seqlen=64",
-            "--set", "stages.1.iters=2", "--set", "stages.1.group_size=32", "--set", "eval.max_tokens=256"]
-    rc, _, err = invoke(*args, "--output", tmp_path / "a")
-    assert rc != 0 and "`mode: spectral`, a run-time input transform" in err and "no exporter writes" in err
-    rc, stdout, err = invoke(*args, "--output", tmp_path / "b", "--set", "export.formats=[]")
-    assert rc == 0, err
-    report = json.loads(stdout)
-    assert report["size"]["quantized_layers"] == 5 * 7
-    ev = next(iter(report["eval"].values()))
-    assert ev["tokens"] == 256 and 1.0 < ev["ppl_ratio"] < float("inf")
 
 
 def test_size_report_compares_against_the_model_as_loaded(tmp_path):
@@ -418,34 +315,14 @@ def test_size_report_compares_against_the_model_as_loaded(tmp_path):
     assert abs(size["packed_bytes"] - (fp_bytes + head.numel() * 4 - replaced + qbytes)) <= 4  # effective_bits is rounded
 
 
-def test_spectral_mode_is_exact_on_the_minilm_encoder(tmp_path_factory):
-    """mode spectral touches no norm, so it also runs on the post-LayerNorm MiniLM encoder (float64);
-    the norm-absorbing modes refuse it with a pointer to spectral."""
-    from transformers import AutoModel
-
-    from compress.errors import BadInput
-    from compress.eval.bench.quality import CACHE
-    from compress.eval.encoder import ensure_minilm
-
-    model = AutoModel.from_pretrained(ensure_minilm(CACHE), dtype=torch.float64).eval()
-    x = ids(model.config.vocab_size, 32)
-    with torch.no_grad():
-        before = model(input_ids=x).last_hidden_state
-        metrics = rotate(model, model.config.vocab_size, **CONFIGS["spectral"])
-        after = model(input_ids=x).last_hidden_state
-    assert metrics["spectral_linears"] == 6 * 6 and rel(after, before) < 1e-10
-    with pytest.raises(BadInput, match="mode: spectral"):
-        walsh.check(ModelAdapter(model), WalshConfig(fused=False))
-
-
 @pytest.mark.parametrize("name", ["stories260K", "stories-llama-1m"])
 def test_fused_rotated_quantized_model_runs_in_onnxruntime_and_openvino(name, tmp_path):
     """The fused variant is an ordinary Llama at full compression: the ONNX (MatMulNBits) and OpenVINO
     (compressed constants) exports of the rotated, quantized model reproduce its logits."""
     from compress.export.onnx import export_onnx
     from compress.export.openvino import export_openvino
-    from tests.test_export_onnx import load, op_types, ort_logits, quantized, rel_err
-    from tests.test_export_openvino import run_ir
+    from helpers import load, op_types, ort_logits, quantized, rel_err
+    from helpers import run_ir
 
     model = load(name)
     with torch.no_grad():
@@ -486,26 +363,3 @@ def test_pair_pca_decorrelates_each_rope_plane_and_a_reflection_would_break_rope
             m.weight[rows] *= -1
             m.bias[rows] *= -1
         assert rel(model(x).logits, before) > 1e-6  # F R(t) = R(-t) F: q.k after RoPE changes
-
-
-def test_autoround_hadamard_baseline_is_exact_in_fp_and_refuses_export(tmp_path):
-    """rotate/autoround_hadamard (auto-round's QuaRot inplace rotation, online hooks kept): an 8-bit RTN
-    after it stays at the FP perplexity, so the rotation (hooks included) is an exact re-parametrisation;
-    with an export format the plan refuses it before loading the model."""
-    import json
-
-    from tests.conftest import REPO, invoke
-
-    base = ["run", REPO / "recipes" / "w2-walsh-autoround.yaml", "--model", MODELS / "stories-llama-1m",
-            "--set", "stages.0={stage: rotate, method: autoround_hadamard}", "--set", "calibration.nsamples=4",
-            "--set", "calibration.seqlen=32", "--set", "eval.max_tokens=1024", "--set", "eval.generation.prompts=0"]
-    rc, stdout, err = invoke(*base, "--output", tmp_path / "a", "--json", "--set", "export.formats=[]",
-                             "--set", "stages.1={stage: quantize, method: rtn, bits: 8, group_size: 64}")
-    assert rc == 0, err
-    report = json.loads(stdout)
-    ev = next(iter(report["eval"].values()))
-    assert abs(ev["ppl_ratio"] - 1) < 0.01 and ev["top1"] > 0.97
-    manifest = json.loads((tmp_path / "a" / "manifest.json").read_text())
-    assert manifest["stages"]["00-rotate-autoround_hadamard"]["metrics"]["online_hooks"] > 0
-    rc, _, err = invoke(*base, "--output", tmp_path / "b", "--dry-run")
-    assert rc != 0 and "no exporter writes" in err

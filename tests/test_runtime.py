@@ -13,7 +13,7 @@ from compress.export.hf import export_hf, loadable
 from compress.export.runtime import load_packed
 from compress.kernels.backends import QuantLinear
 from conftest import MODELS, TEXT, invoke
-from test_export_onnx import quantized
+from helpers import quantized
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 

@@ -7,21 +7,23 @@ COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_at
               num_key_value_heads=2, vocab_size=128, max_position_embeddings=256)
 
 
-def configs():
+def configs(**overrides):
+    common = {**COMMON, **overrides}
     return {
-        "llama": T.LlamaConfig(**COMMON),
-        "mistral": T.MistralConfig(**COMMON),
-        "qwen2": T.Qwen2Config(**COMMON),
-        "qwen3": T.Qwen3Config(**COMMON, head_dim=16),
-        "qwen2_moe": T.Qwen2MoeConfig(**COMMON, moe_intermediate_size=32, shared_expert_intermediate_size=64,
+        "llama": T.LlamaConfig(**common),
+        "mistral": T.MistralConfig(**common),
+        "qwen2": T.Qwen2Config(**common),
+        "qwen3": T.Qwen3Config(**common, head_dim=16),
+        "qwen2_moe": T.Qwen2MoeConfig(**common, moe_intermediate_size=32, shared_expert_intermediate_size=64,
                                       num_experts=4, num_experts_per_tok=2),
-        "mixtral": T.MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2),
+        "mixtral": T.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2),
     }
 
 
-def tiny_causal(model_type: str, seed: int = 0, dtype=torch.float32):
+def tiny_causal(model_type: str, seed: int = 0, dtype=torch.float32, **config):
+    """A `model_type` model with weights N(0, 0.05); `config` overrides the shared sizes (hidden_size, ...)."""
     torch.manual_seed(seed)
-    model = T.AutoModelForCausalLM.from_config(configs()[model_type]).to(dtype).eval()
+    model = T.AutoModelForCausalLM.from_config(configs(**config)[model_type]).to(dtype).eval()
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() > 1:

@@ -77,7 +77,7 @@ from torch import nn
 
 from compress.kernels.packing import gptq_pack, gptq_unpack, packable
 from compress.qweight import QuantizedWeight
-from compress.workspace import staged_directory
+from compress.files import staged_directory
 
 logger = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from compress.errors import BadInput
-from compress.workspace import verify_artifact
+from compress.verify import verify_artifact
 
 
 def inspect_checkpoint(directory: Path) -> dict:
@@ -26,7 +26,25 @@ def inspect_checkpoint(directory: Path) -> dict:
     size = sum(f.stat().st_size for f in directory.iterdir() if f.is_file())
     return {"directory": str(directory), "quantization_config": config.get("quantization_config"),
             "layers": rows, "quantized_layers": len(rows),
-            "effective_bits": round(bits / numel, 4) if numel else None, "bytes": size}
+            "effective_bits": round(bits / numel, 4) if numel else None, "bytes": size,
+            "structure": structure(directory).to_json()}
+
+
+def structure(directory: Path):
+    """The checkpoint's ModelSpec (blocks, FFN channels, heads, experts), from its config on a weightless
+    skeleton: what a pruning or selection stage left."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+    from compress.handoff import ModelSpec
+    from compress.models.adapters import ARCHS, ModelAdapter
+
+    config = AutoConfig.from_pretrained(directory)
+    if config.model_type not in ARCHS:
+        raise BadInput(f"`{directory}`: unsupported architecture `{config.model_type}`")
+    cls = AutoModelForCausalLM if ARCHS[config.model_type].kind == "causal" else AutoModel
+    with init_empty_weights():
+        return ModelSpec.of(ModelAdapter(cls.from_config(config)))
 
 
 def _export_of(directory: Path) -> Path:

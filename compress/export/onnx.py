@@ -40,7 +40,7 @@ import torch
 
 from compress.errors import BadInput
 from compress.qweight import QuantizedWeight
-from compress.workspace import staged_directory
+from compress.files import staged_directory
 
 logger = logging.getLogger(__name__)
 

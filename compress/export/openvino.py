@@ -31,7 +31,7 @@ from collections import Counter
 from pathlib import Path
 
 from compress.qweight import QuantizedWeight
-from compress.workspace import staged_directory
+from compress.files import staged_directory
 
 logger = logging.getLogger(__name__)
 

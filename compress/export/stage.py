@@ -58,6 +58,9 @@ def _export(ctx, cfg, fmt: str) -> dict:
 
     out = ctx.workspace.path(cfg.directory)
     meta = _meta(ctx)
+    spec = ctx.inputs.get(ModelSpec)
+    if spec is not None and spec.blocks and spec.uniform("ffn") and spec.blocks[0].ffn is not None:
+        ctx.model.config.intermediate_size = spec.blocks[0].ffn  # what a pruning stage left (bind checked uniform)
     if ctx.streamer is not None:
         stage = ctx.inputs[QuantizedWeights].stage
         res = export_hf_streaming(ctx.model, ctx.streamer.source,

@@ -28,7 +28,7 @@ from compress.driver import BlockData, LayerSpec, block_forward
 from compress.methods.lfq import logit_loss_backward
 from compress.primitives import assemble_mixed, group_view, resolve_group
 from compress.qweight import KEEP_BITS, QuantizedWeight
-from compress.quantize_stage import quantizer
+from compress.quantize_stage import Quantizer, quantizer
 
 
 class AutoRoundConfig(QuantizeConfig):
@@ -189,13 +189,11 @@ def _tune(data: BlockData, tuned: dict, inputs, cfg: AutoRoundConfig):
 
 
 @quantizer(AutoRoundConfig, "AutoRound sign-gradient rounding (Intel auto-round)")
-class AutoRound:
-    needs_hessian = False
-    needs_fp_targets = True
-    needs_data = True
+class AutoRound(Quantizer):
+    needs_fp_targets = needs_data = True
 
     def __init__(self, cfg: AutoRoundConfig):
-        self.cfg = cfg
+        super().__init__(cfg)
         self.batch_size = cfg.batch_size
 
     def quantize_block(self, data: BlockData) -> dict[str, QuantizedWeight]:

@@ -16,7 +16,7 @@ from compress.config import QuantizeConfig
 from compress.errors import RunFailure
 from compress.primitives import choose_qparams, quantize_codes, resolve_group
 from compress.qweight import QuantizedWeight
-from compress.quantize_stage import quantizer
+from compress.quantize_stage import Quantizer, quantizer
 
 CHOLESKY_TRIES = 4  # damp, then 10x, 100x, 1000x damp
 
@@ -158,16 +158,11 @@ class GPTQConfig(QuantizeConfig):
 
 
 @quantizer(GPTQConfig, "GPTQ: Hessian-aware error propagation (our implementation)")
-class GPTQ:
+class GPTQ(Quantizer):
     """Hessians of each block's linears from the quantized-model inputs, then `gptq`."""
 
-    needs_hessian = True
-    needs_fp_targets = False
-    needs_data = True
+    needs_hessian = needs_data = True
     batch_size = 8
-
-    def __init__(self, cfg: GPTQConfig):
-        self.cfg = cfg
 
     def quantize_block(self, data) -> dict[str, QuantizedWeight]:
         c = self.cfg

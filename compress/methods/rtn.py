@@ -8,7 +8,7 @@ from compress.config import QuantizeConfig
 from compress.driver import BlockData
 from compress.primitives import fit_mixed, rtn
 from compress.qweight import QuantizedWeight
-from compress.quantize_stage import quantizer
+from compress.quantize_stage import Quantizer, quantizer
 
 
 class RTNConfig(QuantizeConfig):
@@ -16,15 +16,7 @@ class RTNConfig(QuantizeConfig):
 
 
 @quantizer(RTNConfig, "round-to-nearest, group-wise, no calibration")
-class RTN:
-    needs_hessian = False
-    needs_fp_targets = False
-    needs_data = False
-    batch_size = 1
-
-    def __init__(self, cfg: RTNConfig):
-        self.cfg = cfg
-
+class RTN(Quantizer):
     def quantize_block(self, data: BlockData) -> dict[str, QuantizedWeight]:
         return {name: quantize_layer(lin.weight.data, data.specs[name]) for name, lin in data.linears.items()}
 

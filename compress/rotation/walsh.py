@@ -30,17 +30,8 @@ compression); `spectral` adds a run-time transform and is evaluation-only:
 
   The scaled weights `W diag(s)` are what the block-wise quantizer (AutoRound, GPTQ, RTN) rounds, so
   high-energy input coordinates are boosted before per-group rounding, as in the paper.
-* `mode: spectral` (docs/walsh.md#spectral-mode, the paper's headline mode; `fused: false` only): every block linear
-  `W` (d_out, d_in) becomes `WalshInput -> Linear(d_pad, d_out)` with `d_pad = next_pow2(d_in)`,
-  `x~ = pad(x) Q D^-1` computed at run time and `W~ = pad(W) Q D`, `D = diag(s)` from the energy of
-  `pad(x) Q` over all d_pad coordinates (the paper's definition). Exact in full precision and evaluated
-  in memory, but **not exportable**: no exporter here writes the run-time transform, so a recipe with
-  `mode: spectral` and any `export.formats` is refused at plan time. As in the published code, models
-  with q_norm/k_norm (Qwen3) keep their attention linears untransformed in this mode (docs/walsh.md#pitfalls).
-  It is the one mode that also runs on post-LayerNorm encoders (BERT/MiniLM): it touches no norm.
-  The padded weight is what gets rounded and stored: `d_pad - d_in` more columns (stories260K's down_proj
-  172 -> 256, +12% of the model's rounded weights). `pad: none` transforms at `d_pad = d_in` with a K * 2^m
-  Hadamard instead (no growth).
+* `mode: spectral` and `head_pca: true`: evaluation-only research modes (run-time operators no exporter
+  writes), in compress/rotation/research.py; the registration declares them so (`evaluation_only`).
 * `alpha: auto` (any scaling mode): per scale vector, the alpha of `alpha_grid` whose energy-weighted
   round-to-nearest error at the next quantize stage's bits, group size and symmetry is least (`Scaler`).
 
@@ -51,12 +42,6 @@ compression); `spectral` adds a run-time transform and is evaluation-only:
   RoPE rotates each plane and plane rotations commute, so `q.k` after RoPE is unchanged: deployable as
   plain weights. Refused with q_norm/k_norm (their per-channel weights do not commute) and partial RoPE.
 
-* `head_pca: true` (docs/walsh.md#head-pca, the paper's `spectral_pca` when layered on `no_rotation`; Qwen3's
-  q_norm/k_norm): per q (and k) head, the eigenvectors `U_h` of the head's output covariance on the
-  calibration data (det +1, largest first) rotate its rows `W_h <- U_h^T W_h`, and q_norm/k_norm become
-  `MatrixGammaRMSNorm` with `Gamma_h = diag(gamma) U_h` (the asymmetric form: RoPE then sees vanilla
-  q/k). The matrix norm is a run-time module no exporter writes: evaluation only, refused with export
-  formats at plan time (the paper de-rotates to FP16 for deployment, which saves nothing).
 """
 
 from __future__ import annotations
@@ -68,12 +53,14 @@ from pydantic import Field, model_validator
 from torch import nn
 
 from compress.config import StrictModel
-from compress.driver import collect_energy, collect_moments, head_covariance
+from compress.driver import collect_energy
 from compress.errors import BadInput
-from compress.models.adapters import get_module
 from compress.primitives import fake_quantize
 from compress.registry import register
 from compress.rotation.hadamard import factor, hadamard_transform
+from compress.rotation.pca import apply_pair_pca
+from compress.rotation.surgery import (fuse_norms, map_columns, map_rows, rotate_residual, rotate_value_heads, set_param,
+                                       untie_embeddings)
 
 
 class WalshConfig(StrictModel):
@@ -145,6 +132,8 @@ def check(adapter, cfg: WalshConfig, facts=None) -> None:
         raise BadInput("rotate/walsh `alpha: auto` picks alpha against the rounding of the next `quantize` stage; "
                        "add one after the rotation or give a number")
     if cfg.mode == "spectral":
+        from compress.rotation.research import spectral_targets
+
         if cfg.pad == "none":
             for name, lin in spectral_targets(adapter).items():
                 try:
@@ -177,82 +166,17 @@ def check(adapter, cfg: WalshConfig, facts=None) -> None:
             raise BadInput("pair_pca needs RoPE over the whole (even) head dimension; set `pair_pca: false`")
 
 
-# -- weight surgery (float64, written back in the weight's dtype) -----------------------------------
-def _set(p: nn.Parameter, value: torch.Tensor) -> None:
-    with torch.no_grad():
-        p.copy_(value.to(p.dtype))
-
-
-def _cols(m: nn.Module, fn) -> None:
-    """W <- fn(W) acting on the input (last) dimension."""
-    _set(m.weight, fn(m.weight.double()))
-
-
-def _rows(m: nn.Module, fn) -> None:
-    """W <- fn(W^T)^T and b <- fn(b): acting on the output dimension."""
-    _set(m.weight, fn(m.weight.double().T).T)
-    if getattr(m, "bias", None) is not None:
-        _set(m.bias, fn(m.bias.double()))
-
-
-def untie_embeddings(adapter) -> bool:
-    _, head = adapter.lm_head()
-    emb = adapter.embeddings()
-    if head is None or head.weight is not emb.weight:
-        return False
-    head.weight = nn.Parameter(emb.weight.detach().clone(), requires_grad=emb.weight.requires_grad)
-    adapter.model.config.tie_word_embeddings = False
-    return True
-
-
-def _norm_groups(adapter):
-    """(norm, readers) for every RMSNorm of the residual stream, final norm last."""
-    for i in range(len(adapter.blocks)):
-        for role in ("input_norm", "post_attn_norm"):
-            yield adapter.role(i, role), adapter.norm_readers(i, role)
-    yield adapter.final_norm(), [adapter.lm_head()[1]]
-
-
-def fuse_norms(adapter) -> None:
-    for norm, readers in _norm_groups(adapter):
-        g = norm.weight.double()
-        for m in readers:
-            _cols(m, lambda W: W * g)
-        _set(norm.weight, torch.ones_like(g))
-
-
-def rotate_residual(adapter) -> None:
-    _cols(adapter.embeddings(), hadamard_transform)
-    for norm, readers in _norm_groups(adapter):
-        for m in readers:
-            _cols(m, hadamard_transform)
-    for i in range(len(adapter.blocks)):
-        for m in adapter.residual_writers(i):
-            _rows(m, hadamard_transform)
-
-
-def rotate_value_heads(adapter) -> None:
-    heads, kv, hd = adapter.attention_shape()
-
-    def per_head(x):  # x (..., n * hd): rotate each head's hd-slice
-        return hadamard_transform(x.reshape(*x.shape[:-1], -1, hd)).reshape(x.shape)
-
-    for i in range(len(adapter.blocks)):
-        _rows(adapter.role(i, "v"), per_head)
-        _cols(adapter.role(i, "o"), per_head)
-
-
 # -- energy statistics and scaling ------------------------------------------------------------------
-def _pow2(n: int) -> int:
+def pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
-def _pad_to(x: torch.Tensor, n: int) -> torch.Tensor:
+def pad_to(x: torch.Tensor, n: int) -> torch.Tensor:
     return torch.nn.functional.pad(x, (0, n - x.shape[-1])) if n > x.shape[-1] else x
 
 
 def _pad_pow2(x: torch.Tensor) -> torch.Tensor:
-    return _pad_to(x, _pow2(x.shape[-1]))
+    return pad_to(x, pow2(x.shape[-1]))
 
 
 def scales(energy: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -338,17 +262,17 @@ def apply_scaling(adapter, energy: dict, scaler: Scaler, actual: dict | None = N
             readers = adapter.norm_readers(i, role)
             s = scaler(e, [m.weight for m in readers if id(m) in quantized], _first(actual, (i, role), hidden))
             norm = adapter.role(i, role)
-            _set(norm.weight, norm.weight.double() / s)
+            set_param(norm.weight, norm.weight.double() / s)
             for m in readers:
-                _cols(m, lambda W: W * s)
+                map_columns(m, lambda W: W * s)
             done["norm"] += 1
         for j, (up, down) in enumerate(adapter.up_down_pairs(i)):
             e = _first(energy, (i, "down", j), down.in_features)
             if e is None:  # an expert no calibration token was routed to
                 continue
             s = scaler(e, [down.weight], _first(actual, (i, "down", j), down.in_features))
-            _rows(up, lambda W: W / s)
-            _cols(down, lambda W: W * s)
+            map_rows(up, lambda W: W / s)
+            map_columns(down, lambda W: W * s)
             done["up_down"] += 1
         e = _first(energy, (i, "o"), heads * hd)
         if e is not None:  # tie across the query heads sharing one KV head, then spread back
@@ -358,136 +282,10 @@ def apply_scaling(adapter, energy: dict, scaler: Scaler, actual: dict | None = N
             s_kv = scaler(e.reshape(kv, heads // kv, hd).mean(1).reshape(-1), [adapter.role(i, "o").weight],
                           _first(actual, (i, "o"), heads * hd), spread)
             s_o = spread(s_kv)
-            _rows(adapter.role(i, "v"), lambda W: W / s_kv)
-            _cols(adapter.role(i, "o"), lambda W: W * s_o)
+            map_rows(adapter.role(i, "v"), lambda W: W / s_kv)
+            map_columns(adapter.role(i, "o"), lambda W: W * s_o)
             done["v_o"] += 1
     return done
-
-
-# -- pair-PCA and per-head PCA: output-side rotations of q/k (docs/walsh.md#pair-pca, #head-pca) ------
-def _principal_axes(cov: torch.Tensor) -> torch.Tensor:
-    """Eigenvectors of (..., d, d) covariances as columns, largest eigenvalue first, det forced to +1."""
-    _, U = torch.linalg.eigh(cov)
-    U = U.flip(-1).clone()
-    U[..., :, -1] *= torch.linalg.det(U).sign().unsqueeze(-1)
-    return U
-
-
-def _qk_covariances(adapter, tokens: torch.Tensor, role: str) -> dict:
-    heads, kv, _ = adapter.attention_shape()
-    n = kv if role == "k" else heads
-    taps = {i: (adapter.role(i, role), "output") for i in range(len(adapter.blocks))}
-    return collect_moments(adapter.model, tokens, taps, head_covariance(n))
-
-
-def _rotate_head_rows(m: nn.Module, R: torch.Tensor) -> None:
-    """Rows of head h of `m` (and bias) <- R[h]^T rows: the head's output y_h becomes R[h]^T y_h."""
-    n, hd, _ = R.shape
-    _rows(m, lambda x: torch.einsum("nji,...nj->...ni", R, x.reshape(*x.shape[:-1], n, hd)).reshape(x.shape))
-
-
-def plane_rotations(cov: torch.Tensor) -> torch.Tensor:
-    """(n, hd, hd) block rotations: inside each RoPE plane (c, c + hd/2) (transformers' rotate_half layout),
-    the 2x2 principal axes of the head's covariance `cov` (n, hd, hd), det +1."""
-    n, hd, _ = cov.shape
-    half = hd // 2
-    c = torch.arange(half)
-    idx = torch.stack([c, c + half], -1)  # (half, 2)
-    planes = cov[:, idx[:, :, None], idx[:, None, :]]  # (n, half, 2, 2)
-    U = _principal_axes(planes)
-    R = torch.zeros(n, hd, hd, dtype=cov.dtype)
-    R[:, idx[:, :, None], idx[:, None, :]] = U
-    return R
-
-
-def apply_pair_pca(adapter, tokens: torch.Tensor) -> dict:
-    """Rows of every q/k head: y <- R^T y with R the plane rotations of its KV head's k covariance (query
-    heads share their KV head's R); RoPE rotates each plane, rotations of one plane commute, so q.k after
-    RoPE is unchanged."""
-    heads, kv, _ = adapter.attention_shape()
-    for i, cov in _qk_covariances(adapter, tokens, "k").items():
-        R = plane_rotations(cov)
-        _rotate_head_rows(adapter.role(i, "k"), R)
-        _rotate_head_rows(adapter.role(i, "q"), R.repeat_interleave(heads // kv, 0))
-    return {"pair_pca_layers": len(adapter.blocks)}
-
-
-class MatrixGammaRMSNorm(nn.Module):
-    """Per-head RMSNorm whose weight is a matrix: out_h = Gamma_h x_h / RMS(x_h), Gamma_h = diag(gamma) U_h.
-
-    Replaces Qwen3's q_norm/k_norm after the head's rows were rotated by U_h^T, so that
-    Gamma_h (U_h^T y_h) / RMS(U_h^T y_h) = gamma * y_h / RMS(y_h) exactly (docs/walsh.md#head-pca)."""
-
-    def __init__(self, gamma: torch.Tensor, U: torch.Tensor, eps: float):
-        super().__init__()
-        self.register_buffer("gamma", (gamma[None, :, None] * U).to(gamma.dtype))  # (n, hd, hd)
-        self.eps = eps
-
-    def forward(self, x):  # x (..., n, hd)
-        y = x.double() if x.dtype == torch.float64 else x.float()
-        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
-        return torch.einsum("nij,...nj->...ni", self.gamma.to(y.dtype), y).to(x.dtype)
-
-
-def apply_head_pca(adapter, tokens: torch.Tensor) -> dict:
-    """Qwen3: per head, rotate q/k rows onto the principal axes of the head's output covariance and turn
-    q_norm/k_norm into a MatrixGammaRMSNorm (a run-time module: evaluation only)."""
-    for role, norm_role in (("q", "q_norm"), ("k", "k_norm")):
-        covs = _qk_covariances(adapter, tokens, role)
-        for i, cov in covs.items():
-            U = _principal_axes(cov)
-            _rotate_head_rows(adapter.role(i, role), U)
-            norm = adapter.role(i, norm_role)
-            eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))
-            new = MatrixGammaRMSNorm(norm.weight.detach().double(), U, eps).to(norm.weight.dtype)
-            parent, _, leaf = adapter.arch.roles[norm_role].rpartition(".")
-            setattr(get_module(adapter.blocks[i], parent) if parent else adapter.blocks[i], leaf, new)
-    return {"head_pca_layers": len(adapter.blocks)}
-
-
-# -- mode spectral: run-time input transform per linear (not exportable) ----------------------------
-class WalshInput(nn.Module):
-    """x (..., d_in) -> pad(x) Q / s (..., d_pad): the input side of a `spectral` linear."""
-
-    def __init__(self, d_in: int, s: torch.Tensor):
-        super().__init__()
-        self.d_in = d_in
-        self.register_buffer("inv_s", 1.0 / s)
-
-    def forward(self, x):
-        return hadamard_transform(_pad_to(x, self.inv_s.numel())) * self.inv_s.to(x.dtype)
-
-
-def spectral_targets(adapter) -> dict[str, nn.Linear]:
-    """Block linears transformed in mode spectral: all quantizable ones, minus attention when q_norm exists."""
-    out = {}
-    for i in range(len(adapter.blocks)):
-        attn = {id(adapter.role(i, r)) for r in ("q", "k", "v", "o")} if "q_norm" in adapter.arch.roles else set()
-        out.update({n: m for n, m in adapter.block_linears(i).items() if id(m) not in attn})
-    return out
-
-
-def apply_spectral(adapter, tokens: torch.Tensor, scaler: Scaler, pad: str = "pow2") -> dict:
-    targets = spectral_targets(adapter)
-    size = _pow2 if pad == "pow2" else (lambda n: n)
-    energy = collect_energy(adapter.model, tokens, {n: (m, "input") for n, m in targets.items()},
-                            lambda x: hadamard_transform(_pad_to(x, size(x.shape[-1]))))
-    stored = 0
-    for name, lin in targets.items():
-        e = energy.get(name)
-        d_pad = size(lin.in_features)
-        W = hadamard_transform(_pad_to(lin.weight.detach().double(), d_pad))
-        s = torch.ones(d_pad, dtype=torch.float64) if e is None or float(e.sum()) == 0 else scaler(e, [W])
-        new = nn.Linear(d_pad, lin.out_features, bias=lin.bias is not None, dtype=lin.weight.dtype,
-                        device=lin.weight.device)
-        _set(new.weight, W * s)
-        stored += (d_pad - lin.in_features) * lin.out_features
-        if lin.bias is not None:
-            _set(new.bias, lin.bias.double())
-        parent, _, leaf = name.rpartition(".")
-        setattr(adapter.model.get_submodule(parent), leaf,
-                nn.Sequential(WalshInput(lin.in_features, s.to(lin.weight.dtype)), new))
-    return {"spectral_linears": len(targets), "padded_weights": stored}
 
 
 def _spectrum_taps(adapter) -> dict:
@@ -538,11 +336,15 @@ def _apply(ctx, adapter, cfg: WalshConfig) -> dict:
         metrics["calibration_tokens"] = tokens.numel()
     elif cfg.mode == "spectral":
         tokens = ctx.calibration_tokens()
+        from compress.rotation.research import apply_spectral
+
         metrics.update(apply_spectral(adapter, tokens, scaler, cfg.pad))
         metrics["calibration_tokens"] = tokens.numel()
     metrics.update(scaler.summary())
     if cfg.pair_pca:
         metrics.update(apply_pair_pca(adapter, ctx.calibration_tokens()))
     if cfg.head_pca:
+        from compress.rotation.research import apply_head_pca
+
         metrics.update(apply_head_pca(adapter, ctx.calibration_tokens()))
     return metrics

@@ -109,12 +109,9 @@ def run_lfq(quick: bool = False, only: list[str] | None = None) -> tuple[dict, s
                         cells.append(cell(bench, path, calib, bits, group_size, variant, seed, s, tmp))
                         bq.log.info("lfq %s W%d seed %d %s: ppl %.4f kl %.4f prefix %.1f", bench.name, bits, seed,
                                     variant, cells[-1]["ppl"], cells[-1]["kl"], cells[-1]["gen_prefix"])
-    meta["wall_seconds"] = round(time.time() - t0, 1)
     summary = summarize(cells)
-    result = {"meta": meta, "settings": {**s.base.__dict__, "widths": list(s.widths), "seeds": list(s.seeds),
-                                         "prompts": s.prompts, "prompt_tokens": s.prompt_tokens,
-                                         "new_tokens": s.new_tokens},
-              "summary": summary, "cells": cells, "targets": targets(summary)}
+    result = bq.suite_result(meta, t0, s, cells, summary, targets(summary), prompts=s.prompts,
+                             prompt_tokens=s.prompt_tokens, new_tokens=s.new_tokens)
     return result, markdown(result)
 
 

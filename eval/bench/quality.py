@@ -234,6 +234,15 @@ def suite_meta(quick: bool) -> dict:
             "machine": machine()}
 
 
+def suite_result(meta: dict, t0: float, s, cells: list[dict], summary: list[dict], checks: list[dict],
+                 **settings) -> dict:
+    """The JSON of a seeded suite (lfq, walsh): meta with the wall time, the base settings with the suite's
+    widths, seeds and `settings`, its cells, their summary and the targets."""
+    meta["wall_seconds"] = round(time.time() - t0, 1)
+    return {"meta": meta, "settings": {**s.base.__dict__, "widths": list(s.widths), "seeds": list(s.seeds), **settings},
+            "summary": summary, "cells": cells, "targets": checks}
+
+
 def suite_header(m: dict) -> str:
     """The markdown line naming the date, machine, load and wall time of a suite's run."""
     return (f"- date: {m['date']}; machine: {m['machine']['nproc']} CPUs ({m['machine']['cpu']}), load average at "

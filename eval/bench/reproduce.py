@@ -70,8 +70,11 @@ def _rerun(suite: str, key: tuple, stored: list | dict, bench, path: str, calib:
     return old, mixed.cell(bench, path, calib, method, budget, seed, _settings(mixed.MixedSettings, settings), tmp)
 
 
-def run_reproduce(bench_dir: Path = Path("bench"), quick: bool = False, suites: list[str] | None = None) -> tuple[dict, str]:
+def run_reproduce(bench_dir: Path = Path("bench"), quick: bool = False, suites: list[str] | None = None,
+                  against: dict | None = None) -> tuple[dict, str]:
+    """`against`: an earlier result of this function; its fresh values replace the stored JSONs' as reference."""
     bench = next(b for b in bq.benches() if b.name == MODEL)
+    earlier = {(r["suite"], tuple(r["cell"])): r["values"] for r in (against or {}).get("cells", [])}
     rows, t0 = [], time.time()
     with tempfile.TemporaryDirectory(prefix="compress-bench-reproduce-") as tmp_dir:
         tmp = Path(tmp_dir)
@@ -83,18 +86,21 @@ def run_reproduce(bench_dir: Path = Path("bench"), quick: bool = False, suites: 
             for key in (QUICK[suite] if quick else keys):
                 t = time.time()
                 old, new = _rerun(suite, key, stored, bench, path, calib, tmp)
+                if against is not None:
+                    old = earlier[(suite, tuple(key))]
                 diff = _diff(old, new)
                 rows.append({"suite": suite, "file": file, "cell": list(key), "identical": not diff, "diff": diff,
                              "values": {k: v for k, v in new.items() if k not in TIMING},
                              "seconds": round(time.time() - t, 1)})
                 bq.log.info("reproduce %s %s: %s", suite, key, "identical" if not diff else "; ".join(diff))
     result = {"meta": {**bq.suite_meta(quick), "wall_seconds": round(time.time() - t0, 1)}, "cells": rows,
+              "reference": "an earlier run of this command" if against is not None else "the stored JSONs",
               "identical": all(r["identical"] for r in rows)}
     return result, markdown(result)
 
 
 def markdown(result: dict) -> str:
-    lines = ["# Seeded benchmark cells, rerun and diffed against the stored JSON", "",
+    lines = [f"# Seeded benchmark cells, rerun and diffed against {result['reference']}", "",
              bq.suite_header(result["meta"]), "",
              "Every value of a cell except its timings must be equal, bit for bit, to the stored one.", "",
              "| suite | file | cell | identical | differences | s |", "|---|---|---|---|---|---:|"]

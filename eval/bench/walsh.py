@@ -162,11 +162,9 @@ def run_walsh(quick: bool = False, only: list[str] | None = None,
                         cells.append(cell(bench, path, calib, bits, group, variant, seed, s, tmp))
                         bq.log.info("walsh %s W%d seed %d %s: %s", bench.name, bits, seed, variant,
                                     {k: cells[-1][k] for k in ("ppl", "cosine") if k in cells[-1]})
-    meta["wall_seconds"] = round(time.time() - t0, 1)
     summary = summarize(cells)
-    result = {"meta": meta, "settings": {**s.base.__dict__, "widths": list(s.widths), "seeds": list(s.seeds),
-                                         "encoder_widths": list(s.encoder_widths), "variants": chosen},
-              "summary": summary, "cells": cells, "targets": targets(summary)}
+    result = bq.suite_result(meta, t0, s, cells, summary, targets(summary), encoder_widths=list(s.encoder_widths),
+                             variants=chosen)
     return result, markdown(result)
 
 
