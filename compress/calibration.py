@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
+from typing import Callable
 
 import torch
+from torch import nn
 
 from compress.errors import BadInput
 from compress.eval.data import read_text, token_stream
+from compress.models.adapters import accepts_use_cache
 
 TEXT_SUFFIXES = (".txt", ".raw", ".jsonl", ".tsv", ".md")
 
@@ -69,3 +72,53 @@ def calibration_tokens(tokenizer, sources: list[str], *, nsamples: int, seqlen: 
 
 def tokens_hash(tokens: torch.Tensor) -> str:
     return hashlib.sha256(tokens.numpy().tobytes()).hexdigest()
+
+
+# -- statistics of the calibration data that rotations and allocations read ------------------------------------
+@torch.no_grad()
+def collect_moments(model: nn.Module, tokens: torch.Tensor, taps: dict, stat: Callable, batch_size: int = 8) -> dict:
+    """Mean over every calibration row reaching each tap of `stat`: `stat(rows)` gets the rows (float64,
+    shape (n, d)) and returns their sum of some per-row statistic (e.g. `(rows**2).sum(0)`).
+
+    taps: key -> (module, "input" | "output"); returns key -> mean statistic, for taps that saw rows.
+    One forward pass of the whole model per batch of `tokens`.
+    """
+    sums, count = {}, {}
+
+    def add(key, x):
+        x = x.detach().reshape(-1, x.shape[-1]).double()
+        if x.shape[0]:
+            sums[key] = sums.get(key, 0) + stat(x)
+            count[key] = count.get(key, 0) + x.shape[0]
+
+    handles = []
+    for key, (m, where) in taps.items():
+        if where == "input":
+            handles.append(m.register_forward_pre_hook(lambda _m, args, k=key: add(k, args[0])))
+        else:
+            handles.append(m.register_forward_hook(lambda _m, _a, out, k=key: add(k, out)))
+    try:
+        for b in tokens.split(batch_size):
+            model(input_ids=b, use_cache=False) if accepts_use_cache(model) else model(input_ids=b)
+    finally:
+        for h in handles:
+            h.remove()
+    return {k: sums[k] / count[k] for k in sums}
+
+
+def collect_energy(model: nn.Module, tokens: torch.Tensor, taps: dict, transform: Callable | None = None,
+                   batch_size: int = 8) -> dict:
+    """Per-coordinate mean of `transform(x)**2` (float64) over every calibration row reaching each tap."""
+    def stat(x):
+        h = transform(x) if transform else x
+        return (h * h).sum(0)
+
+    return collect_moments(model, tokens, taps, stat, batch_size)
+
+
+def head_covariance(n_heads: int) -> Callable:
+    """`collect_moments` statistic: per head, the (head_dim x head_dim) second moment of its output slice."""
+    def stat(x):
+        y = x.reshape(x.shape[0], n_heads, -1)
+        return torch.einsum("rni,rnj->nij", y, y)
+    return stat

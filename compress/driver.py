@@ -25,6 +25,7 @@ from typing import Callable, Protocol
 import torch
 from torch import nn
 
+from compress.models.adapters import accepts_use_cache
 from compress.qweight import QuantizedWeight
 
 log = logging.getLogger(__name__)
@@ -97,16 +98,12 @@ def capture_block0_inputs(model: nn.Module, block0: nn.Module, tokens: torch.Ten
         with torch.no_grad():
             for b in tokens.split(batch_size):
                 try:
-                    model(input_ids=b, use_cache=False) if _accepts_use_cache(model) else model(input_ids=b)
+                    model(input_ids=b, use_cache=False) if accepts_use_cache(model) else model(input_ids=b)
                 except _Stop:
                     pass
     finally:
         h.remove()
     return inputs, kwargs
-
-
-def _accepts_use_cache(model) -> bool:
-    return getattr(model.config, "is_decoder", True) and getattr(model.config, "model_type", "") != "bert"
 
 
 def block_forward(block: nn.Module, x: torch.Tensor, kw: dict) -> torch.Tensor:
@@ -140,55 +137,6 @@ def collect_hessians(block, linears: dict[str, nn.Linear], inputs, kwargs) -> di
         for h in handles:
             h.remove()
     return {n: (H[n] / max(count[n], 1)).float() for n in linears}
-
-
-@torch.no_grad()
-def collect_moments(model: nn.Module, tokens: torch.Tensor, taps: dict, stat: Callable, batch_size: int = 8) -> dict:
-    """Mean over every calibration row reaching each tap of `stat`: `stat(rows)` gets the rows (float64,
-    shape (n, d)) and returns their sum of some per-row statistic (e.g. `(rows**2).sum(0)`).
-
-    taps: key -> (module, "input" | "output"); returns key -> mean statistic, for taps that saw rows.
-    One forward pass of the whole model per batch of `tokens`.
-    """
-    sums, count = {}, {}
-
-    def add(key, x):
-        x = x.detach().reshape(-1, x.shape[-1]).double()
-        if x.shape[0]:
-            sums[key] = sums.get(key, 0) + stat(x)
-            count[key] = count.get(key, 0) + x.shape[0]
-
-    handles = []
-    for key, (m, where) in taps.items():
-        if where == "input":
-            handles.append(m.register_forward_pre_hook(lambda _m, args, k=key: add(k, args[0])))
-        else:
-            handles.append(m.register_forward_hook(lambda _m, _a, out, k=key: add(k, out)))
-    try:
-        for b in tokens.split(batch_size):
-            model(input_ids=b, use_cache=False) if _accepts_use_cache(model) else model(input_ids=b)
-    finally:
-        for h in handles:
-            h.remove()
-    return {k: sums[k] / count[k] for k in sums}
-
-
-def collect_energy(model: nn.Module, tokens: torch.Tensor, taps: dict, transform: Callable | None = None,
-                   batch_size: int = 8) -> dict:
-    """Per-coordinate mean of `transform(x)**2` (float64) over every calibration row reaching each tap."""
-    def stat(x):
-        h = transform(x) if transform else x
-        return (h * h).sum(0)
-
-    return collect_moments(model, tokens, taps, stat, batch_size)
-
-
-def head_covariance(n_heads: int) -> Callable:
-    """`collect_moments` statistic: per head, the (head_dim x head_dim) second moment of its output slice."""
-    def stat(x):
-        y = x.reshape(x.shape[0], n_heads, -1)
-        return torch.einsum("rni,rnj->nij", y, y)
-    return stat
 
 
 def set_weight(linear: nn.Linear, qw: QuantizedWeight) -> None:

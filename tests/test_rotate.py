@@ -342,7 +342,7 @@ def test_fused_rotated_quantized_model_runs_in_onnxruntime_and_openvino(name, tm
 def test_pair_pca_decorrelates_each_rope_plane_and_a_reflection_would_break_rope():
     """After pair-PCA the k outputs of every RoPE plane are uncorrelated on the calibration tokens; the
     same transform with one plane reflected (det -1) changes the logits, which is why det is forced to +1."""
-    from compress.driver import collect_moments, head_covariance
+    from compress.calibration import collect_moments, head_covariance
 
     model = exact_rmsnorm(tiny_causal("qwen2", dtype=torch.float64))  # GQA and q/k biases
     adapter = ModelAdapter(model)

@@ -238,3 +238,8 @@ class ModelAdapter:
             fused = getattr(parent, leaf, None) if parent is not None else None
             if fused is not None and hasattr(fused, "gate_up_proj"):
                 setattr(parent, leaf, LinearExperts(fused))
+
+
+def accepts_use_cache(model) -> bool:
+    """Whether the model's forward takes `use_cache` (decoders do; BERT encoders do not)."""
+    return getattr(model.config, "is_decoder", True) and getattr(model.config, "model_type", "") != "bert"

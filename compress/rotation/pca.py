@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from compress.driver import collect_moments, head_covariance
+from compress.calibration import collect_moments, head_covariance
 from compress.rotation.surgery import map_rows
 
 

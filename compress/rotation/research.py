@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from compress.driver import collect_energy
+from compress.calibration import collect_energy
 from compress.models.adapters import get_module
 from compress.rotation.hadamard import hadamard_transform
 from compress.rotation.pca import principal_axes, qk_covariances, rotate_head_rows

@@ -53,7 +53,7 @@ from pydantic import Field, model_validator
 from torch import nn
 
 from compress.config import StrictModel
-from compress.driver import collect_energy
+from compress.calibration import collect_energy
 from compress.errors import BadInput
 from compress.primitives import fake_quantize
 from compress.registry import register
@@ -186,7 +186,7 @@ def scales(energy: torch.Tensor, alpha: float) -> torch.Tensor:
 
 
 def measure(adapter, tokens: torch.Tensor, basis: str) -> dict:
-    """Energy of every scaling group's input on the calibration tokens (driver.collect_energy)."""
+    """Energy of every scaling group's input on the calibration tokens (calibration.collect_energy)."""
     taps = {}
     for i in range(len(adapter.blocks)):
         for role in ("input_norm", "post_attn_norm"):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from compress.allocation import Problem
-from compress.driver import collect_energy
+from compress.calibration import collect_energy
 
 
 def collect_stats(ctx, layers: dict) -> dict[str, torch.Tensor]:
