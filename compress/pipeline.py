@@ -298,6 +298,9 @@ def _run_stage(ctx: StageContext, b: Bound, inputs_hash: str, handoffs: dict, ti
             for v in produced:
                 v.save(ws, b.key)
             ws.stage_end(b.key, time.time() - start, metrics)
+    for kind in entry.consumes + entry.uses:
+        if kind.must_be_consumed:  # applied once (a plan): a later stage of the same kind uses its own settings
+            handoffs.pop(kind, None)
     for v in produced:
         handoffs.setdefault(type(v), []).append(v)
     st = ws.manifest["stages"][b.key]

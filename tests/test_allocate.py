@@ -188,6 +188,19 @@ def test_the_bind_step_hands_the_plan_to_the_next_quantize_stage():
         run(GreedyConfig(budget=4.5, group_size=64), q)
 
 
+def test_a_plan_is_applied_once(tmp_path):
+    """allocate -> rtn -> rtn W8: the plan is consumed by the first quantize stage only; the second rounds every
+    layer at its own 8 bits (the run's weights are the later stage's: no mixed layer, ~8.5 effective bits)."""
+    rec = yaml.safe_load(recipe(tmp_path).read_text())
+    rec["stages"].append({"stage": "quantize", "method": "rtn", "bits": 8, "group_size": 64, "sym": False})
+    path = tmp_path / "twice.yaml"
+    path.write_text(yaml.safe_dump(rec))
+    rc, stdout, err = invoke("run", path, "--output", tmp_path / "o", "--json")
+    assert rc == 0, err
+    size = json.loads(stdout)["size"]
+    assert 8 < size["effective_bits"] < 9 and size["quantized_layers"] == 5 * 7
+
+
 def test_run_plan_artifacts_and_plan_file(tmp_path):
     out = tmp_path / "g"
     rc, stdout, err = invoke("run", recipe(tmp_path), "--output", out, "--json")

@@ -172,6 +172,7 @@ def bench_reproduce(
     quick: bool = typer.Option(False, "--quick", help="two cells, a smoke test"),
     suite: Optional[List[str]] = typer.Option(None, "--suite", help="only these suites (ptq, walsh, lfq, mixed, "
                                                                     "mixed-refine; repeatable)"),
+    model: Optional[List[str]] = typer.Option(None, "--model", help="only the cells of these models (repeatable)"),
 ):
     """Rerun seeded cells of the stored benchmark JSONs and diff every value but the timings; exit 1 on a
     difference. Floating-point results depend on the CPU: to check that a change keeps behaviour, run it
@@ -182,7 +183,7 @@ def bench_reproduce(
     from compress.eval.bench.reproduce import run_reproduce
 
     _setup_logging(False)
-    result, md = run_reproduce(quick=quick, suites=suite or None,
+    result, md = run_reproduce(quick=quick, suites=suite or None, models=model or None,
                                against=json.loads(against.read_text()) if against else None)
     _emit_bench(result, md, json_out, md_out)
     if not result["identical"]:
