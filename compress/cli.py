@@ -21,6 +21,24 @@ except ImportError:  # older typer uses click itself
     _TyperUsageError = click.UsageError
 
 USAGE_ERRORS = (click.UsageError, _TyperUsageError)
+
+
+def _flags_without_type() -> None:
+    """typer >= 0.2x prints each option's type in --help (`--dry-run <bool>`), which reads as if the flag took a
+    value; a flag shows no type."""
+    option = getattr(getattr(typer, "core", None), "TyperOption", None)
+    shown = getattr(option, "display_type_rich", None)
+    if shown is None or getattr(shown, "_compress", False):
+        return
+
+    def display_type_rich(self, ctx):
+        return None if getattr(self, "is_flag", False) else shown(self, ctx)
+
+    display_type_rich._compress = True
+    option.display_type_rich = display_type_rich
+
+
+_flags_without_type()
 EXITS = (click.exceptions.Exit, typer.Exit)
 ABORTS = (click.exceptions.Abort, typer.Abort)
 

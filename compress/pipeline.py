@@ -218,6 +218,7 @@ def _run(loaded, binding: Binding, ws: Workspace, quiet: bool) -> dict:
         log.warning("model.stream: the in-run evaluation needs the whole model in memory and is skipped; "
                     "run `compress eval OUTPUT/hf --reference MODEL --data FILE` where memory allows")
     elif r.eval.enabled and r.eval.data:
+        log.info("evaluation: %s against the full-precision model", ", ".join(Path(p).name for p in r.eval.data))
         with _timed(timings, "eval", adapter.kind):
             report["eval"] = evaluate(ctx, r)
     exports = {}
@@ -228,6 +229,8 @@ def _run(loaded, binding: Binding, ws: Workspace, quiet: bool) -> dict:
             if QuantizedWeights in ctx.inputs:
                 ctx.inputs[QuantizedWeights] = QuantizedWeights(qweights, ctx.inputs[QuantizedWeights].stage, 0)
             exports[b.cfg.format] = b.entry.apply(ctx, b.cfg)
+        res = exports[b.cfg.format]
+        log.info("export %s: %s%s", b.cfg.format, res.get("path"), f" ({res['bytes']:,} bytes)" if res.get("bytes") else "")
     report["size"] = size_report(ctx, qweights, exports)
     report["exports"] = {k: v.get("path") for k, v in exports.items()}
     report["seconds"] = round(time.time() - t0, 2)
@@ -243,6 +246,11 @@ def _run(loaded, binding: Binding, ws: Workspace, quiet: bool) -> dict:
     from compress.eval.report import render_markdown
 
     ws.write_text("report.md", render_markdown(report))
+    from compress.eval.report import summary_lines
+
+    for line in summary_lines(report):
+        log.info("summary: %s", line)
+    log.info("report: %s, %s", ws.path("report.json"), ws.path("report.md"))
     ws.record_files()  # sha256 of every artifact: `compress verify`, inspect and eval check them
     ws.save_manifest()
     if bad:

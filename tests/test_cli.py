@@ -180,7 +180,9 @@ def test_run_output_directory(short_run):
         *[f"block_{i:04d}.safetensors" for i in range(4)], "weights.json", "weights.safetensors"]
     md = (out_dir / "report.md").read_text()
     assert report["recipe_sha256"] in md and WIKI.name in md
-    assert "stage 00-quantize-autoround" in (out_dir / "run.log").read_text()
+    log = (out_dir / "run.log").read_text()  # the whole run, not only the stages
+    assert "stage 00-quantize-autoround" in log and f"evaluation: {WIKI.name}" in log
+    assert "export hf: " in log and "summary: size: " in log and "report.json" in log
 
 
 def _in_memory_quantized(out_dir: Path):
@@ -368,3 +370,10 @@ def test_no_arguments_prints_help_and_exits_1():
     rc, out, err = invoke()
     assert rc == 1
     assert "Usage" in out + err and "Example" in out + err
+
+
+def test_help_shows_flags_without_a_type():
+    """A flag takes no value: `--dry-run`, not `--dry-run <bool>` (typer prints every option's type)."""
+    rc, out, _ = invoke("run", "--help")
+    assert rc == 0 and "--dry-run" in out and "--output" in out
+    assert "<bool>" not in out and "<path>" in out
