@@ -111,6 +111,24 @@ def _calibration_files(c) -> dict:
     return {s: "hub" if s.startswith("hf:") else file_sha256(Path(s)) for s in expand_sources(list(c.sources))}
 
 
+def identity(loaded, record: dict) -> dict:
+    """What identifies the run's inputs in its report and exports: each file's name and sha256, never the path the
+    user typed (it means nothing on another machine). `record`: manifest["inputs"] (fingerprint). The model's
+    name comes from the recipe as recorded, so a `${VAR}` in it stays a reference; its sha256 covers every file."""
+    import hashlib
+
+    files = record.get("model") or {}
+    if "hub" in files:
+        model = {"name": files["hub"], "sha256": None}
+    else:
+        digest = hashlib.sha256("".join(f"{n}:{h}\n" for n, h in sorted(files.items())).encode()).hexdigest()
+        model = {"name": Path(loaded.recorded["model"]["path"]).name, "sha256": digest}
+    r = loaded.recipe
+    return {"model": model,
+            "calibration": {Path(s).name: h for s, h in (record.get("calibration") or {}).items()},
+            "eval": {Path(p).name: file_sha256(Path(p).expanduser()) for p in r.eval.data}}
+
+
 def stage_files(cfg) -> dict:
     """{path: sha256} of the files a stage config names (see the module docstring)."""
     return {p: file_sha256(Path(p).expanduser()) for p in _stage_paths(cfg) if Path(p).expanduser().is_file()}

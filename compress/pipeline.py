@@ -65,6 +65,7 @@ class StageContext:
     inputs: dict = field(default_factory=dict)  # hand-off type -> value consumed by this stage
     emitted: list = field(default_factory=list)
     replaying: bool = False  # a finished `replay` stage applied again on --resume
+    identity: dict = field(default_factory=dict)  # inputs by name and sha256 (compress.inputs.identity)
     _tokens: torch.Tensor | None = None
 
     def emit(self, value) -> None:
@@ -196,7 +197,7 @@ def _run(loaded, binding: Binding, ws: Workspace, quiet: bool) -> dict:
             model, tok = load_model(r.model.path, r.model.dtype, r.model.gguf_file)
         adapter = ModelAdapter(model)
     ctx = StageContext(loaded, model, tok, adapter, ws, r.calibration.seed, progress, quiet,
-                       fp_bytes=param_bytes(model))
+                       fp_bytes=param_bytes(model), identity=inputs.identity(loaded, ws.manifest["inputs"]))
     if r.model.stream:
         ctx.streamer = BlockStreamer(model, adapter, source, r.model.dtype)
     handoffs: dict[type, list] = {}
@@ -206,7 +207,8 @@ def _run(loaded, binding: Binding, ws: Workspace, quiet: bool) -> dict:
         prefix.append({**b.cfg.model_dump(), "_files": files} if files else b.cfg.model_dump())
         _run_stage(ctx, b, _hash([*prefix, _facts_digest(b.facts)]), handoffs, timings)
     qweights = QuantizedWeights.merged(handoffs.get(QuantizedWeights, []))
-    report = {"model": loaded.recorded["model"]["path"], "recipe_sha256": loaded.sha256, "stages": timings}
+    report = {"model": ctx.identity["model"]["name"], "recipe_sha256": loaded.sha256, "inputs": ctx.identity,
+              "stages": timings}
     figures = {t: p for st in ws.manifest["stages"].values() for t, p in (st.get("metrics") or {}).get("figures", {}).items()}
     if figures:
         report["figures"] = figures
@@ -248,7 +250,7 @@ def _run(loaded, binding: Binding, ws: Workspace, quiet: bool) -> dict:
     ws.write_text("report.md", render_markdown(report))
     from compress.eval.report import summary_lines
 
-    for line in summary_lines(report):
+    for line in summary_lines(report) if not bad else []:
         log.info("summary: %s", line)
     log.info("report: %s, %s", ws.path("report.json"), ws.path("report.md"))
     ws.record_files()  # sha256 of every artifact: `compress verify`, inspect and eval check them

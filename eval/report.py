@@ -17,7 +17,9 @@ def _fmt(v) -> str:
 
 
 def render_markdown(report: dict) -> str:
-    out = [f"# compress report\n\nmodel: `{report.get('model')}`  \nrecipe sha256: `{report.get('recipe_sha256')}`\n"]
+    model = (report.get("inputs") or {}).get("model") or {}
+    digest = f" (sha256 `{model['sha256'][:16]}`)" if model.get("sha256") else ""
+    out = [f"# compress report\n\nmodel: `{report.get('model')}`{digest}  \nrecipe sha256: `{report.get('recipe_sha256')}`\n"]
     out.append("\n## Stages\n\n" + _table(report.get("stages", []), ["name", "method", "seconds", "peak_rss_mb"]))
     alloc = report.get("allocation")
     if alloc:

@@ -135,7 +135,7 @@ def test_env_references_not_values_go_into_artifacts(tmp_path, monkeypatch):
     assert manifest["recipe"]["model"]["path"] == "${MODEL_ROOT}/m"
     assert manifest["recipe"]["stages"][0]["group_size"] == "${GS}"
     config = json.loads((out / "hf" / "config.json").read_text())
-    assert config["compress"]["meta"]["model"] == "${MODEL_ROOT}/m"
+    assert config["compress"]["meta"]["model"] == "m" and len(config["compress"]["meta"]["model_sha256"]) == 64
 
 
 # -- exports are written whole or not at all ------------------------------------------------------------

@@ -156,5 +156,7 @@ def export_openvino_stage(ctx, cfg: OpenVINOExportConfig) -> dict:
 
 
 def _meta(ctx) -> dict:
-    """Provenance written into every export (`${VAR}` references as written, not their values)."""
-    return {"recipe_sha256": ctx.loaded.sha256, "model": ctx.loaded.recorded["model"]["path"]}
+    """Provenance written into every export: the recipe's hash, the model's name and the sha256 of its files (not
+    the path typed, which means nothing elsewhere; a `${VAR}` in the name stays the reference, not its value)."""
+    model = ctx.identity["model"]
+    return {"recipe_sha256": ctx.loaded.sha256, "model": model["name"], "model_sha256": model["sha256"]}
