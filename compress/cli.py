@@ -49,27 +49,26 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
 STATE = {"debug": False, "argv": []}  # argv: this invocation's arguments (for a command that restarts itself)
 
 
-def _bench_app() -> typer.Typer:
+def _add_bench() -> None:
     """`compress bench`: the harness in eval/bench (a checkout only; it is not installed with the package)."""
     import importlib.util
 
     if importlib.util.find_spec("compress.eval.bench") is not None:
         from compress.eval.bench.commands import bench_app
 
-        return bench_app
-    stub = typer.Typer(no_args_is_help=True, help="Benchmarks (from a checkout of the repository).")
+        app.add_typer(bench_app, name="bench")
+        return
 
-    @stub.callback(invoke_without_command=True)
-    def _missing():
+    @app.command("bench", context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+                 help="Benchmarks (from a checkout of the repository).")
+    def _missing(ctx: typer.Context):
         from compress.errors import BadInput
 
         raise BadInput("`compress bench` runs from a checkout of the repository (its harness reads the models and "
                        "text in ../shared/data and is not installed with the package): clone it and `pip install -e .`")
 
-    return stub
 
-
-app.add_typer(_bench_app(), name="bench")
+_add_bench()
 
 
 @app.callback()
