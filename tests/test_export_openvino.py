@@ -113,3 +113,21 @@ def test_export_records_targets_and_compiles_where_it_can(tmp_path):
     assert json.loads(ir.get_rt_info(["compress", "meta"]).astype(str))["devices"] == ["CPU", "NPU"]
     with pytest.raises(ValueError, match=r"NPU target: 35 layers .*bits: 2 -> 4; group_size: 32 -> 128"):
         export_openvino(model, quantized(load("stories260K"), 2, 32, True), tmp_path / "x", devices=("NPU",))
+
+
+def test_the_ir_carries_the_precision_it_was_validated_with(tmp_path):
+    """A plain `compile_model` (no config) runs the IR as it was checked: its runtime_options hold f32 inference
+    and no dynamic quantization (the CPU defaults are bf16 where the CPU has it and 32-column dynamic int8
+    activations); `exact=False` leaves the device's defaults."""
+    model = load("stories260K")
+    qweights = quantized(model, 4, 32, False)
+    core = ov.Core()
+    exact = core.compile_model(export_openvino(model, qweights, tmp_path / "a")["path"], "CPU")
+    assert exact.get_property("DYNAMIC_QUANTIZATION_GROUP_SIZE") == 0
+    assert str(exact.get_property("INFERENCE_PRECISION_HINT")) in ("<Type: 'float32'>", "f32")
+    plain = core.compile_model(export_openvino(model, qweights, tmp_path / "b", exact=False)["path"], "CPU")
+    assert plain.get_property("DYNAMIC_QUANTIZATION_GROUP_SIZE") != 0
+    ids = torch.randint(0, model.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = model(ids).logits.numpy()
+    assert rel_err(exact([ids.numpy()])[0], ref) < 1e-4

@@ -61,10 +61,14 @@ def low_bit_constants(ov_model) -> dict[str, int]:
 
 
 def export_openvino(model, qweights: dict[str, QuantizedWeight], out_dir: str | Path, meta: dict | None = None,
-                    devices: tuple[str, ...] | list[str] = ("CPU",), kv_cache: bool = False) -> dict:
+                    devices: tuple[str, ...] | list[str] = ("CPU",), kv_cache: bool = False,
+                    exact: bool = True) -> dict:
     """Write `out_dir/openvino_model.xml` (+ .bin) for the target `devices`; returns path, bytes, the
     low-bit constant counts, and the devices it was compiled on here / not compiled on. `kv_cache`: the
-    inputs and outputs of `export_onnx(kv_cache=True)` (attention_mask, past / present key values)."""
+    inputs and outputs of `export_onnx(kv_cache=True)` (attention_mask, past / present key values).
+    `exact`: `EXACT_CPU_CONFIG` is written into the IR's `runtime_options`, so a plain `compile_model` runs it
+    at the precision it was validated with (f32 activations, no dynamic quantization) instead of the device's
+    default (bf16 on CPUs that have it); False leaves the device's defaults (faster, less exact)."""
     import openvino as ov
 
     unknown = [d for d in devices if d not in DEVICES]
@@ -85,11 +89,13 @@ def export_openvino(model, qweights: dict[str, QuantizedWeight], out_dir: str | 
         res = export_onnx(model, qweights, Path(tmp) / "onnx", meta=meta, kv_cache=kv_cache)
         ov_model = ov.convert_model(res["path"])
     info = {"format": FORMAT, "version": FORMAT_VERSION, "meta": meta or {}, "dense_layers": res["dense_layers"],
-            "devices": list(devices), "kv_cache": kv_cache}
+            "devices": list(devices), "kv_cache": kv_cache, "runtime_options": EXACT_CPU_CONFIG if exact else {}}
     ov_model.set_rt_info(FORMAT, ["compress", "format"])
     ov_model.set_rt_info(str(FORMAT_VERSION), ["compress", "version"])
     ov_model.set_rt_info(",".join(devices), ["compress", "devices"])
     ov_model.set_rt_info(json.dumps(info), ["compress", "meta"])
+    for key, value in (EXACT_CPU_CONFIG.items() if exact else ()):
+        ov_model.set_rt_info(str(value), ["runtime_options", key])
     with staged_directory(out, marker="openvino_model.xml") as tmp:  # a kill leaves no half-written IR
         ov.save_model(ov_model, str(tmp / "openvino_model.xml"), compress_to_fp16=False)
     path = out / "openvino_model.xml"

@@ -111,6 +111,10 @@ class OpenVINOExportConfig(ExportConfig):
                                              "symmetric int4 weights with group_size 128 or -1")
     kv_cache: bool = Field(False, description="attention_mask and past/present key-value inputs and outputs, for "
                                               "incremental decoding")
+    precision: Literal["exact", "device"] = Field(
+        "exact", description="`exact`: the IR carries f32 inference and no dynamic quantization in its runtime_options "
+                             "(what the export is validated with); `device`: the device's defaults (bf16 on CPUs that "
+                             "have it: faster, less exact)")
 
     @field_validator("device", mode="before")
     @classmethod
@@ -152,7 +156,7 @@ def export_openvino_stage(ctx, cfg: OpenVINOExportConfig) -> dict:
     from compress.export.openvino import export_openvino
 
     return export_openvino(ctx.model, _qweights(ctx), ctx.workspace.path(cfg.directory), meta=_meta(ctx),
-                           devices=tuple(cfg.device), kv_cache=cfg.kv_cache)
+                           devices=tuple(cfg.device), kv_cache=cfg.kv_cache, exact=cfg.precision == "exact")
 
 
 def _meta(ctx) -> dict:
