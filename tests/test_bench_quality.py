@@ -134,3 +134,21 @@ def test_mixed_suite_runs_chosen_rows_with_a_longer_refine(monkeypatch, tmp_path
     assert result["targets"][0]["value"] == "9.0000 vs 10.0000 (x0.9000)"  # the RL row against the baseline row
     with pytest.raises(BadInput, match="unknown mixed method"):
         bench_mixed.run_mixed(quick=True, only=["stories260K"], methods=["rl+refin"])
+
+
+@pytest.mark.e2e
+def test_reproduce_reruns_seeded_cells_bit_for_bit():
+    """`compress bench reproduce`: the quick cells rerun identically against an earlier run on this machine
+    (the stored JSONs come from other CPUs; their float sums differ in the last digits), and a changed value
+    is reported field by field."""
+    from compress.eval.bench.reproduce import run_reproduce
+    from conftest import REPO
+
+    bench = REPO / "bench"
+    first, _ = run_reproduce(bench, quick=True)
+    assert [r["cell"] for r in first["cells"]] == [["rtn", 4], ["gptq", 2], ["greedy", 2.5, 0]]
+    again, md = run_reproduce(bench, quick=True, against=first)
+    assert again["identical"] and "All identical: yes" in md
+    first["cells"][0]["values"]["value"] += 1e-6
+    changed, md = run_reproduce(bench, quick=True, suites=["ptq"], against=first)
+    assert not changed["identical"] and changed["cells"][0]["diff"][0].startswith("value: stored")
