@@ -12,19 +12,12 @@ import onnx
 import onnxruntime as ort
 import openvino as ov
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM
 
 from compress.export.hf import read_quantized
 from compress.export.openvino import EXACT_CPU_CONFIG
 from compress.primitives import rtn
 from conftest import MODELS
-
-
-def tiny_llama(intermediate=128, seed=0, **kw) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=intermediate, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=128, max_position_embeddings=64, **kw)
-    return LlamaForCausalLM(cfg).float().eval()
 
 
 def quantize_model(model, scheme_of) -> dict:

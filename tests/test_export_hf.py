@@ -12,7 +12,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 
 from compress.export.hf import export_hf, read_quantized
 from conftest import STORIES260K
-from helpers import check_reload, in_blocks, quantize_model, tiny_llama
+from helpers import check_reload, in_blocks, quantize_model
+from tiny import tiny_llama
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
@@ -44,7 +45,7 @@ def test_tiny_llama_roundtrip(tmp_path, bits, sym, group_size):
 
 
 def test_unpackable_intermediate_172(tmp_path, caplog):
-    model = tiny_llama(intermediate=172)
+    model = tiny_llama(intermediate_size=172)
     qweights = quantize_model(model, in_blocks((4, 32, False)))
     with caplog.at_level(logging.WARNING, logger="compress.export.hf"):
         res = export_hf(model, qweights, None, tmp_path / "ckpt")

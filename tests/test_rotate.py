@@ -15,7 +15,8 @@ from compress.models.adapters import ModelAdapter
 from compress.rotation import walsh
 from compress.rotation.walsh import WalshConfig
 from tests.conftest import MODELS
-from helpers import check_reload, in_blocks, quantize_model, tiny_llama
+from helpers import check_reload, in_blocks, quantize_model
+from tiny import tiny_llama
 from tests.rotation import CONFIGS, exact_rmsnorm, ids, plain_rmsnorm, recipe_of, rel, rotate
 from tests.tiny import tiny_causal
 

@@ -20,14 +20,16 @@ def configs(**overrides):
     }
 
 
-def tiny_causal(model_type: str, seed: int = 0, dtype=torch.float32, **config):
-    """A `model_type` model with weights N(0, 0.05); `config` overrides the shared sizes (hidden_size, ...)."""
+def tiny_causal(model_type: str, seed: int = 0, dtype=torch.float32, init_std: float | None = 0.05, **config):
+    """A `model_type` model with matrices N(0, init_std) (None: the architecture's own initialisation);
+    `config` overrides the shared sizes (hidden_size, ...) and flags (tie_word_embeddings, attention_bias, ...)."""
     torch.manual_seed(seed)
     model = T.AutoModelForCausalLM.from_config(configs(**config)[model_type]).to(dtype).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.05)
+    if init_std is not None:
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dim() > 1:
+                    p.normal_(0, init_std)
     return model
 
 
@@ -36,3 +38,9 @@ def tiny_bert(seed: int = 0):
     cfg = T.BertConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                        vocab_size=128, max_position_embeddings=128)
     return T.BertModel(cfg).eval()
+
+
+def tiny_llama(seed: int = 0, **config):
+    """tiny_causal's llama with the architecture's own initialisation and 64 positions (the export and rotation
+    tests' tolerances were set on it)."""
+    return tiny_causal("llama", seed, init_std=None, max_position_embeddings=64, **config)
