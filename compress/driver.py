@@ -117,8 +117,9 @@ def propagate(block: nn.Module, inputs: list[torch.Tensor], kwargs: list[dict]) 
 
 
 @torch.no_grad()
-def collect_hessians(block, linears: dict[str, nn.Linear], inputs, kwargs) -> dict[str, torch.Tensor]:
-    """H = 2/n * sum x x^T over every calibration row reaching each linear (docs/quantize.md#gptq)."""
+def collect_hessians(block, linears: dict[str, nn.Linear], inputs, kwargs, cover=None) -> dict[str, torch.Tensor]:
+    """H = 2/n * sum x x^T over every calibration row reaching each linear (docs/quantize.md#gptq). `cover`
+    (MoE blocks, compress.moe.Coverage) adds forced rows for the experts that too few rows reached."""
     H = {n: torch.zeros(m.in_features, m.in_features, dtype=torch.float64) for n, m in linears.items()}
     count = {n: 0 for n in linears}
 
@@ -132,7 +133,14 @@ def collect_hessians(block, linears: dict[str, nn.Linear], inputs, kwargs) -> di
 
     handles = [m.register_forward_hook(make_hook(n)) for n, m in linears.items()]
     try:
-        propagate(block, inputs, kwargs)
+        if cover is None:
+            propagate(block, inputs, kwargs)
+        else:
+            with cover:
+                propagate(block, inputs, kwargs)
+            if forced := cover.finish(count):
+                log.warning("block %d: experts %s received fewer than %d calibration rows; their statistics use "
+                            "the rows their router scores highest (forced routing)", cover.i, forced, cover.min_tokens)
     finally:
         for h in handles:
             h.remove()
@@ -165,13 +173,14 @@ def run_blockwise(
     materialize: Callable[[int], None] | None = None,
     release: Callable[[int], None] | None = None,
     head: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    cover: Callable[[int], object] | None = None,
 ) -> dict[str, QuantizedWeight]:
     """Quantize every block in order; returns all QuantizedWeights by module name.
 
     With `materialize`/`release` (streaming), block i is read just before it is used and dropped
     after its outputs are propagated; the returned QuantizedWeights then keep only their scales and
     zero points (`light`), the codes stay in the block checkpoints. `head` (final norm + LM head) is
-    handed to the last block only.
+    handed to the last block only. `cover(i)`: block i's MoE coverage for the Hessians (or None).
     """
     result: dict[str, QuantizedWeight] = {}
     q_in = kw = fp_in = None
@@ -192,7 +201,7 @@ def run_blockwise(
                              q_in or [], kw or [], fp_out, fp_in, seed=seed * 1000 + i,
                              head=head if i == n - 1 else None, tokens=batches)
             if quantizer.needs_hessian and data.head is None:  # a block handed the head is tuned through it
-                data.hessians = collect_hessians(block, linears, q_in, kw)
+                data.hessians = collect_hessians(block, linears, q_in, kw, cover(i) if cover else None)
             done = quantizer.quantize_block(data)
             for name, qw in done.items():
                 set_weight(linears[name], qw)

@@ -168,6 +168,13 @@ def lm_head_target(adapter, cfg: QuantizeConfig):
     return name, head
 
 
+def _coverage(adapter):
+    """MoE blocks: forced routing for the experts too few calibration rows reach (compress/moe.py)."""
+    from compress.moe import Coverage
+
+    return lambda i: Coverage(adapter, i) if adapter.experts(i) is not None else None
+
+
 def apply(ctx, cfg: QuantizeConfig) -> dict:
     """The `quantize` stage of every registered quantizer."""
     from compress.methods.allocate.plan import Plan
@@ -193,7 +200,7 @@ def apply(ctx, cfg: QuantizeConfig) -> dict:
         save_block=lambda i, done: ctx.workspace.save_block(ctx.key, i, done),
         seed=ctx.seed, progress=lambda done, total: bar.update(1),
         materialize=ctx.streamer.materialize if ctx.streamer else None,
-        release=ctx.streamer.release if ctx.streamer else None, head=head,
+        release=ctx.streamer.release if ctx.streamer else None, head=head, cover=_coverage(adapter),
     )
     bar.close()
     block_layers = sorted(qweights)

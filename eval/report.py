@@ -16,13 +16,32 @@ def _fmt(v) -> str:
     return "" if v is None else str(v)
 
 
+def _experts(alloc: dict) -> str:
+    """Bits and calibration tokens of every routed expert (`allocate method: moe`)."""
+    layers = sorted(alloc["expert_bits"], key=int)
+    n = max(len(alloc["loads"][k]) for k in layers)
+    rows = [f"| layer | {' | '.join(f'e{e}' for e in range(n))} |", "|---" * (n + 1) + "|"]
+    for k in layers:
+        forced = set(alloc["forced"].get(k, []))
+        cells = [f"{alloc['expert_bits'][k].get(str(e), '-')} b, {alloc['loads'][k][e]} tok"
+                 + (" (forced)" if e in forced else "") for e in range(n)]
+        rows.append(f"| {k} | {' | '.join(cells)} |")
+    return (f"\n## Expert allocation\n\nmethod `moe` ({alloc['solve']}): {alloc['effective_bits']} bits per expert "
+            f"parameter (budget {alloc['budget']}) over {alloc['units']} experts; plan: [{alloc['plan']}]"
+            f"({alloc['plan']}), statistics: [{alloc['statistics']}]({alloc['statistics']}). Each cell: the expert's "
+            "bits and the calibration tokens routed to it (top-k); `forced`: too few, its statistics used forced "
+            f"routing.\n\n" + "\n".join(rows) + f"\n\n![bits and tokens per expert]({alloc['figure']})\n")
+
+
 def render_markdown(report: dict) -> str:
     model = (report.get("inputs") or {}).get("model") or {}
     digest = f" (sha256 `{model['sha256'][:16]}`)" if model.get("sha256") else ""
     out = [f"# compress report\n\nmodel: `{report.get('model')}`{digest}  \nrecipe sha256: `{report.get('recipe_sha256')}`\n"]
     out.append("\n## Stages\n\n" + _table(report.get("stages", []), ["name", "method", "seconds", "peak_rss_mb"]))
     alloc = report.get("allocation")
-    if alloc:
+    if alloc and alloc.get("method") == "moe":
+        out.append(_experts(alloc))
+    elif alloc:
         out.append(f"\n## Mixed-precision allocation\n\nmethod `{alloc['method']}`: {alloc['effective_bits']} "
                    f"effective bits (budget {alloc['budget']}) over {alloc['units']} units; "
                    f"plan: [{alloc['plan']}]({alloc['plan']})\n\n![bits per layer and chunk]({alloc['heatmap']})\n")

@@ -311,8 +311,9 @@ def _build_dir() -> Path:
     flags = " ".join(ISA_FLAGS[build_isa()]).encode()
     # the torch installation too: two environments with the same torch version link against different files
     install = str(Path(torch.__file__).resolve().parent).encode()
-    key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + install + _cpu_flags()
-                         + flags).hexdigest()[:12]
+    # and the source's path: torch's build file names it, so two checkouts sharing a directory rebuild in turn
+    key = hashlib.sha256(SOURCE.read_bytes() + str(SOURCE.resolve()).encode() + torch.__version__.encode() + install
+                         + _cpu_flags() + flags).hexdigest()[:12]
     root = Path(os.environ.get("COMPRESS_CACHE", Path.home() / ".cache" / "compress"))
     d = root / "kernels" / f"cpu-{key}"
     d.mkdir(parents=True, exist_ok=True)

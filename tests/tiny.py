@@ -44,3 +44,15 @@ def tiny_llama(seed: int = 0, **config):
     """tiny_causal's llama with the architecture's own initialisation and 64 positions (the export and rotation
     tests' tolerances were set on it)."""
     return tiny_causal("llama", seed, init_std=None, max_position_embeddings=64, **config)
+
+
+def save_tiny(model_type: str, path, seed: int = 0, **config):
+    """A tiny model directory with stories260K's tokenizer (vocabulary 512), for recipe runs."""
+    import shutil
+
+    from conftest import MODELS
+
+    tiny_causal(model_type, seed, vocab_size=512, **config).save_pretrained(path)
+    for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"):
+        shutil.copy(MODELS / "stories260K" / f, path)
+    return path

@@ -56,3 +56,33 @@ def write_curve(curves, path: Path, labels=None) -> None:
     fig.savefig(tmp, dpi=120)
     plt.close(fig)
     tmp.replace(path)
+
+
+def write_experts(expert_bits: dict, loads: dict, path: Path, title: str) -> None:
+    """Two panels over (MoE layer, expert): the bits each expert got, and the calibration tokens routed to it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    layers = sorted(expert_bits, key=int)
+    n = max(len(loads[k]) for k in layers)
+    bits = np.full((len(layers), n), np.nan)
+    tokens = np.full((len(layers), n), np.nan)
+    for r, k in enumerate(layers):
+        for e, b in expert_bits[k].items():
+            bits[r, int(e)] = b
+        tokens[r, : len(loads[k])] = loads[k]
+    fig, axes = plt.subplots(1, 2, figsize=(max(6, 0.7 * n + 4), max(2.5, 0.4 * len(layers) + 1.5)))
+    for ax, grid, label, cmap in ((axes[0], bits, "bits", "viridis"), (axes[1], tokens, "tokens routed", "magma")):
+        im = ax.imshow(grid, aspect="auto", cmap=cmap, interpolation="nearest")
+        ax.set_yticks(range(len(layers)), [f"layer {k}" for k in layers], fontsize=7)
+        ax.set_xlabel("expert")
+        fig.colorbar(im, ax=ax, label=label)
+    fig.suptitle(title, fontsize=8)
+    fig.tight_layout()
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    tmp.replace(path)

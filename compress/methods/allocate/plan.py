@@ -27,7 +27,9 @@ PLAN_FILE, ENERGY_FILE = "plan.json", "energy.safetensors"
 
 @dataclass
 class Plan(Handoff):
-    """unit -> option, per layer: `layers[name][j]` is the option index of chunk j."""
+    """unit -> option, per layer: `layers[name][j]` is the option index of chunk j. `chunk_size` 0: one unit
+    per layer (`layers[name] == [i]`), rounded at that width by the quantizer itself (any method: the
+    expert-level plans of `allocate method: moe`), with no per-unit metadata stored."""
 
     options: list[Option]
     chunk_size: int
@@ -43,10 +45,16 @@ class Plan(Handoff):
     must_be_consumed: ClassVar[bool] = True
 
     @property
+    def per_layer(self) -> bool:
+        return self.chunk_size == 0
+
+    @property
     def map_bits(self) -> int:
-        return map_bits(self.options)
+        return 0 if self.per_layer else map_bits(self.options)
 
     def layer_spec(self, name: str) -> LayerSpec:
+        if self.per_layer:
+            return LayerSpec(self.options[self.layers[name][0]].bits, self.group_size, self.sym)
         opts = tuple((self.options[i].bits, self.options[i].treatment) for i in self.layers[name])
         quantized = [b for b, _ in opts if b != KEEP_BITS]
         mixed = MixedSpec(self.chunk_size, opts, self.map_bits, None if self.energy is None else self.energy[name])
@@ -54,7 +62,7 @@ class Plan(Handoff):
 
     def layer_bits(self, name: str) -> int:
         d_out, d_in = self.shapes[name]
-        c = self.chunk_size
+        c = self.chunk_size or d_in
         return sum(unit_storage_bits(d_out, min(c, d_in - j * c), self.group_size, self.options[i].bits, self.sym,
                                      self.map_bits) for j, i in enumerate(self.layers[name]))
 
@@ -91,7 +99,7 @@ class Plan(Handoff):
                    {n: list(v["options"]) for n, v in data["layers"].items()},
                    {n: tuple(v["shape"]) for n, v in data["layers"].items()}, data["method"], info=data.get("info"))
         for n, v in data["layers"].items():
-            want = math.ceil(v["shape"][1] / plan.chunk_size)
+            want = 1 if plan.per_layer else math.ceil(v["shape"][1] / plan.chunk_size)
             if len(v["options"]) != want or any(not 0 <= i < len(options) for i in v["options"]):
                 raise BadInput(f"{where}: layer {n} needs {want} option indices in [0, {len(options)})")
         if plan.total_bits() != data["total_bits"]:
@@ -111,12 +119,13 @@ class Plan(Handoff):
         from safetensors.torch import load_file
 
         ws = ctx.workspace
-        path, energy = ws.verified(f"stages/{key}/{PLAN_FILE}"), ws.verified(f"stages/{key}/{ENERGY_FILE}")
-        if path is None or energy is None:
+        path = ws.verified(f"stages/{key}/{PLAN_FILE}")
+        plan = cls.from_json(json.loads(path.read_text()), str(path)) if path is not None else None
+        energy = ws.verified(f"stages/{key}/{ENERGY_FILE}") if plan is not None and not plan.per_layer else None
+        if plan is None or (energy is None and not plan.per_layer):
             raise RunFailure(f"stage {key} is recorded as finished but its plan is missing or corrupt; rerun with "
                              "--force")
-        plan = cls.from_json(json.loads(path.read_text()), str(path))
-        plan.energy = load_file(str(energy))
+        plan.energy = load_file(str(energy)) if energy is not None else None
         return plan
 
 

@@ -1,0 +1,191 @@
+"""`allocate method: moe`: expert-level bit widths for MoE models (GEMQ; docs/moe.md).
+
+Statistics (compress/moe.py) on the first `samples` calibration sequences cut to `seqlen` tokens: the LM
+loss gradient at every decoder layer's output, streamed block by block, and per (layer, expert, width) the
+Fisher-weighted change of the MoE block output when only that expert is rounded. Then one width per routed
+expert under a budget in bits per expert parameter (scales and zero points included, never exceeded),
+solved by `solve`: `global` (the exact 0-1 program over every expert, compress/expert_allocation.py),
+`local` (the same program per layer, each at the budget: the published per-layer baseline), `greedy` (the
+error-per-bit knapsack of `allocate greedy`, at expert granularity, without the per-layer rule) or
+`uniform` (the widest single width that fits).
+
+The plan (one unit per expert linear, `Plan.per_layer`) goes to the next `quantize` stage, which rounds each
+expert at its width with its own method (rtn, gptq or autoround); attention, shared experts and dense layers
+keep the quantize stage's `bits` and `overrides`; routers are never rounded. `statistics.json` in the
+stage's directory keeps the coefficients, the tokens routed to each expert and which experts were force-routed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Literal, Optional
+
+import numpy as np
+from pydantic import Field, field_validator, model_validator
+
+from compress.allocation import Option, budget_bits
+from compress.config import StrictModel
+from compress.errors import BadInput
+from compress.expert_allocation import ExpertProblem, greedy, nearest_uniform, solve_global, solve_local
+from compress.methods.allocate.figures import write_experts
+from compress.methods.allocate.plan import Plan
+from compress.qweight import unit_storage_bits
+from compress.registry import register
+
+log = logging.getLogger(__name__)
+STATS_FILE, FIGURE_FILE = "statistics.json", "experts.png"
+
+
+class MoEConfig(StrictModel):
+    stage: Literal["allocate"] = "allocate"
+    method: Literal["moe"] = "moe"
+    budget: float = Field(..., gt=0, description="bits per routed-expert parameter (fp16 scales and zero points "
+                                                 "included); never exceeded")
+    bits: list[int] = Field([2, 3, 4], min_length=1, description="candidate widths of an expert, 2..8")
+    solve: Literal["global", "local", "greedy", "uniform"] = Field(
+        "global", description="global: one exact program over every expert; local: per layer at the budget "
+                              "(published baseline); greedy: error-per-bit knapsack; uniform: one width")
+    top_widths: int = Field(2, ge=0, description="global/local: every layer keeps at least one expert at each of "
+                                                 "the top this-many widths (published: 2)")
+    samples: int = Field(32, ge=1, description="calibration sequences of the statistics")
+    seqlen: int = Field(256, ge=2, description="tokens per statistics sequence")
+    batch_size: int = Field(4, ge=1)
+    min_tokens: int = Field(16, ge=1, description="an expert routed fewer calibration tokens gets the ones its "
+                                                  "router scores highest (forced routing) for its statistics")
+    group_size: Optional[int] = Field(None, description="default and requirement: the next quantize stage's")
+    sym: Optional[bool] = Field(None, description="default and requirement: the next quantize stage's")
+
+    @field_validator("bits")
+    @classmethod
+    def _bits(cls, v):
+        if any(not 2 <= b <= 8 for b in v) or len(set(v)) != len(v):
+            raise ValueError(f"bits must be distinct widths in 2..8, got {v}")
+        return sorted(v)
+
+    @model_validator(mode="after")
+    def _top(self):
+        if self.top_widths > len(self.bits):
+            raise ValueError(f"top_widths {self.top_widths} is more than the {len(self.bits)} candidate widths")
+        return self
+
+
+def expert_layers(adapter, names) -> list[tuple[int, int, dict]]:
+    """(block, expert, {linear name: linear}) of every routed expert the quantize stage rounds."""
+    from compress.moe import expert_names, moe_blocks
+
+    out = []
+    for i in moe_blocks(adapter):
+        linears = adapter.block_linears(i)
+        for e, group in enumerate(expert_names(adapter, i)):
+            if all(n in names for n in group):
+                out.append((i, e, {n: linears[n] for n in group}))
+    return out
+
+
+def _cost(linears: dict, bits: list[int], group: int, sym: bool) -> list[int]:
+    return [sum(unit_storage_bits(lin.out_features, lin.in_features, group if group != -1 else lin.in_features, b,
+                                  sym) for lin in linears.values()) for b in bits]
+
+
+def check(adapter, cfg: MoEConfig, facts):
+    if facts.rounding is None:
+        raise BadInput(f"stage {facts.index} (`allocate moe`) needs a `quantize` stage after it to apply the plan")
+    _, group, sym = facts.rounding
+    given = (cfg.group_size if cfg.group_size is not None else group, cfg.sym if cfg.sym is not None else sym)
+    if given != (group, sym):
+        raise BadInput(f"allocate (group_size {given[0]}, sym {given[1]}) and the next quantize stage "
+                       f"(group_size {group}, sym {sym}) must agree")
+    units = expert_layers(adapter, facts.layers)
+    if not units:
+        raise BadInput(f"`allocate method: moe` needs a model with routed experts that the next quantize stage "
+                       f"rounds; `{adapter.model_type}` has none here")
+    cfg = cfg.model_copy(update={"group_size": group, "sym": sym})
+    cost = np.array([_cost(lins, cfg.bits, group, sym) for _, _, lins in units])
+    params = sum(lin.weight.numel() for _, _, lins in units for lin in lins.values())
+    blocks = np.array([i for i, _, _ in units])
+    p = ExpertProblem(tuple(cfg.bits), blocks, cost, np.zeros_like(cost, dtype=float), np.zeros(len(units)),
+                      budget_bits(cfg.budget, params), cfg.top_widths if cfg.solve in ("global", "local") else 0)
+    least = _least(p)
+    if least > p.budget:
+        raise BadInput(f"allocate moe budget {cfg.budget} is below the cheapest plan ({least / params:.4f} bits per "
+                       f"expert parameter: every expert at {cfg.bits[0]} bits"
+                       + (f", one per layer at each of the top {p.top_widths} widths" if p.top_widths else "")
+                       + ", scales and zero points included); raise `budget`, lower `top_widths` or add a narrower "
+                         "width")
+    return cfg
+
+
+def _least(p: ExpertProblem) -> int:
+    total = 0
+    for ell in np.unique(p.layer):
+        c = p.cost[p.layer == ell]
+        need = p.required()[:len(c)]
+        total += int(c[:, 0].sum()) + sum(int(c[j, k] - c[j, 0]) for j, k in enumerate(need))
+    return total
+
+
+def apply(ctx, cfg: MoEConfig) -> dict:
+    from compress import moe
+
+    t0 = time.time()
+    adapter = ctx.adapter
+    units = expert_layers(adapter, ctx.facts.layers)
+    tokens = ctx.calibration_tokens()[:cfg.samples, :cfg.seqlen]
+    inputs, grads, kw = moe.layer_output_grads(adapter, tokens, cfg.batch_size)
+    blocks = sorted({i for i, _, _ in units})
+    coef, loads, forced = {}, {}, {}
+    bar = ctx.progress(total=len(blocks), desc=f"{ctx.key} expert statistics", unit="layer")
+    for i in blocks:
+        r = moe.routing(adapter, i, inputs[i], kw)
+        coef[i], forced[i] = moe.coefficients(adapter, i, r, grads[i], tuple(cfg.bits), cfg.group_size, cfg.sym,
+                                              cfg.min_tokens)
+        loads[i] = r.loads()
+        bar.update(1)
+    bar.close()
+    del inputs, grads
+    stats_s = time.time() - t0
+    cost = np.array([_cost(lins, cfg.bits, cfg.group_size, cfg.sym) for _, _, lins in units])
+    err = np.array([coef[i][e].numpy() for i, e, _ in units])
+    params = np.array([sum(lin.weight.numel() for lin in lins.values()) for _, _, lins in units])
+    p = ExpertProblem(tuple(cfg.bits), np.array([i for i, _, _ in units]), cost, err, params,
+                      budget_bits(cfg.budget, int(params.sum())), cfg.top_widths if cfg.solve in ("global", "local")
+                      else 0)
+    t1 = time.time()
+    choice = {"global": solve_global, "local": lambda q: solve_local(q, cfg.budget), "greedy": greedy,
+              "uniform": nearest_uniform}[cfg.solve](p)
+    solve_s = time.time() - t1
+    layers, shapes, expert_bits = {}, {}, {}
+    for (i, e, lins), k in zip(units, choice):
+        expert_bits.setdefault(str(i), {})[str(e)] = cfg.bits[int(k)]
+        for name, lin in lins.items():
+            layers[name], shapes[name] = [int(k)], tuple(lin.weight.shape)
+    info = {"expert_bits": expert_bits, "objective": p.err_of(choice), "solve": cfg.solve,
+            "statistics_seconds": round(stats_s, 3), "solve_seconds": round(solve_s, 3), "experts": len(units),
+            "loads": {str(i): v for i, v in loads.items()},
+            "forced": {str(i): [e for e, f in enumerate(v) if f] for i, v in forced.items()}}
+    plan = Plan([Option(b, "minmax") for b in cfg.bits], 0, cfg.group_size, cfg.sym, cfg.budget, layers, shapes,
+                "moe", None, info)
+    assert plan.total_bits() == p.bits_of(choice) <= p.budget  # the two accountings agree, the budget holds
+    ctx.emit(plan)
+    where = f"stages/{ctx.key}"
+    ctx.workspace.path(where).mkdir(parents=True, exist_ok=True)
+    write_experts(expert_bits, info["loads"], ctx.workspace.path(f"{where}/{FIGURE_FILE}"),
+                  f"moe ({cfg.solve}): {plan.effective_bits():.4f} bits per expert parameter (budget {cfg.budget})")
+    ctx.workspace.write_json(f"stages/{ctx.key}/{STATS_FILE}", {
+        "bits": cfg.bits, "coefficients": {str(i): c.tolist() for i, c in coef.items()},
+        "loads": info["loads"], "forced": info["forced"], "tokens": list(tokens.shape)})
+    log.info("allocate moe (%s): %.4f bits per expert parameter (budget %s), %d experts, statistics %.1f s, solve "
+             "%.2f s", cfg.solve, plan.effective_bits(), cfg.budget, len(units), stats_s, solve_s)
+    return {"effective_bits": plan.effective_bits(), "budget": cfg.budget, "experts": len(units),
+            "expert_bits": expert_bits, "loads": info["loads"], "forced": info["forced"],
+            "seconds": round(time.time() - t0, 3),
+            "allocation": {"method": "moe", "solve": cfg.solve, "budget": cfg.budget,
+                           "effective_bits": round(plan.effective_bits(), 6), "units": len(units),
+                           "plan": f"{where}/plan.json", "statistics": f"{where}/{STATS_FILE}",
+                           "figure": f"{where}/{FIGURE_FILE}", "expert_bits": expert_bits, "loads": info["loads"],
+                           "forced": info["forced"]}}
+
+
+register("allocate", "moe", MoEConfig, "expert-level widths for MoE models from Fisher-weighted statistics (GEMQ)",
+         check=check, produces=(Plan,))(apply)

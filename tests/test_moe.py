@@ -1,0 +1,158 @@
+"""MoE expert statistics and the `allocate method: moe` stage (docs/moe.md) on tiny MoE models."""
+
+import json
+
+import pytest
+import torch
+import yaml
+
+from compress import moe
+from compress.models.adapters import ModelAdapter
+from compress.primitives import rtn
+from compress.workspace import Workspace
+from conftest import TEXT, invoke, plan_path
+from tiny import save_tiny, tiny_causal
+
+MOE = ["mixtral", "qwen2_moe"]
+
+
+@pytest.mark.parametrize("model_type", MOE)
+def test_streamed_gradients_equal_a_full_backward(model_type):
+    model = tiny_causal(model_type)
+    a = ModelAdapter(model)
+    tokens = torch.randint(0, 128, (4, 24), generator=torch.Generator().manual_seed(0))
+    _, grads, _ = moe.layer_output_grads(a, tokens, 3)
+    seen = {}
+
+    def keep(i):
+        def hook(_m, _args, out):
+            h = out[0] if isinstance(out, tuple) else out
+            h.retain_grad()
+            seen[i] = h
+        return hook
+
+    hooks = [b.register_forward_hook(keep(i)) for i, b in enumerate(a.blocks)]
+    model(input_ids=tokens, labels=tokens).loss.backward()
+    for h in hooks:
+        h.remove()
+    for i in range(len(a.blocks)):
+        assert (torch.cat(grads[i]) - seen[i].grad).abs().max() <= 1e-6 * seen[i].grad.abs().max()
+
+
+@pytest.mark.parametrize("model_type", MOE)
+def test_coefficients_are_the_published_quantity(model_type):
+    """coef(l, e, b) equals sum g^2 (z_FP - z_{e->b})^2 with z the whole MoE block's output, and falls with b."""
+    a = ModelAdapter(tiny_causal(model_type))
+    tokens = torch.randint(0, 128, (4, 24), generator=torch.Generator().manual_seed(1))
+    inputs, grads, kw = moe.layer_output_grads(a, tokens, 4)
+    r = moe.routing(a, 1, inputs[1], kw)
+    coef, forced = moe.coefficients(a, 1, r, grads[1], (2, 3, 4), 32, False, 1)
+    assert not any(forced) and (coef[:, 0] > coef[:, 1]).all() and (coef[:, 1] > coef[:, 2]).all()
+    block = moe._moe_module(a, 1)
+    g2 = grads[1][0].double() ** 2
+    with torch.no_grad():
+        x = r.x.reshape(4, 24, -1)
+        z = block(x)
+        if isinstance(z, tuple):
+            z = z[0]
+        e, lins = 2, a.experts(1)[2]
+        saved = {n: getattr(lins, n).weight.data.clone() for n in ("gate_proj", "up_proj", "down_proj")}
+        for n, w in saved.items():
+            getattr(lins, n).weight.data = rtn(w, 3, 32, False).dequantize()
+        zq = block(x)
+        zq = zq[0] if isinstance(zq, tuple) else zq
+        for n, w in saved.items():
+            getattr(lins, n).weight.data = w
+    ref = (g2 * (z.double() - zq.double()) ** 2).sum()
+    assert float(coef[e, 1]) == pytest.approx(float(ref), rel=1e-6)
+
+
+def test_an_expert_that_never_fires_is_force_routed():
+    a = ModelAdapter(tiny_causal("mixtral"))
+    never_fires(a.router(0), 3)
+    tokens = torch.randint(0, 128, (4, 24), generator=torch.Generator().manual_seed(2))
+    inputs, grads, kw = moe.layer_output_grads(a, tokens, 4)
+    r = moe.routing(a, 0, inputs[0], kw)
+    assert r.loads()[3] == 0
+    coef, forced = moe.coefficients(a, 0, r, grads[0], (2, 3, 4), 32, False, 8)
+    assert forced == [False, False, False, True]
+    assert torch.isfinite(coef).all() and (coef[3] > 0).all()
+
+
+def never_fires(router, e):
+    """Bias the router's logit of expert e by -inf: it is never in the top-k."""
+    def hook(mod, _args, out):
+        logits = out[0].clone()
+        logits[:, e] = float("-inf")
+        top, index = torch.topk(torch.softmax(logits.float(), -1), mod.top_k, dim=-1)
+        return logits, top / top.sum(-1, keepdim=True), index
+    return router.register_forward_hook(hook)
+
+
+def moe_recipe(tmp_path, model_type="mixtral", budget=3.4, method="gptq", **alloc):
+    model = save_tiny(model_type, tmp_path / model_type)
+    rec = {"version": 1, "model": {"path": str(model)},
+           "calibration": {"sources": [str(TEXT / "tinystories" / "tinystories_val.txt")], "nsamples": 8,
+                           "seqlen": 64},
+           "stages": [{"stage": "allocate", "method": "moe", "budget": budget, "samples": 4, "seqlen": 32, **alloc},
+                      {"stage": "quantize", "method": method, "bits": 4, "group_size": 32, "sym": False}],
+           "eval": {"enabled": False}}
+    path = tmp_path / f"{model_type}-{budget}.yaml"
+    path.write_text(yaml.safe_dump(rec))
+    return path
+
+
+@pytest.mark.parametrize("model_type", MOE)
+def test_the_stage_plans_and_the_quantizer_applies_it(tmp_path, model_type):
+    out = tmp_path / "out"
+    rc, _, err = invoke("run", moe_recipe(tmp_path, model_type), "--output", out, "--json")
+    assert rc == 0, err
+    plan = json.loads(plan_path(out).read_text())
+    assert plan["chunk_size"] == 0 and plan["effective_bits"] <= 3.4
+    bits = plan["info"]["expert_bits"]
+    for layer in bits.values():  # the published rule: every layer has a 4-bit and a 3-bit expert
+        assert {3, 4} <= set(layer.values())
+    with Workspace(out, resume=True) as ws:
+        key = next((out / "stages").glob("*-quantize-*")).name
+        qweights = {**ws.load_block(key, 0, required=True), **ws.load_block(key, 1, required=True)}
+    for name, v in plan["layers"].items():
+        assert qweights[name].bits == v["bits"][0] and not qweights[name].mixed, name
+    assert all(qweights[n].bits == 4 for n in qweights if "experts" not in n)  # attention, shared expert: `bits`
+    assert not any("gate.weight" in n or n.endswith("mlp.gate") for n in qweights)  # routers never rounded
+    stats = json.loads(next((out / "stages").glob("*-allocate-*/statistics.json")).read_text())
+    assert sum(stats["loads"]["0"]) == 4 * 32 * 2  # every token routed to top-2 experts
+
+
+def test_plan_time_errors(tmp_path):
+    rc, _, err = invoke("run", moe_recipe(tmp_path, budget=2.7), "--output", tmp_path / "o", "--dry-run")
+    assert rc != 0 and "below the cheapest plan" in err
+    rec = yaml.safe_load(moe_recipe(tmp_path).read_text())
+    rec["model"] = {"path": str(save_tiny("llama", tmp_path / "llama"))}
+    (tmp_path / "dense.yaml").write_text(yaml.safe_dump(rec))
+    rc, _, err = invoke("run", tmp_path / "dense.yaml", "--output", tmp_path / "o", "--dry-run")
+    assert rc != 0 and "routed experts" in err
+
+
+def test_gptq_never_rounds_an_unseen_expert_from_nothing():
+    """An expert no calibration row reaches: without forced routing GPTQ's Hessian is empty and the expert's
+    weights become zeros; with it, the expert is rounded from the rows its router scores highest."""
+    from compress.driver import collect_hessians
+    from compress.methods.gptq import gptq
+
+    a = ModelAdapter(tiny_causal("mixtral"))
+    hook = never_fires(a.router(0), 3)
+    tokens = torch.randint(0, 128, (4, 24), generator=torch.Generator().manual_seed(3))
+    inputs, _, kw = moe.layer_output_grads(a, tokens, 4)
+    block = a.blocks[0]
+    linears = a.block_linears(0)
+    name = "model.layers.0.mlp.experts.3.up_proj"
+    bare = collect_hessians(block, linears, inputs[0], kw)
+    covered = collect_hessians(block, linears, inputs[0], kw, moe.Coverage(a, 0, min_tokens=16))
+    hook.remove()
+    assert bare[name].abs().max() == 0 and covered[name].diagonal().min() > 0
+    W = linears[name].weight.data
+    for H, zero in ((bare, True), (covered, False)):
+        qw, _ = gptq(W, H[name], bits=3, group_size=32, sym=False)
+        assert (qw.dequantize().abs().max() == 0) == zero
+    untouched = "model.layers.0.mlp.experts.0.up_proj"
+    assert torch.equal(bare[untouched], covered[untouched])
