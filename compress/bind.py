@@ -40,6 +40,7 @@ class Facts:
     quantized: list = field(default_factory=list)
     mixed: bool = False  # exports: an allocation plan assigns per-chunk widths
     stream: bool = False  # the model is streamed block by block
+    after_quantize: bool = False  # a quantize stage runs before this one
 
 
 @dataclass
@@ -75,7 +76,8 @@ def bind(recipe, adapter) -> Binding:
     layers: dict[int, dict] = {}
     bound = []
     for i, (cfg, entry) in enumerate(zip(cfgs, entries)):
-        facts = Facts(i, stage_key(i, cfg), exports=formats, spec=spec, stream=recipe.model.stream)
+        facts = Facts(i, stage_key(i, cfg), exports=formats, spec=spec, stream=recipe.model.stream,
+                      after_quantize=any(c.stage == "quantize" for c in cfgs[:i]))
         q = _next(cfgs, i, "quantize")
         if q is not None:
             facts.rounding, facts.consumer = (cfgs[q].bits, cfgs[q].group_size, cfgs[q].sym), cfgs[q].method
@@ -122,7 +124,7 @@ def _bind_exports(recipe, adapter, stages: list[Bound], base: ModelSpec, spec: M
                        "`export.formats` (evaluation only) or use a deployable configuration")
     quantized = [(b.index, b.cfg.method, (b.cfg.bits, b.cfg.group_size, b.cfg.sym), b.facts.layers)
                  for b in stages if b.cfg.stage == "quantize"]
-    mixed = any(b.cfg.stage == "allocate" for b in stages)
+    mixed = any(b.cfg.stage == "allocate" and b.cfg.method != "moe" for b in stages)  # moe plans: a width per layer
     out = []
     for fmt in formats:
         entry = registry.get("export", fmt)

@@ -212,10 +212,10 @@ def _run(loaded, binding: Binding, ws: Workspace, quiet: bool) -> dict:
     figures = {t: p for st in ws.manifest["stages"].values() for t, p in (st.get("metrics") or {}).get("figures", {}).items()}
     if figures:
         report["figures"] = figures
-    allocation = [st["metrics"]["allocation"] for st in ws.manifest["stages"].values()
-                  if "allocation" in (st.get("metrics") or {})]
-    if allocation:
-        report["allocation"] = allocation[-1]
+    for section in ("allocation", "routers"):  # a stage's report section (the last stage's wins)
+        found = [st["metrics"][section] for st in ws.manifest["stages"].values() if section in (st.get("metrics") or {})]
+        if found:
+            report[section] = found[-1]
     if r.eval.enabled and r.eval.data and r.model.stream:
         log.warning("model.stream: the in-run evaluation needs the whole model in memory and is skipped; "
                     "run `compress eval OUTPUT/hf --reference MODEL --data FILE` where memory allows")

@@ -29,6 +29,7 @@ METHOD_MODULES = (
     "compress.methods.gptq",
     "compress.methods.autoround",
     "compress.methods.allocate",
+    "compress.methods.router",
     "compress.rotation.walsh",
     "compress.rotation.autoround_hadamard",
     "compress.export.stage",

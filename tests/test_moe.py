@@ -5,6 +5,7 @@ import json
 import pytest
 import torch
 import yaml
+from safetensors.torch import load_file
 
 from compress import moe
 from compress.models.adapters import ModelAdapter
@@ -156,3 +157,42 @@ def test_gptq_never_rounds_an_unseen_expert_from_nothing():
         assert (qw.dequantize().abs().max() == 0) == zero
     untouched = "model.layers.0.mlp.experts.0.up_proj"
     assert torch.equal(bare[untouched], covered[untouched])
+
+
+@pytest.mark.parametrize("loss", ["kl", "lm"])
+def test_router_finetuning_moves_only_the_routers_and_resumes(tmp_path, loss):
+    rec = yaml.safe_load(moe_recipe(tmp_path, budget=3.4, method="rtn").read_text())
+    rec["export"] = {"formats": ["hf"]}
+    rec["stages"].append({"stage": "finetune", "method": "router", "loss": loss, "samples": 8, "seqlen": 64,
+                          "batch_size": 2, "epochs": 2, "lr": 1e-3})
+    path = tmp_path / "ft.yaml"
+    path.write_text(yaml.safe_dump(rec))
+    out = tmp_path / "out"
+    rc, stdout, err = invoke("run", path, "--output", out, "--json")
+    assert rc == 0, err
+    m = json.loads(stdout)["routers"]
+    assert "## Router fine-tuning" in (out / "report.md").read_text()
+    assert m["routers"] == 2
+    if loss == "kl":  # each loss lowers what it trains on (on the tiny model, lm moves routers away from FP)
+        assert m["router_kl_after"] < 0.8 * m["router_kl_before"] and m["topk_match_after"] > m["topk_match_before"]
+    else:
+        assert m["ce_after"] < m["ce_before"]
+    saved = load_file(next((out / "stages").glob("*-finetune-router/routers.safetensors")))
+    (out / "hf").rename(tmp_path / "hf-first")
+    rc, stdout, err = invoke("run", path, "--output", out, "--resume", "--json")  # loads the routers, no retraining
+    assert rc == 0, err
+    assert next(s for s in json.loads(stdout)["stages"] if s["name"] == "finetune")["resumed"]
+    for hf in (tmp_path / "hf-first", out / "hf"):  # the exports carry the tuned routers, resumed or not
+        exported = load_file(hf / "model.safetensors")
+        for name, w in saved.items():  # the checkpoint's own names (mixtral: block_sparse_moe.gate)
+            layer = name.split(".mlp.")[0] + "."
+            (key,) = [k for k in exported if k.startswith(layer) and k.endswith(".gate.weight")]
+            assert torch.equal(exported[key].float(), w.float()), name
+
+
+def test_router_finetuning_needs_a_quantized_moe_model(tmp_path):
+    rec = yaml.safe_load(moe_recipe(tmp_path).read_text())
+    rec["stages"] = [{"stage": "finetune", "method": "router"}, rec["stages"][1]]
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(rec))
+    rc, _, err = invoke("run", tmp_path / "r.yaml", "--output", tmp_path / "o", "--dry-run")
+    assert rc != 0 and "needs a `quantize` stage before it" in err
