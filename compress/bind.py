@@ -39,6 +39,7 @@ class Facts:
     # exports: (index, method, (bits, group_size, sym), {name: LayerSpec}) of every quantize stage
     quantized: list = field(default_factory=list)
     mixed: bool = False  # exports: an allocation plan assigns per-chunk widths
+    widths: set = field(default_factory=set)  # exports: every bit width a layer may end up with
     stream: bool = False  # the model is streamed block by block
     after_quantize: bool = False  # a quantize stage runs before this one
 
@@ -125,12 +126,16 @@ def _bind_exports(recipe, adapter, stages: list[Bound], base: ModelSpec, spec: M
     quantized = [(b.index, b.cfg.method, (b.cfg.bits, b.cfg.group_size, b.cfg.sym), b.facts.layers)
                  for b in stages if b.cfg.stage == "quantize"]
     mixed = any(b.cfg.stage == "allocate" and b.cfg.method != "moe" for b in stages)  # moe plans: a width per layer
+    widths = {spec.bits for *_, layers in quantized for spec in layers.values()}
+    for b in stages:
+        if b.cfg.stage == "allocate":
+            widths |= set(getattr(b.cfg, "bits", None) or [o.bits for o in getattr(b.cfg, "options", [])])
     out = []
     for fmt in formats:
         entry = registry.get("export", fmt)
         cfg = recipe.export.config(fmt)
         facts = Facts(-1, f"export-{fmt}", exports=formats, spec=spec, quantized=quantized, mixed=mixed,
-                      stream=recipe.model.stream)
+                      stream=recipe.model.stream, widths=widths)
         problems = holds(fmt, spec, base)
         if problems:
             raise BadInput(f"export {fmt} cannot hold the shapes the stages produce: {'; '.join(problems)}")

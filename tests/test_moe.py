@@ -196,3 +196,54 @@ def test_router_finetuning_needs_a_quantized_moe_model(tmp_path):
     (tmp_path / "r.yaml").write_text(yaml.safe_dump(rec))
     rc, _, err = invoke("run", tmp_path / "r.yaml", "--output", tmp_path / "o", "--dry-run")
     assert rc != 0 and "needs a `quantize` stage before it" in err
+
+
+@pytest.mark.parametrize("model_type", MOE)
+def test_per_expert_widths_survive_every_export(tmp_path, model_type):
+    """Experts at 2, 3 and 4 bits (attention at 4): transformers with auto-round's loader, onnxruntime and
+    OpenVINO give the in-memory model's logits (routing in the graphs); the hf checkpoint declares each width."""
+    from compress.export.hf import export_hf
+    from compress.export.onnx import export_onnx
+    from compress.export.openvino import export_openvino
+    from helpers import check_reload, op_types, ort_logits, quantize_model, rel_err, run_ir
+
+    model = tiny_causal(model_type, seed=5)
+    ModelAdapter(model)
+    widths = {}
+
+    def scheme(name):
+        if not name.startswith("model.layers.") or name.endswith(("mlp.gate", "shared_expert_gate")):
+            return None
+        if ".experts." in name:
+            widths[name] = (2, 3, 4)[int(name.split(".experts.")[1].split(".")[0]) % 3]
+            return widths[name], 32, False
+        return 4, 32, False
+
+    qweights = quantize_model(model, scheme)
+    assert set(widths.values()) == {2, 3, 4}
+    export_hf(model, qweights, None, tmp_path / "hf")
+    _, back, _ = check_reload(model, qweights, tmp_path / "hf", 128)
+    assert all(back[n].bits == b for n, b in widths.items())
+    ids = torch.randint(0, 128, (2, 17), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = model(ids).logits.numpy()
+    res = export_onnx(model, qweights, tmp_path / "onnx")
+    ops = op_types(res["path"])
+    assert ops["TopK"] == 2 and ops["MatMulNBits"] == sum(1 for n, q in qweights.items() if q.bits != 3)
+    assert rel_err(ort_logits(res["path"], ids), ref) < 1e-3
+    ov_res = export_openvino(model, qweights, tmp_path / "ov")
+    out, _ = run_ir(ov_res["path"], ids)
+    assert rel_err(out, ref) < 1e-3
+
+
+def test_graph_exports_refuse_unknown_architectures_and_announce_dense_widths(tmp_path):
+    rec = yaml.safe_load(moe_recipe(tmp_path).read_text())
+    rec["export"] = {"formats": ["onnx"]}
+    (tmp_path / "o.yaml").write_text(yaml.safe_dump(rec))
+    rc, _, err = invoke("run", tmp_path / "o.yaml", "--output", tmp_path / "o", "--dry-run")
+    assert rc == 0 and "3-bit layers will be written as dense" in err
+    rec["model"] = {"path": str(save_tiny("qwen3", tmp_path / "qwen3"))}
+    rec["stages"] = rec["stages"][1:]
+    (tmp_path / "q.yaml").write_text(yaml.safe_dump(rec))
+    rc, _, err = invoke("run", tmp_path / "q.yaml", "--output", tmp_path / "q", "--dry-run")
+    assert rc != 0 and "not `qwen3`" in err

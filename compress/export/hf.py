@@ -155,11 +155,13 @@ def read_quantized(out_dir, tensors: dict[str, torch.Tensor] | None = None) -> t
     names = sorted(k[: -len(".qweight")] for k in tensors if k.endswith(".qweight"))
     extra = qc.get("extra_config") or {}
     qweights = {}
-    for name in names:
-        scheme = {**qc, **extra.get(name, {})}
+    rename = module_names(config.get("model_type"))
+    for stored in names:
+        name = rename(stored)  # the module's name (extra_config's and the loaded model's), not the file's
+        scheme = {**qc, **extra.get(name, extra.get(stored, {}))}
         if scheme.get("data_type", "int") != "int":
             raise ValueError(f"{out_dir}: layer {name} has data_type {scheme['data_type']!r}; only int is supported")
-        t = {k: tensors[f"{name}.{k}"] for k in ("qweight", "qzeros", "scales", "g_idx") if f"{name}.{k}" in tensors}
+        t = {k: tensors[f"{stored}.{k}"] for k in ("qweight", "qzeros", "scales", "g_idx") if f"{stored}.{k}" in tensors}
         qweights[name] = gptq_unpack(t, int(scheme["bits"]), int(scheme["group_size"]), bool(scheme["sym"]),
                                      v1=packing in V1_PACKINGS)
         chunks = (((info or {}).get("meta") or {}).get("mixed") or {}).get(name)
@@ -167,6 +169,27 @@ def read_quantized(out_dir, tensors: dict[str, torch.Tensor] | None = None) -> t
             qweights[name] = dataclasses.replace(qweights[name], chunk_size=chunks["chunk_size"],
                                                  chunk_bits=tuple(chunks["chunk_bits"]), map_bits=chunks["map_bits"])
     return config, qweights
+
+
+def module_names(model_type: str | None):
+    """file tensor prefix -> module name: transformers saves some architectures under their original checkpoint
+    names (mixtral's `block_sparse_moe`) and renames them back on load; apply its renaming rules."""
+    import re
+
+    try:
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming
+    except ImportError:  # an older transformers: file names are module names
+        return lambda name: name
+    rules = [(r.source_patterns[0], r.target_patterns[0]) for r in get_checkpoint_conversion_mapping(model_type) or []
+             if type(r) is WeightRenaming]
+
+    def rename(name: str) -> str:
+        for src, dst in rules:
+            name = re.sub(src, dst, name)
+        return name
+
+    return rename
 
 
 def mixed_meta(qweights: dict[str, QuantizedWeight]) -> dict:

@@ -11,7 +11,8 @@ written op by op from the model's config and weights (embedding Gather, RMSNorm,
 model's own cos/sin tables, grouped-query attention, SiLU MLP) rather than traced: torch 2.13's
 TorchScript exporter stops at transformers' mask code (`aten::diff`) and its dynamo exporter needs
 onnxscript, which is not installed here. Supported `model_type`s: llama, mistral (no sliding
-window), qwen2 (q/k/v biases).
+window), qwen2 (q/k/v biases), and the sparse MoE models mixtral and qwen2_moe (router, top-k and every
+expert in the graph, each expert's linears at their own width; `LlamaOnnx.moe`).
 
 MatMulNBits (docs/formats.md#matmulnbits-operator), for a QuantizedWeight of shape (N, K) with b in {2, 4, 8} bits:
   B            uint8 (N, k_blocks, block*b/8)  codes along K, LSB first within each byte, K zero padded
@@ -45,7 +46,7 @@ from compress.files import staged_directory
 logger = logging.getLogger(__name__)
 
 FORMAT, FORMAT_VERSION, OPSET = "onnx-matmulnbits", 1, 17
-MODEL_TYPES = ("llama", "mistral", "qwen2")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "mixtral", "qwen2_moe")
 NBITS = (2, 4, 8)
 
 
@@ -100,12 +101,14 @@ class Graph:
         self.inits.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
         return name
 
-    def op(self, op_type: str, *inputs: str, domain: str = "", **attrs) -> str:
+    def op(self, op_type: str, *inputs: str, domain: str = "", outputs: int = 1, **attrs):
+        """The node's output name (a list of `outputs` names when it has several)."""
         from onnx import helper
 
         out = self.name(op_type.lower())
-        self.nodes.append(helper.make_node(op_type, list(inputs), [out], name=out, domain=domain, **attrs))
-        return out
+        names = [out] if outputs == 1 else [f"{out}.{k}" for k in range(outputs)]
+        self.nodes.append(helper.make_node(op_type, list(inputs), names, name=out, domain=domain, **attrs))
+        return out if outputs == 1 else names
 
 
 def _f32(t: torch.Tensor) -> np.ndarray:
@@ -210,6 +213,32 @@ class LlamaOnnx:
         act = g.op("Mul", gate, g.op("Sigmoid", gate))
         return self.linear(g.op("Mul", act, self.linear(x, prefix + ".up_proj")), prefix + ".down_proj")
 
+    def moe(self, x: str, prefix: str, block) -> str:
+        """A sparse MoE block (mixtral, qwen2_moe): softmax router, top-k with the model's renormalisation, every
+        expert at its own width weighted by its routing weight (zero where it is not among the top k), plus the
+        sigmoid-gated shared expert where the model has one. Every expert runs on every token (dense dispatch:
+        exact, E/k times the expert compute of a sparse kernel)."""
+        g, router = self.g, block.gate
+        logits = g.op("MatMul", x, g.const(_f32(router.weight).T.copy(), prefix + ".gate.weight_t"))
+        probs = g.op("Softmax", logits, axis=-1)
+        top, _ = g.op("TopK", probs, g.const(np.array([router.top_k], np.int64)), axis=-1, outputs=2)
+        kth = g.op("Slice", top, g.const(np.array([router.top_k - 1], np.int64)),
+                   g.const(np.array([router.top_k], np.int64)), g.const(np.array([-1], np.int64)))
+        w = g.op("Mul", probs, g.op("Cast", g.op("GreaterOrEqual", probs, kth), to=1))
+        if getattr(router, "norm_topk_prob", True):  # mixtral always renormalises; qwen2_moe by its config
+            w = g.op("Div", w, g.op("ReduceSum", w, g.const(np.array([-1], np.int64)), keepdims=1))
+        y = None
+        for e in range(len(block.experts)):
+            w_e = g.op("Slice", w, g.const(np.array([e], np.int64)), g.const(np.array([e + 1], np.int64)),
+                       g.const(np.array([-1], np.int64)))
+            y_e = g.op("Mul", self.mlp(x, f"{prefix}.experts.{e}"), w_e)
+            y = y_e if y is None else g.op("Add", y, y_e)
+        if getattr(block, "shared_expert", None) is not None:
+            gate = g.op("Sigmoid", g.op("MatMul", x, g.const(_f32(block.shared_expert_gate.weight).T.copy(),
+                                                             prefix + ".shared_expert_gate.weight_t")))
+            y = g.op("Add", y, g.op("Mul", self.mlp(x, prefix + ".shared_expert"), gate))
+        return y
+
     def positions(self, ids: str) -> tuple[str, str, str]:
         """cos, sin (S, D) and the additive mask (S, T) or (B, 1, S, T) for positions past .. past+S-1
         attending to keys 0 .. T-1 (T = past + S; past = 0 without a KV cache)."""
@@ -250,7 +279,9 @@ class LlamaOnnx:
             p = f"model.layers.{i}"
             h = g.op("Add", h, self.attention(self.rmsnorm(h, layer.input_layernorm), p + ".self_attn",
                                               layer.self_attn, cos, sin, mask, i))
-            h = g.op("Add", h, self.mlp(self.rmsnorm(h, layer.post_attention_layernorm), p + ".mlp"))
+            x = self.rmsnorm(h, layer.post_attention_layernorm)
+            moe = getattr(layer.mlp, "experts", None) is not None
+            h = g.op("Add", h, self.moe(x, p + ".mlp", layer.mlp) if moe else self.mlp(x, p + ".mlp"))
         logits = self.linear(self.rmsnorm(h, inner.norm), "lm_head")
         inputs = [helper.make_tensor_value_info(ids, TensorProto.INT64, ["batch", "seq"])]
         outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", "seq", self.cfg.vocab_size])]

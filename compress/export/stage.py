@@ -91,8 +91,26 @@ class OnnxExportConfig(ExportConfig):
                                               "incremental decoding")
 
 
+def check_graph(adapter, cfg, facts) -> None:
+    """At plan time, for the graphs (onnx, and openvino built from it): the architecture must be one the graph
+    builder writes, and widths MatMulNBits cannot hold are announced before any calibration."""
+    import logging
+
+    from compress.errors import BadInput
+    from compress.export.onnx import MODEL_TYPES, NBITS
+
+    if adapter.model_type not in MODEL_TYPES:
+        raise BadInput(f"the {cfg.format} export supports model types {', '.join(MODEL_TYPES)}, not "
+                       f"`{adapter.model_type}`; drop `{cfg.format}` from export.formats")
+    dense = sorted(b for b in facts.widths if b not in NBITS and b != 16)
+    if dense:
+        logging.getLogger(__name__).warning(
+            "export %s: %s-bit layers will be written as dense fp32 MatMuls (MatMulNBits holds %s bits)", cfg.format,
+            "/".join(map(str, dense)), ", ".join(map(str, NBITS)))
+
+
 @register("export", "onnx", OnnxExportConfig, "ONNX graph with com.microsoft::MatMulNBits linears (onnxruntime)",
-          **EXPORT)
+          check=check_graph, **EXPORT)
 def export_onnx_stage(ctx, cfg: OnnxExportConfig) -> dict:
     from compress.export.onnx import export_onnx
 
@@ -134,6 +152,7 @@ def check_openvino_targets(adapter, cfg: OpenVINOExportConfig, facts) -> None:
     from compress.errors import BadInput
     from compress.export.openvino import npu_problems
 
+    check_graph(adapter, cfg, facts)
     if "NPU" not in cfg.device:
         return
     if facts.mixed:
