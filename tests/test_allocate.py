@@ -24,6 +24,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWa
 OPTS = [Option(2, "minmax"), Option(3, "minmax"), Option(4, "minmax"), Option(16, "keep")]
 
 
+@pytest.mark.e2e  # moved out of the default tier (its time budget); CI runs -m e2e
 def test_rl_stage_with_sensitivity_and_warm_start(tmp_path):
     common = dict(updates=2, episodes=2, reward_samples=2, reward_seqlen=32, select_samples=4, select_seqlen=64)
     out = tmp_path / "rl"
@@ -51,6 +52,7 @@ def test_rl_stage_with_sensitivity_and_warm_start(tmp_path):
     assert plan["effective_bits"] <= 2.5 and plan["info"]["final_select"] <= 0  # -kappa * KL
 
 
+@pytest.mark.e2e  # moved out of the default tier (its time budget); CI runs -m e2e
 def test_greedy_with_the_rl_controllers_statistics(tmp_path):
     """`sensitivity: layer` on greedy measures the same layer weights as the rl stage (same selection slice)
     and solves the weighted problem; the weights change the plan."""
@@ -69,6 +71,7 @@ def test_greedy_with_the_rl_controllers_statistics(tmp_path):
     assert plans["sens"]["layers"] != plans["plain"]["layers"]
 
 
+@pytest.mark.e2e  # moved out of the default tier (its time budget); CI runs -m e2e
 def test_refine_in_the_stage(tmp_path):
     """`refine` after greedy: the plan records the moves, its selection loss did not rise, the budget holds."""
     out = tmp_path / "refined"

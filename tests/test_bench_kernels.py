@@ -3,6 +3,8 @@
 import json
 import os
 
+import pytest
+
 from conftest import invoke
 
 
@@ -41,6 +43,7 @@ def test_bench_kernels_quick_json_and_markdown(tmp_path):
     assert "Side by side" in md.read_text()
 
 
+@pytest.mark.e2e  # moved out of the default tier (its time budget); CI runs -m e2e
 def test_bench_kernels_isa_avx2_runs_every_side_on_its_avx2_code(tmp_path):
     """`--isa avx2` restarts the command with torch and MKL capped to AVX2 (read at process start), and runs
     `cpu-a8` on its AVX2 code; run in a child process, since the command replaces its process."""

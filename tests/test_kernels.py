@@ -128,6 +128,7 @@ def test_avx2_and_avx512_compiled_here(ext):
     assert ext.has_avx512() == (avx512 and cpu.build_isa() == "native")
 
 
+@pytest.mark.e2e  # moved out of the default tier (its time budget); CI runs -m e2e
 @pytest.mark.skipif(cpu.build_isa() != "native", reason="this is the run it starts")
 def test_every_kernel_test_passes_with_the_avx2_build():
     """The whole file again in a child process with the kernel built for AVX2 (`COMPRESS_CPU_ISA=avx2`,

@@ -95,6 +95,7 @@ for bits, block_m, dtype in %r:
 """
 
 
+@pytest.mark.e2e  # moved out of the default tier (its time budget); CI runs -m e2e
 def test_triton_compiles_for_sm90(tmp_path):
     """Every kernel variant lowers to an sm_90 (H100/H200) cubin with triton's bundled ptxas; no GPU
     needed. In a fresh process: the interpreter, once used, leaves triton.language patched."""

@@ -247,3 +247,29 @@ def test_graph_exports_refuse_unknown_architectures_and_announce_dense_widths(tm
     (tmp_path / "q.yaml").write_text(yaml.safe_dump(rec))
     rc, _, err = invoke("run", tmp_path / "q.yaml", "--output", tmp_path / "q", "--dry-run")
     assert rc != 0 and "not `qwen3`" in err
+
+
+@pytest.mark.parametrize("model_type", MOE)
+def test_the_bundled_gemq_recipe_runs_on_tiny_moe_models(tmp_path, model_type):
+    """recipes/moe-2.5-gemq.yaml as written, shrunk, with the tiny model's narrower groups (32: its experts are
+    64 and 128 wide) and a budget they can meet; the exports give the in-run model's predictions."""
+    from conftest import REPO
+    from helpers import shrink
+
+    recipe = REPO / "recipes" / "moe-2.5-gemq.yaml"
+    spec = yaml.safe_load(recipe.read_text())
+    model = save_tiny(model_type, tmp_path / model_type)
+    text = str(TEXT / "tinystories" / "tinystories_val.txt")
+    out = tmp_path / "out"
+    rc, stdout, err = invoke("run", recipe, "--model", model, "--output", out, "--json", *shrink(spec),
+                             "--calibration", text, "--eval-data", text, "--set", "stages.1.group_size=32",
+                             "--set", "stages.0.budget=3.4", "--set", "stages.0.samples=4", "--set",
+                             "stages.2.samples=8", "--set", "stages.2.seqlen=64")
+    assert rc == 0, err
+    report = json.loads(stdout)
+    assert [s["name"] for s in report["stages"] if s["name"] not in ("load", "eval", "export")] == \
+        ["allocate", "quantize", "finetune"]
+    assert report["allocation"]["effective_bits"] <= 3.4 and report["routers"]["routers"] == 2
+    assert set(report["exports"]) == {"hf", "openvino"}
+    ev = next(iter(report["eval"].values()))
+    assert ev["ppl_ratio"] > 0.5 and ev["top1"] > 0.2

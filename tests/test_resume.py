@@ -22,8 +22,8 @@ import torch
 from conftest import MODELS, REPO, invoke
 from helpers import tensor_hashes
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning",
-                                        "ignore::DeprecationWarning")
+pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning", "ignore::DeprecationWarning"),
+              pytest.mark.e2e]  # whole runs killed and resumed: the end-to-end tier (CI runs -m e2e)
 
 W2 = REPO / "recipes" / "w2-autoround.yaml"
 MODEL = MODELS / "stories-llama-1m"  # 4 blocks

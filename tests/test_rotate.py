@@ -230,6 +230,7 @@ def test_rotated_quantized_model_exports_and_reloads(tmp_path, tied):
     assert not torch.allclose(norm.float(), torch.ones_like(norm.float()))  # energy scales live in the norms
 
 
+@pytest.mark.e2e  # moved out of the default tier (its time budget); CI runs -m e2e
 @pytest.mark.parametrize("recipe", ["w2-walsh-autoround", "w2-walsh-fused-autoround"])
 def test_walsh_recipes_run_on_stories_llama_1m(recipe, tmp_path):
     """The bundled walsh recipes as written, shrunk like tests/test_recipes_run.py, on stories-llama-1m;

@@ -45,6 +45,7 @@ def test_pad_none_refuses_sizes_without_a_hadamard_matrix():
         WalshConfig(pad="none")
 
 
+@pytest.mark.e2e  # moved out of the default tier (its time budget); CI runs -m e2e
 def test_spectral_mode_runs_in_memory_and_refuses_export(tmp_path):
     """Mode spectral quantizes the transformed linears (d_pad inputs) and evaluates in memory; with an
     export format the plan refuses it before loading the model."""
