@@ -243,6 +243,8 @@ def inspect(directory: Path = typer.Argument(..., help="an `hf` export directory
                    f"{'sym ' if row['sym'] else 'asym'} eff {row['effective_bits']:.3f}")
     typer.echo(f"quantized layers: {info['quantized_layers']}, effective bits {info['effective_bits']}, "
                f"size {info['bytes'] / 2**20:.3f} MiB")
+    for block, experts in info["experts"].items():
+        typer.echo(f"{block} expert bits: " + " ".join(f"{e}:{b}" for e, b in experts.items()))
     from compress.handoff import ModelSpec
 
     typer.echo(ModelSpec.from_json(info["structure"]).text())

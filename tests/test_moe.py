@@ -271,5 +271,10 @@ def test_the_bundled_gemq_recipe_runs_on_tiny_moe_models(tmp_path, model_type):
         ["allocate", "quantize", "finetune"]
     assert report["allocation"]["effective_bits"] <= 3.4 and report["routers"]["routers"] == 2
     assert set(report["exports"]) == {"hf", "openvino"}
+    rc, text, err = invoke("inspect", out / "hf")
+    assert rc == 0, err
+    plan = report["allocation"]["expert_bits"]
+    for layer, experts in plan.items():  # inspect reads the plan's widths back from the checkpoint
+        assert f"model.layers.{layer}.mlp expert bits: " + " ".join(f"{e}:{b}" for e, b in experts.items()) in text
     ev = next(iter(report["eval"].values()))
     assert ev["ppl_ratio"] > 0.5 and ev["top1"] > 0.2

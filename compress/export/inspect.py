@@ -25,9 +25,22 @@ def inspect_checkpoint(directory: Path) -> dict:
     bits = sum(q.storage_bits() for q in qweights.values())
     size = sum(f.stat().st_size for f in directory.iterdir() if f.is_file())
     return {"directory": str(directory), "quantization_config": config.get("quantization_config"),
-            "layers": rows, "quantized_layers": len(rows),
+            "layers": rows, "quantized_layers": len(rows), "experts": expert_bits(qweights),
             "effective_bits": round(bits / numel, 4) if numel else None, "bytes": size,
             "structure": structure(directory).to_json()}
+
+
+def expert_bits(qweights: dict) -> dict[str, dict[str, int | str]]:
+    """{block prefix: {expert: bits}} of the routed experts (`mixed` when an expert's linears differ)."""
+    import re
+
+    out: dict[str, dict[str, set]] = {}
+    for name, q in qweights.items():
+        m = re.match(r"(.+)\.experts\.(\d+)\.[^.]+$", name)
+        if m:
+            out.setdefault(m.group(1), {}).setdefault(m.group(2), set()).add(q.bits)
+    return {block: {e: (next(iter(b)) if len(b) == 1 else "mixed") for e, b in sorted(experts.items(), key=lambda kv: int(kv[0]))}
+            for block, experts in sorted(out.items())}
 
 
 def structure(directory: Path):
