@@ -278,3 +278,16 @@ def test_the_bundled_gemq_recipe_runs_on_tiny_moe_models(tmp_path, model_type):
         assert f"model.layers.{layer}.mlp expert bits: " + " ".join(f"{e}:{b}" for e, b in experts.items()) in text
     ev = next(iter(report["eval"].values()))
     assert ev["ppl_ratio"] > 0.5 and ev["top1"] > 0.2
+
+
+@pytest.mark.e2e
+def test_the_moe_suite_runs_quick(tmp_path):
+    """`compress bench quality --suite moe --quick`: every row on a tiny random Mixtral (plumbing, no claim)."""
+    js, md = tmp_path / "m.json", tmp_path / "m.md"
+    rc, _, err = invoke("bench", "quality", "--suite", "moe", "--quick", "--json", js, "--markdown", md)
+    assert rc == 0, err
+    result = json.loads(js.read_text())
+    assert [r["method"] for r in result["summary"]] == ["uniform", "local", "greedy", "gemq", "gemq+ft"]
+    assert all(c["effective_bits"] <= c["budget"] for c in result["cells"])
+    assert "rtn_w2_ratio" in result["model"] and "loads" in result["model"]
+    assert "## Expected outcomes" in md.read_text()

@@ -42,11 +42,11 @@ def bench_quality(
     only: Optional[List[str]] = typer.Option(None, "--only", help="run only these models (repeatable)"),
     variant: Optional[List[str]] = typer.Option(None, "--variant", help="--suite walsh: run only these rotation "
                                                 "variants (repeatable; vanilla `autoround` always runs as the reference)"),
-    budget: Optional[List[float]] = typer.Option(None, "--budget", help="--suite mixed: only these effective-bit "
-                                                 "budgets (repeatable)"),
-    seed: Optional[List[int]] = typer.Option(None, "--seed", help="--suite mixed: only these seeds (repeatable)"),
-    method: Optional[List[str]] = typer.Option(None, "--method", help="--suite mixed: only these allocation rows "
-                                               "(repeatable), e.g. greedy-sens+refine, rl+refine"),
+    budget: Optional[List[float]] = typer.Option(None, "--budget", help="--suite mixed / moe: only these budgets "
+                                                 "(repeatable)"),
+    seed: Optional[List[int]] = typer.Option(None, "--seed", help="--suite mixed / moe: only these seeds (repeatable)"),
+    method: Optional[List[str]] = typer.Option(None, "--method", help="--suite mixed / moe: only these allocation "
+                                               "rows (repeatable), e.g. greedy-sens+refine, rl+refine; gemq, gemq+ft"),
     refine: Optional[int] = typer.Option(None, "--refine", help="--suite mixed: pair moves of the +refine rows "
                                          "(default 2000)"),
     suite: str = typer.Option("ptq", "--suite", help="`ptq`: FP/RTN/GPTQ/AutoRound matrix; `lfq`: AutoRound "
@@ -55,7 +55,8 @@ def bench_quality(
                               "`mixed`: RL vs uniform/greedy/Lagrangian mixed-precision allocation at 2.25/2.5/3.0 "
                               "effective bits (the RL learning curves go next to --markdown as *-rl-curves.png); "
                               "`flipguard`: a quantization-conditioned backdoor on stories260K against RTN int4, "
-                              "with and without FlipGuard and noise"),
+                              "with and without FlipGuard and noise; `moe`: expert-level allocation (GEMQ) and router "
+                              "fine-tuning vs uniform/local/greedy on stories-moe (built into the cache when missing)"),
 ):
     """FP, RTN, GPTQ and AutoRound at W4/W3/W2 on the real small models and MiniLM (`--suite ptq`),
     the LFQ comparison (`--suite lfq`), the rotation comparison (`--suite walsh`) or mixed-precision
@@ -68,8 +69,8 @@ def bench_quality(
     _setup_logging(False)
     if variant and suite != "walsh":
         raise BadInput("--variant selects rotation variants of --suite walsh")
-    if (budget or seed or method or refine is not None) and suite != "mixed":
-        raise BadInput("--budget, --seed, --method and --refine select rows of --suite mixed")
+    if (budget or seed or method) and suite not in ("mixed", "moe") or refine is not None and suite != "mixed":
+        raise BadInput("--budget, --seed and --method select rows of --suite mixed or moe; --refine of mixed")
     if suite == "ptq":
         from compress.eval.bench.quality import run_quality
 
@@ -88,12 +89,16 @@ def bench_quality(
         curves = md_out.with_name(f"{md_out.stem}-rl-curves.png") if md_out else None
         rows, md = run_mixed(quick=quick, only=only or None, curve_png=curves, budgets=budget or None,
                              seeds=seed or None, methods=method or None, refine=refine)
+    elif suite == "moe":
+        from compress.eval.bench.moe import run_moe
+
+        rows, md = run_moe(quick=quick, budgets=budget or None, seeds=seed or None, methods=method or None)
     elif suite == "flipguard":
         from compress.eval.bench.flipguard import run_flipguard
 
         rows, md = run_flipguard(quick=quick)
     else:
-        raise BadInput(f"unknown --suite `{suite}` (known: ptq, lfq, walsh, mixed, flipguard)")
+        raise BadInput(f"unknown --suite `{suite}` (known: ptq, lfq, walsh, mixed, moe, flipguard)")
     _emit_bench(rows, md, json_out, md_out)
 
 

@@ -1,0 +1,243 @@
+"""`compress bench quality --suite moe`: expert-level allocation (GEMQ) against its baselines (docs/moe.md).
+
+Model: stories-moe (eval/bench/moe_model.py builds it into the cache when it is missing; its sha256 goes into
+the results), calibrated on the first 80% of TinyStories val and scored on the last 20%. First the model is
+characterised: FP perplexity, RTN W2 and W3 (g64) perplexity ratios (it can rank low-bit methods only if
+rounding hurts it), the tokens routed to each expert and the spread of the experts' sensitivities (from the
+statistics of one `allocate moe` run).
+
+Then at 2.0, 2.5 and 3.0 bits per expert parameter, three seeds (the seed picks the calibration windows), for
+the quantizers GPTQ (as published) and AutoRound, every cell one pipeline run with the same calibration:
+
+    uniform   `allocate moe, solve: uniform` (the widest single width that fits)
+    local     `solve: local` (per-layer program, the published baseline)
+    greedy    `solve: greedy` (allocate's error-per-bit knapsack at expert granularity, same statistics)
+    gemq      `solve: global`
+    gemq+ft   `solve: global`, then `finetune: router`
+
+Attention layers at 4 bits, the same group for every layer (the smallest of 64 and 128 whose 2-bit cost fits
+the budget). Scores: perplexity, KL(FP || Q) and top-1 on the evaluation text; the plan's bits per expert
+parameter; statistics + allocation seconds; for gemq+ft the router top-k match and KL before and after.
+`--quick` runs the same code on a tiny random Mixtral (plumbing only: no quality claim).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import yaml
+
+from compress.eval.bench import quality as bq
+
+METHODS = ("uniform", "local", "greedy", "gemq", "gemq+ft")
+SOLVE = {"uniform": "uniform", "local": "local", "greedy": "greedy", "gemq": "global", "gemq+ft": "global"}
+METRICS = ("ppl", "kl", "top1", "effective_bits", "alloc_seconds")
+
+
+@dataclass(frozen=True)
+class MoESettings:
+    base: bq.Settings = replace(bq.FULL, eval_tokens=16_384)
+    seeds: tuple[int, ...] = (0, 1, 2)
+    budgets: tuple[float, ...] = (2.0, 2.5, 3.0)
+    quantizers: tuple[str, ...] = ("gptq", "autoround")
+    stat_samples: int = 32
+    stat_seqlen: int = 256
+    ft_samples: int = 64
+    ft_lr: float = 1e-3
+    ft_loss: str = "kl"
+
+
+FULL = MoESettings()
+QUICK = MoESettings(base=replace(bq.QUICK, eval_tokens=512), seeds=(0,), budgets=(3.4,), quantizers=("gptq",),
+                    stat_samples=4, stat_seqlen=32, ft_samples=4)
+GROUPS = (64, 128)
+
+
+def group_for(budget: float, narrowest: int) -> int | None:
+    """The smallest group whose 2-bit asymmetric cost leaves room to mix, or None."""
+    return next((g for g in GROUPS if g <= narrowest and 2 + 18 / g <= budget - 0.1), None)
+
+
+def recipe(path: str, calib: str, text: str, method: str, quantizer: str, budget: float, group: int, seed: int,
+           s: MoESettings) -> dict:
+    base = replace(s.base, seed=seed)
+    q = {"stage": "quantize", "method": quantizer, "bits": 4, "group_size": group, "sym": False}
+    if quantizer == "autoround":
+        q.update(iters=base.iters, batch_size=base.ar_batch_size)
+    stages = [{"stage": "allocate", "method": "moe", "budget": budget, "solve": SOLVE[method],
+               "samples": s.stat_samples, "seqlen": min(s.stat_seqlen, base.seqlen)}, q]
+    if method.endswith("+ft"):
+        stages.append({"stage": "finetune", "method": "router", "loss": s.ft_loss, "lr": s.ft_lr,
+                       "samples": min(s.ft_samples, base.nsamples), "seqlen": base.seqlen})
+    ev = {"data": [text], "window": base.window, "generation": {"prompts": 0}}
+    if text.endswith("tinystories_val.txt"):
+        ev["text_slice"] = [0.8, 1.0]
+    if base.eval_tokens:
+        ev["max_tokens"] = base.eval_tokens
+    return {"version": 1, "description": f"bench moe: {method} {quantizer} {budget} seed {seed}",
+            "model": {"path": path, "dtype": "float32"},
+            "calibration": {"sources": [calib], "nsamples": base.nsamples, "seqlen": base.seqlen, "seed": seed},
+            "stages": stages, "eval": ev, "export": {"formats": []}}
+
+
+def run(rec: dict, tmp: Path) -> tuple[dict, dict]:
+    """(report, the allocate stage's statistics.json) of one pipeline run in a scratch directory."""
+    from compress import pipeline
+    from compress.recipe import load_recipe
+
+    path = tmp / "cell.yaml"
+    path.write_text(yaml.safe_dump(rec, sort_keys=False))
+    out = tmp / "cell"
+    try:
+        report = pipeline.run(load_recipe(path), out, force=True, quiet=True)
+        stats = json.loads(next((out / "stages").glob("*-allocate-moe/statistics.json")).read_text())
+        return report, stats
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+
+
+def cell(path, calib, text, method, quantizer, budget, group, seed, s: MoESettings, tmp: Path) -> tuple[dict, dict]:
+    report, stats = run(recipe(path, calib, text, method, quantizer, budget, group, seed, s), tmp)
+    ev = next(iter(report["eval"].values()))
+    alloc = next(st for st in report["stages"] if st["name"] == "allocate")
+    row = {"method": method, "quantizer": quantizer, "budget": budget, "group_size": group, "seed": seed,
+           "fp_ppl": ev["fp_ppl"], "ppl": ev["ppl"], "kl": ev["kl"], "top1": ev["top1"],
+           "effective_bits": report["allocation"]["effective_bits"], "alloc_seconds": alloc["seconds"],
+           "expert_bits": report["allocation"]["expert_bits"]}
+    if "routers" in report:
+        row.update({k: report["routers"][k] for k in ("topk_match_before", "topk_match_after", "router_kl_before",
+                                                       "router_kl_after")})
+    return row, stats
+
+
+def characterise(path: str, calib: str, text: str, s: MoESettings, tmp: Path) -> dict:
+    """FP perplexity and RTN W2/W3 g64 perplexity ratios of the model (a dense `quantize: rtn` run each)."""
+    out = {}
+    for bits in (2, 3):
+        rec = recipe(path, calib, text, "uniform", "rtn", 9.0, 64, s.seeds[0], s)
+        rec["stages"] = [{"stage": "quantize", "method": "rtn", "bits": bits, "group_size": 64, "sym": False}]
+        rep = bq.run_cell(rec, tmp)
+        ev = next(iter(rep["eval"].values()))
+        out.update(fp_ppl=ev["fp_ppl"], **{f"rtn_w{bits}_ratio": ev["ppl_ratio"]})
+    return out
+
+
+def targets(rows: list[dict], cells: list[dict]) -> list[dict]:
+    by = {(r["quantizer"], r["budget"], r["method"]): r for r in rows}
+    out = []
+    for (qz, budget, method), r in by.items():
+        if method == "gemq+ft" and budget == 2.5 and (u := by.get((qz, budget, "uniform"))):
+            out.append({"target": f"{qz} @ 2.5: GEMQ + router FT ppl <= 0.85 x uniform", "met": r["ppl"] <= 0.85 * u["ppl"],
+                        "value": f"{r['ppl']:.4f} vs {u['ppl']:.4f} (x{r['ppl'] / u['ppl']:.4f})"})
+        if method == "gemq":
+            wins = [c for c in cells if (c["quantizer"], c["budget"], c["method"]) == (qz, budget, "gemq")]
+            locs = {c["seed"]: c["ppl"] for c in cells if (c["quantizer"], c["budget"], c["method"]) == (qz, budget, "local")}
+            n = sum(c["ppl"] <= locs[c["seed"]] for c in wins if c["seed"] in locs)
+            out.append({"target": f"{qz} @ {budget}: global <= local ppl in >= 2 of 3 seeds", "met": n >= min(2, len(wins)),
+                        "value": f"{n} of {len(wins)}"})
+        if method == "gemq+ft" and "router_kl_before" in r:
+            drop = 1 - r["router_kl_after"] / r["router_kl_before"]
+            out.append({"target": f"{qz} @ {budget}: router FT lowers router KL >= 10% and raises top-k match",
+                        "met": drop >= 0.10 and r["topk_match_after"] > r["topk_match_before"],
+                        "value": f"KL -{100 * drop:.1f}%, match {r['topk_match_before']:.4f} -> {r['topk_match_after']:.4f}"})
+    slow = max((c["alloc_seconds"] for c in cells), default=0.0)
+    out.append({"target": "statistics + allocation < 10 min", "met": slow < 600, "value": f"{slow:.1f} s at most"})
+    return out
+
+
+def run_moe(quick: bool = False, budgets=None, seeds=None, methods=None) -> tuple[dict, str]:
+    from compress.eval.bench import moe_model
+
+    chosen = bq.pick(methods, list(METHODS), "moe method", "--method")
+    s = QUICK if quick else FULL
+    s = replace(s, budgets=tuple(budgets or s.budgets), seeds=tuple(seeds or s.seeds))
+    t0, meta = time.time(), bq.suite_meta(quick)
+    cells, infeasible, stats = [], [], None
+    with tempfile.TemporaryDirectory(prefix="compress-bench-moe-") as tmp_dir:
+        tmp = Path(tmp_dir)
+        text = str(bq.TEXT / "tinystories" / "tinystories_val.txt")
+        calib = bq.calibration_file(bq.benches()[0], tmp)
+        if quick:
+            path, narrowest = _tiny(tmp), 64
+            model = {"name": "tiny random mixtral (plumbing only)"}
+        else:
+            path = str(moe_model.build(bq.log.info))
+            narrowest = 128
+            model = {"name": "stories-moe", **json.loads((Path(path) / "build.json").read_text())}
+        model.update(characterise(path, calib, text, s, tmp))
+        for budget in s.budgets:
+            group = group_for(budget, narrowest)
+            if group is None:
+                infeasible.append({"budget": budget, "reason": f"2-bit experts cost {2 + 18 / GROUPS[-1]:.4f} bits per "
+                                   f"parameter at group {GROUPS[-1]} (scales and zero points); no candidate width "
+                                   "below 2 bits"})
+                continue
+            for qz in s.quantizers:
+                for seed in s.seeds:
+                    for method in chosen:
+                        row, st = cell(path, calib, text, method, qz, budget, group, seed, s, tmp)
+                        stats = stats or st
+                        cells.append(row)
+                        bq.log.info("moe %s %s @%s seed %d: ppl %.4f bits %.4f alloc %.1fs", method, qz, budget, seed,
+                                    row["ppl"], row["effective_bits"], row["alloc_seconds"])
+    if stats:
+        coef = [c for layer in stats["coefficients"].values() for c in layer]
+        model.update(loads=stats["loads"], forced=stats["forced"],
+                     sensitivity_spread=max(c[0] for c in coef) / max(min(c[0] for c in coef), 1e-30))
+    meta["wall_seconds"] = round(time.time() - t0, 1)
+    summary = [{"quantizer": k[0], "budget": k[1], "method": k[2], "seeds": len(cs), "fp_ppl": cs[0]["fp_ppl"],
+                **bq.mean_sd(cs, METRICS + ("topk_match_before", "topk_match_after", "router_kl_before",
+                                            "router_kl_after"))}
+               for k, cs in bq.seed_groups(cells, ("quantizer", "budget", "method"),
+                                           lambda k: (k[0], k[1], METHODS.index(k[2])))]
+    result = {"meta": meta, "model": model, "settings": {**s.base.__dict__, **{k: v for k, v in s.__dict__.items()
+                                                                              if k != "base"}},
+              "summary": summary, "cells": cells, "infeasible": infeasible, "targets": targets(summary, cells)}
+    return result, markdown(result)
+
+
+def _tiny(tmp: Path) -> str:
+    import torch
+    import transformers as T
+
+    torch.manual_seed(0)
+    cfg = T.MixtralConfig(hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, vocab_size=512, max_position_embeddings=256, num_local_experts=4,
+                          num_experts_per_tok=2)
+    out = tmp / "tiny-mixtral"
+    T.AutoModelForCausalLM.from_config(cfg).save_pretrained(out)
+    for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"):
+        shutil.copy(bq.MODELS / "stories260K" / f, out)
+    return str(out)
+
+
+def markdown(result: dict) -> str:
+    m, md, s = result["meta"], result["model"], result["settings"]
+    pm = bq.pm
+    lines = ["# MoE benchmark: expert-level allocation (GEMQ) vs uniform, local and greedy\n", bq.suite_header(m),
+             f"- model: {md['name']}" + (f" (sha256 `{md['sha256'][:16]}`)" if md.get("sha256") else "")
+             + f"; FP perplexity {md['fp_ppl']:.4f}; RTN g64 perplexity ratio W2 x{md['rtn_w2_ratio']:.3f}, "
+             f"W3 x{md['rtn_w3_ratio']:.3f}"
+             + (f"; expert sensitivity (2-bit coefficient) max/min x{md['sensitivity_spread']:.3g}"
+                if "sensitivity_spread" in md else ""),
+             f"- calibration {s['nsamples']} x {s['seqlen']} tokens (first 80% of TinyStories val), statistics on "
+             f"{s['stat_samples']} x {s['stat_seqlen']}; router fine-tuning `{s['ft_loss']}`, lr {s['ft_lr']}, "
+             f"{s['ft_samples']} sequences; attention at 4 bits; seeds {list(s['seeds'])}",
+             "- values: mean ± sample standard deviation over seeds\n",
+             "| quantizer | budget | method | ppl | KL | top-1 | bits/expert param | alloc s | top-k match (FT) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in result["summary"]:
+        ft = (f"{r['topk_match_before']:.3f} -> {r['topk_match_after']:.3f}" if "topk_match_after" in r else "-")
+        lines.append(f"| {r['quantizer']} | {r['budget']} | {r['method']} | {pm(r, 'ppl')} | {pm(r, 'kl')} | "
+                     f"{pm(r, 'top1', 3)} | {pm(r, 'effective_bits', 4)} | {pm(r, 'alloc_seconds', 1)} | {ft} |")
+    for x in result["infeasible"]:
+        lines.append(f"\n{x['budget']} bits: infeasible: {x['reason']}")
+    if "loads" in md:
+        lines.append("\nTokens routed per expert (statistics slice): " + "; ".join(
+            f"layer {k}: {v}" for k, v in md["loads"].items()))
+    return "\n".join(lines + bq.outcomes(result["targets"])) + "\n"
