@@ -38,6 +38,16 @@ class Handoff:
     def load(cls, ctx, key: str):
         raise NotImplementedError
 
+    @staticmethod
+    def artifact(ctx, key: str, name: str):
+        """stages/KEY/NAME, verified against the sha256 recorded when it was written; RunFailure when it is
+        missing or corrupt (the stage is recorded as finished)."""
+        path = ctx.workspace.verified(f"stages/{key}/{name}")
+        if path is None:
+            raise RunFailure(f"stage {key} is recorded as finished but its {name} is missing or corrupt; rerun "
+                             "with --force")
+        return path
+
 
 def name(kind: type) -> str:
     return kind.__name__
@@ -189,11 +199,7 @@ class ModelSpec(Handoff):
     @classmethod
     def load(cls, ctx, key: str) -> "ModelSpec":
         """Read the spec and bring the in-memory model to it (FFN channels are sliced as `kept_ffn` says)."""
-        path = ctx.workspace.verified(f"stages/{key}/{cls.FILE}")
-        if path is None:
-            raise RunFailure(f"stage {key} is recorded as finished but its {cls.FILE} is missing or corrupt; "
-                             "rerun with --force")
-        spec = cls.from_json(json.loads(path.read_text()))
+        spec = cls.from_json(json.loads(cls.artifact(ctx, key, cls.FILE).read_text()))
         spec.restore(ctx.adapter)
         return spec
 

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from pydantic import Field
 
 from compress.config import StrictModel
-from compress.errors import BadInput, RunFailure
+from compress.errors import BadInput
 from compress.handoff import Handoff
 from compress.registry import register
 
@@ -66,11 +66,7 @@ class RouterWeights(Handoff):
     def load(cls, ctx, key: str) -> "RouterWeights":
         from safetensors.torch import load_file
 
-        path = ctx.workspace.verified(f"stages/{key}/{cls.FILE}")
-        if path is None:
-            raise RunFailure(f"stage {key} is recorded as finished but its routers are missing or corrupt; rerun "
-                             "with --force")
-        weights = load_file(str(path))
+        weights = load_file(str(cls.artifact(ctx, key, cls.FILE)))
         params = dict(ctx.model.named_parameters())
         with torch.no_grad():
             for n, w in weights.items():
