@@ -10,7 +10,6 @@ model restored).
     QuantizedWeights  the rounded layers of a `quantize` stage (codes in the stage's block checkpoints)
     Plan              a mixed-precision allocation (compress/methods/allocate/plan.py), for the next quantize
     ModelSpec         the model's shapes: per block FFN channels, heads, experts; which source blocks remain
-    ExportedFiles     what one export wrote
 """
 
 from __future__ import annotations
@@ -231,15 +230,3 @@ def _slice_linear(lin, rows=None, cols=None) -> None:
         if rows is not None and lin.bias is not None:
             lin.bias = torch.nn.Parameter(lin.bias.data[rows].contiguous(), requires_grad=False)
         lin.out_features, lin.in_features = lin.weight.shape
-
-
-# -- ExportedFiles ----------------------------------------------------------------------------------------------
-@dataclass
-class ExportedFiles(Handoff):
-    """What one export wrote: its format, directory, bytes and per-format facts (the exporter's result)."""
-
-    format: str
-    result: dict
-
-    def save(self, ws, key: str) -> None:  # exports run after the stages and are rewritten by every run
-        return None

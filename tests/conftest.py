@@ -12,7 +12,8 @@ import yaml
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# two threads per process; under pytest-xdist (`-n 2`, the default addopts) the cores are shared between workers
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
 if not torch.cuda.is_available():  # the Triton kernel's tests run in its CPU interpreter, chosen before import
     os.environ.setdefault("TRITON_INTERPRET", "1")
 

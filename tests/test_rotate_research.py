@@ -86,6 +86,7 @@ def test_spectral_mode_is_exact_on_the_minilm_encoder(tmp_path_factory):
         walsh.check(ModelAdapter(model), WalshConfig(fused=False))
 
 
+@pytest.mark.e2e  # moved out of the default tier (its time budget); CI runs -m e2e
 def test_autoround_hadamard_baseline_is_exact_in_fp_and_refuses_export(tmp_path):
     """rotate/autoround_hadamard (auto-round's QuaRot inplace rotation, online hooks kept): an 8-bit RTN
     after it stays at the FP perplexity, so the rotation (hooks included) is an exact re-parametrisation;

@@ -8,7 +8,7 @@ from typing import Literal
 from pydantic import Field, field_validator
 
 from compress.config import StrictModel
-from compress.handoff import ExportedFiles, ModelSpec, QuantizedWeights
+from compress.handoff import ModelSpec, QuantizedWeights
 from compress.registry import register
 
 
@@ -71,7 +71,7 @@ def _export(ctx, cfg, fmt: str) -> dict:
     return {"path": str(out), **res}
 
 
-EXPORT = {"uses": (QuantizedWeights, ModelSpec), "produces": (ExportedFiles,)}
+EXPORT = {"uses": (QuantizedWeights, ModelSpec)}  # exports run last; their results go into the report
 
 
 @register("export", "hf", HFExportConfig, "packed auto-round checkpoint loadable by transformers", **EXPORT)
