@@ -14,7 +14,7 @@ from compress.workspace import Workspace
 from conftest import TEXT, invoke, plan_path
 from tiny import save_tiny, tiny_causal
 
-MOE = ["mixtral", "qwen2_moe"]
+MOE = ["mixtral", "qwen2_moe", "qwen3_moe"]
 
 
 @pytest.mark.parametrize("model_type", MOE)
@@ -203,7 +203,7 @@ def test_per_expert_widths_survive_every_export(tmp_path, model_type):
     """Experts at 2, 3 and 4 bits (attention at 4): transformers with auto-round's loader, onnxruntime and
     OpenVINO give the in-memory model's logits (routing in the graphs); the hf checkpoint declares each width."""
     from compress.export.hf import export_hf
-    from compress.export.onnx import export_onnx
+    from compress.export.onnx import MODEL_TYPES, export_onnx
     from compress.export.openvino import export_openvino
     from helpers import check_reload, op_types, ort_logits, quantize_model, rel_err, run_ir
 
@@ -224,6 +224,8 @@ def test_per_expert_widths_survive_every_export(tmp_path, model_type):
     export_hf(model, qweights, None, tmp_path / "hf")
     _, back, _ = check_reload(model, qweights, tmp_path / "hf", 128)
     assert all(back[n].bits == b for n, b in widths.items())
+    if model_type not in MODEL_TYPES:  # qwen3_moe: hf only (the graph builder has no q/k norms yet)
+        return
     ids = torch.randint(0, 128, (2, 17), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         ref = model(ids).logits.numpy()

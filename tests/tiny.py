@@ -17,6 +17,8 @@ def configs(**overrides):
         "qwen2_moe": T.Qwen2MoeConfig(**common, moe_intermediate_size=32, shared_expert_intermediate_size=64,
                                       num_experts=4, num_experts_per_tok=2),
         "mixtral": T.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2),
+        "qwen3_moe": T.Qwen3MoeConfig(**common, head_dim=16, moe_intermediate_size=32, num_experts=4,
+                                      num_experts_per_tok=2),
     }
 
 

@@ -241,6 +241,9 @@ def _quantization_config(model, packed: dict[str, QuantizedWeight], qweights: di
     for name in _supported_layers(model):
         if _in_blocks(name, blocks) and name not in packed:
             extra[name] = dict(DENSE)
+    for name, m in model.named_modules():  # MoE routers: auto-round's loader unfuses some into nn.Linear (qwen3_moe)
+        if type(m).__name__.endswith("TopKRouter") and _in_blocks(name, blocks):
+            extra[name] = dict(DENSE)
     v1_ok = all(qw.sym and bool((qw.zeros > 0).all()) for qw in packed.values())  # v1 cannot hold zero 0
     qconfig = {
         "quant_method": "auto-round",

@@ -63,6 +63,9 @@ ARCHS: dict[str, ArchMap] = {
     ),
     "mixtral": ArchMap(**_CAUSAL, roles={k: v for k, v in LLAMA_ROLES.items() if not k.startswith("mlp_")},
                        experts="mlp.experts", router="mlp.gate"),
+    "qwen3_moe": ArchMap(**_CAUSAL, roles={**{k: v for k, v in LLAMA_ROLES.items() if not k.startswith("mlp_")},
+                                           "q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm"},
+                         experts="mlp.experts", router="mlp.gate"),
     "bert": ArchMap(
         kind="encoder", blocks=("encoder.layer", "bert.encoder.layer"),
         embeddings=("embeddings", "bert.embeddings"),
