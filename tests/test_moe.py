@@ -293,3 +293,31 @@ def test_the_moe_suite_runs_quick(tmp_path):
     assert all(c["effective_bits"] <= c["budget"] for c in result["cells"])
     assert "rtn_w2_ratio" in result["model"] and "loads" in result["model"]
     assert "## Expected outcomes" in md.read_text()
+
+
+def test_progressive_rounds_measure_on_the_previous_plan_and_quantize_from_full_precision(tmp_path):
+    """`rounds: [4.2]`: the final statistics are measured with the experts rounded to the 4.2-bit plan (other
+    coefficients than on FP); the quantize stage (rtn) still rounds the full-precision experts."""
+    outs = {}
+    for name, extra in (("fp", {}), ("progressive", {"rounds": [4.2]})):
+        out = tmp_path / name
+        rc, stdout, err = invoke("run", moe_recipe(tmp_path, budget=3.4, method="rtn", **extra), "--output", out,
+                                 "--json")
+        assert rc == 0, err
+        outs[name] = (json.loads(plan_path(out).read_text()),
+                      json.loads(next((out / "stages").glob("*-allocate-*/statistics.json")).read_text()))
+    (fp_plan, fp_stats), (pr_plan, pr_stats) = outs["fp"], outs["progressive"]
+    assert pr_plan["info"]["rounds"][0]["budget"] == 4.2 and fp_plan["info"]["rounds"] == []
+    assert pr_stats["coefficients"] != fp_stats["coefficients"]
+    from transformers import AutoModelForCausalLM
+
+    fp = ModelAdapter(AutoModelForCausalLM.from_pretrained(tmp_path / "mixtral"))
+    with Workspace(tmp_path / "progressive", resume=True) as ws:
+        key = next((tmp_path / "progressive" / "stages").glob("*-quantize-*")).name
+        got = {**ws.load_block(key, 0, required=True), **ws.load_block(key, 1, required=True)}
+    for name, v in pr_plan["layers"].items():
+        W = fp.model.get_submodule(name).weight.data
+        assert torch.equal(got[name].codes, rtn(W, v["bits"][0], 32, False).codes), name
+    rc, _, err = invoke("run", moe_recipe(tmp_path, budget=3.4, rounds=[3.0]), "--output", tmp_path / "bad",
+                        "--dry-run")
+    assert rc != 0 and "must decrease" in err

@@ -53,6 +53,9 @@ class MoEConfig(StrictModel):
     batch_size: int = Field(4, ge=1)
     min_tokens: int = Field(16, ge=1, description="an expert routed fewer calibration tokens gets the ones its "
                                                   "router scores highest (forced routing) for its statistics")
+    rounds: list[float] = Field([], description="progressive: budgets of earlier rounds, decreasing, above `budget`; "
+                                                "each next round's statistics are measured with the experts rounded "
+                                                "(RTN) to the previous round's plan")
     group_size: Optional[int] = Field(None, description="default and requirement: the next quantize stage's")
     sym: Optional[bool] = Field(None, description="default and requirement: the next quantize stage's")
 
@@ -65,6 +68,9 @@ class MoEConfig(StrictModel):
 
     @model_validator(mode="after")
     def _top(self):
+        budgets = [*self.rounds, self.budget]
+        if any(a <= b for a, b in zip(budgets, budgets[1:])):
+            raise ValueError(f"rounds {self.rounds} must decrease and stay above budget {self.budget}")
         if self.top_widths > len(self.bits):
             raise ValueError(f"top_widths {self.top_widths} is more than the {len(self.bits)} candidate widths")
         return self
@@ -125,16 +131,14 @@ def _least(p: ExpertProblem) -> int:
     return total
 
 
-def apply(ctx, cfg: MoEConfig) -> dict:
+def _statistics(ctx, cfg: MoEConfig, units, tokens) -> tuple[dict, dict, dict]:
+    """(coefficients, tokens routed, force-routed experts) per MoE block, on the model as it is now."""
     from compress import moe
 
-    t0 = time.time()
     adapter = ctx.adapter
-    units = expert_layers(adapter, ctx.facts.layers)
-    tokens = ctx.calibration_tokens()[:cfg.samples, :cfg.seqlen]
     inputs, grads, kw = moe.layer_output_grads(adapter, tokens, cfg.batch_size)
-    blocks = sorted({i for i, _, _ in units})
     coef, loads, forced = {}, {}, {}
+    blocks = sorted({i for i, _, _ in units})
     bar = ctx.progress(total=len(blocks), desc=f"{ctx.key} expert statistics", unit="layer")
     for i in blocks:
         r = moe.routing(adapter, i, inputs[i], kw)
@@ -143,24 +147,60 @@ def apply(ctx, cfg: MoEConfig) -> dict:
         loads[i] = r.loads()
         bar.update(1)
     bar.close()
-    del inputs, grads
-    stats_s = time.time() - t0
+    return coef, loads, forced
+
+
+def _solve(cfg: MoEConfig, units, coef: dict, budget: float) -> tuple[ExpertProblem, np.ndarray]:
     cost = np.array([_cost(lins, cfg.bits, cfg.group_size, cfg.sym) for _, _, lins in units])
     err = np.array([coef[i][e].numpy() for i, e, _ in units])
     params = np.array([sum(lin.weight.numel() for lin in lins.values()) for _, _, lins in units])
     p = ExpertProblem(tuple(cfg.bits), np.array([i for i, _, _ in units]), cost, err, params,
-                      budget_bits(cfg.budget, int(params.sum())), cfg.top_widths if cfg.solve in ("global", "local")
-                      else 0)
+                      budget_bits(budget, int(params.sum())), cfg.top_widths if cfg.solve in ("global", "local") else 0)
+    solve = {"global": solve_global, "local": lambda q: solve_local(q, budget), "greedy": greedy,
+             "uniform": nearest_uniform}[cfg.solve]
+    return p, solve(p)
+
+
+def _round_to(units, choice, cfg: MoEConfig) -> None:
+    """Every expert's linears rounded (RTN) to its width in `choice`, in place."""
+    from compress.primitives import rtn
+
+    for (_, _, lins), k in zip(units, choice):
+        for lin in lins.values():
+            lin.weight.data = rtn(lin.weight.data, cfg.bits[int(k)], cfg.group_size, cfg.sym).dequantize(lin.weight.dtype)
+
+
+def apply(ctx, cfg: MoEConfig) -> dict:
+    t0 = time.time()
+    units = expert_layers(ctx.adapter, ctx.facts.layers)
+    tokens = ctx.calibration_tokens()[:cfg.samples, :cfg.seqlen]
+    saved = {n: lin.weight.data.clone() for _, _, lins in units for n, lin in lins.items()} if cfg.rounds else {}
+    rounds = []
+    try:
+        for budget in cfg.rounds:  # progressive: each round's statistics on the model rounded to the previous plan
+            coef, _, _ = _statistics(ctx, cfg, units, tokens)
+            p, choice = _solve(cfg, units, coef, budget)
+            rounds.append({"budget": budget, "bits_per_param": p.bits_per_param(choice)})
+            for _, _, lins in units:
+                for n, lin in lins.items():
+                    lin.weight.data = saved[n].clone()
+            _round_to(units, choice, cfg)
+        coef, loads, forced = _statistics(ctx, cfg, units, tokens)
+    finally:
+        for _, _, lins in units:  # the quantize stage rounds the full-precision experts
+            for n, lin in lins.items():
+                if n in saved:
+                    lin.weight.data = saved[n]
+    stats_s = time.time() - t0
     t1 = time.time()
-    choice = {"global": solve_global, "local": lambda q: solve_local(q, cfg.budget), "greedy": greedy,
-              "uniform": nearest_uniform}[cfg.solve](p)
+    p, choice = _solve(cfg, units, coef, cfg.budget)
     solve_s = time.time() - t1
     layers, shapes, expert_bits = {}, {}, {}
     for (i, e, lins), k in zip(units, choice):
         expert_bits.setdefault(str(i), {})[str(e)] = cfg.bits[int(k)]
         for name, lin in lins.items():
             layers[name], shapes[name] = [int(k)], tuple(lin.weight.shape)
-    info = {"expert_bits": expert_bits, "objective": p.err_of(choice), "solve": cfg.solve,
+    info = {"expert_bits": expert_bits, "objective": p.err_of(choice), "solve": cfg.solve, "rounds": rounds,
             "statistics_seconds": round(stats_s, 3), "solve_seconds": round(solve_s, 3), "experts": len(units),
             "loads": {str(i): v for i, v in loads.items()},
             "forced": {str(i): [e for e, f in enumerate(v) if f] for i, v in forced.items()}}
