@@ -138,7 +138,12 @@ def _print_plan(p: dict) -> None:
     for s in p["stages"]:
         last = s["config"].get("final_block", "same")
         tail = f"; last block: `final_block: {last}`" if last != "same" else ""
-        typer.echo(f"  {s['key']}: {s['layers']} layers{tail}")
+        if s["stage"] == "quantize":
+            typer.echo(f"  {s['key']}: {s['layers']} layers{tail}")
+        elif s["stage"] == "allocate":
+            typer.echo(f"  {s['key']}: {s['what']}, for the {s['layers']} layers of the next quantize stage")
+        else:
+            typer.echo(f"  {s['key']}: {s['what']}")
     for change in p.get("structure", []):
         typer.echo(f"  structure: {change}")
     typer.echo(f"export: {', '.join(p['export']) or '-'}")

@@ -139,8 +139,9 @@ def _plan(loaded) -> tuple[dict, Binding]:
     bytes_per = torch.finfo(getattr(torch, r.model.dtype)).bits // 8
     act = r.calibration.nsamples * r.calibration.seqlen * config.hidden_size * 4
     binding = bind(r, adapter)
-    stages = [{"key": b.key, "stage": b.cfg.stage, "method": b.cfg.method, "layers": len(b.facts.layers)
-               if b.cfg.stage == "quantize" else 0, "config": b.cfg.model_dump()} for b in binding.stages]
+    # quantize: the layers it rounds; allocate: the layers of the quantize stage its plan is for
+    stages = [{"key": b.key, "stage": b.cfg.stage, "method": b.cfg.method, "layers": len(b.facts.layers),
+               "what": b.entry.description, "config": b.cfg.model_dump()} for b in binding.stages]
     inputs.check_data(loaded, kind)  # reads every data file: after the cheap checks
     if r.model.stream:
         per_block = sum(p.numel() for p in adapter.blocks[0].parameters())
