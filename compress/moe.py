@@ -12,7 +12,8 @@ the routing weight: one expert forward per width instead of a whole block.
 
 Gradients stream block by block: the forward pass keeps each block's input hidden states (tokens x
 hidden per block), the backward pass recomputes one block at a time from its stored input, so memory holds
-one block's graph, never the whole model's.
+one block's graph, never the whole model's; each block's coefficients are computed as soon as its gradient
+exists, so one block's gradients are held at a time.
 
 Coverage: `loads` counts the tokens routed to each expert (top-k). An expert with fewer than `min_tokens`
 routed tokens is given the `min_tokens` tokens with the highest router logit for it, each at weight 1/top_k
@@ -70,9 +71,12 @@ def _frozen(model):
             p.requires_grad_(r)
 
 
-def layer_output_grads(adapter, tokens: torch.Tensor, batch_size: int) -> tuple[list, list, list]:
+def layer_output_grads(adapter, tokens: torch.Tensor, batch_size: int, at_block=None) -> tuple[list, list, list]:
     """(inputs, outputs' gradients, kwargs): per block, per batch, the block's input hidden states and
-    dL/d(block output) of the mean next-token cross-entropy over all of `tokens`."""
+    dL/d(block output) of the mean next-token cross-entropy over all of `tokens`. With `at_block(i, inputs_i,
+    grads_i, kwargs)`,
+    each block's gradients are handed to it as soon as they exist (last block first) and not kept: memory then
+    holds the blocks' inputs and one block's gradients."""
     from compress.methods.lfq import LogitHead
 
     blocks, model = adapter.blocks, adapter.model
@@ -93,7 +97,11 @@ def layer_output_grads(adapter, tokens: torch.Tensor, batch_size: int) -> tuple[
             (loss / n_targets).backward()
             g.append(h.grad)
         for i in range(len(blocks) - 1, -1, -1):
-            grads[i] = g
+            if at_block is None:
+                grads[i] = g
+            else:
+                with torch.no_grad():
+                    at_block(i, inputs[i], g, kw)
             if i == 0:
                 break
             g_in = []

@@ -136,18 +136,21 @@ def _statistics(ctx, cfg: MoEConfig, units, tokens) -> tuple[dict, dict, dict]:
     from compress import moe
 
     adapter = ctx.adapter
-    inputs, grads, kw = moe.layer_output_grads(adapter, tokens, cfg.batch_size)
     coef, loads, forced = {}, {}, {}
-    blocks = sorted({i for i, _, _ in units})
+    blocks = {i for i, _, _ in units}
     bar = ctx.progress(total=len(blocks), desc=f"{ctx.key} expert statistics", unit="layer")
-    for i in blocks:
-        r = moe.routing(adapter, i, inputs[i], kw)
-        coef[i], forced[i] = moe.coefficients(adapter, i, r, grads[i], tuple(cfg.bits), cfg.group_size, cfg.sym,
-                                              cfg.min_tokens)
-        loads[i] = r.loads()
-        bar.update(1)
+
+    def at_block(i, inputs_i, grads_i, kw):  # the backward pass reached block i: its coefficients now
+        if i in blocks:
+            r = moe.routing(adapter, i, inputs_i, kw)
+            coef[i], forced[i] = moe.coefficients(adapter, i, r, grads_i, tuple(cfg.bits), cfg.group_size, cfg.sym,
+                                                  cfg.min_tokens)
+            loads[i] = r.loads()
+            bar.update(1)
+
+    moe.layer_output_grads(adapter, tokens, cfg.batch_size, at_block)
     bar.close()
-    return coef, loads, forced
+    return dict(sorted(coef.items())), dict(sorted(loads.items())), dict(sorted(forced.items()))
 
 
 def _solve(cfg: MoEConfig, units, coef: dict, budget: float) -> tuple[ExpertProblem, np.ndarray]:
@@ -167,7 +170,8 @@ def _round_to(units, choice, cfg: MoEConfig) -> None:
 
     for (_, _, lins), k in zip(units, choice):
         for lin in lins.values():
-            lin.weight.data = rtn(lin.weight.data, cfg.bits[int(k)], cfg.group_size, cfg.sym).dequantize(lin.weight.dtype)
+            qw = rtn(lin.weight.data, cfg.bits[int(k)], cfg.group_size, cfg.sym)
+            lin.weight.data = qw.dequantize(lin.weight.dtype)
 
 
 def apply(ctx, cfg: MoEConfig) -> dict:
