@@ -124,32 +124,39 @@ def solve_local(p: ExpertProblem, bits_per_param: float) -> np.ndarray:
     return choice
 
 
+def knapsack(p: ExpertProblem):
+    """The same units as allocate's chunk-level `Problem` (one unit per expert, the widths as options), for its
+    solvers."""
+    import torch
+
+    from compress.allocation import Option, Problem
+
+    layers = sorted({int(v) for v in p.layer})
+    return Problem([Option(b, "minmax") for b in p.bits], [str(v) for v in layers],
+                   torch.tensor([layers.index(int(v)) for v in p.layer]), torch.zeros(p.n_units, dtype=torch.int64),
+                   torch.as_tensor(p.params, dtype=torch.int64), torch.as_tensor(p.cost, dtype=torch.int64),
+                   torch.as_tensor(p.err, dtype=torch.float64), torch.zeros(p.n_units, 0), p.budget)
+
+
 def greedy(p: ExpertProblem) -> np.ndarray:
-    """Every unit at its narrowest width, then repeatedly the upgrade (to any wider width) with the largest error
-    decrease per extra bit that still fits (allocate's `greedy` at expert granularity; no per-layer rule)."""
-    choice = np.zeros(p.n_units, dtype=np.int64)
-    spent = p.bits_of(choice)
-    if spent > p.budget:
+    """allocate's `greedy` at expert granularity (`allocation.greedy`: every unit at its narrowest width, then the
+    upgrades with the largest error decrease per extra bit that fit); no per-layer rule."""
+    from compress.allocation import greedy as fill_greedy
+
+    if p.bits_of(np.zeros(p.n_units, dtype=np.int64)) > p.budget:
         raise BadInput(f"even {p.bits[0]} bits everywhere exceeds the budget")
-    while True:
-        cur_err = p.err[np.arange(p.n_units), choice][:, None]
-        cur_cost = p.cost[np.arange(p.n_units), choice][:, None]
-        extra = p.cost - cur_cost
-        gain = np.where((extra > 0) & (spent + extra <= p.budget), (cur_err - p.err) / np.maximum(extra, 1), -np.inf)
-        u, k = np.unravel_index(np.argmax(gain), gain.shape)
-        if not np.isfinite(gain[u, k]) or gain[u, k] <= 0:
-            return choice
-        spent += int(extra[u, k])
-        choice[u] = k
+    return fill_greedy(knapsack(p)).numpy()
 
 
 def nearest_uniform(p: ExpertProblem) -> np.ndarray:
-    """Every unit at the widest single width that fits the budget (the uniform baseline; no per-layer rule)."""
-    for k in range(len(p.bits) - 1, -1, -1):
-        choice = np.full(p.n_units, k)
-        if p.bits_of(choice) <= p.budget:
-            return choice
-    raise BadInput(f"even {p.bits[0]} bits everywhere exceeds the budget")
+    """Every unit at the widest single width that fits the budget (`allocation.nearest_uniform`; the uniform
+    baseline, no per-layer rule)."""
+    from compress.allocation import nearest_uniform as widest
+
+    k = widest(knapsack(p))
+    if k is None:
+        raise BadInput(f"even {p.bits[0]} bits everywhere exceeds the budget")
+    return np.full(p.n_units, k)
 
 
 def brute_force(p: ExpertProblem) -> np.ndarray | None:

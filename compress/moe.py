@@ -60,7 +60,8 @@ def moe_blocks(adapter) -> list[int]:
 
 
 @contextlib.contextmanager
-def _frozen(model):
+def frozen(model):
+    """Every parameter of `model` without gradients inside the block; each one's flag restored after."""
     saved = [(p, p.requires_grad) for p in model.parameters()]
     for p, _ in saved:
         p.requires_grad_(False)
@@ -88,7 +89,7 @@ def layer_output_grads(adapter, tokens: torch.Tensor, batch_size: int, at_block=
     head = LogitHead.of(adapter)
     n_targets = tokens.shape[0] * (tokens.shape[1] - 1)
     grads: list = [None] * len(blocks)
-    with _frozen(model), torch.enable_grad():
+    with frozen(model), torch.enable_grad():
         g = []
         for x, k, ids in zip(inputs[-1], kw, tokens.split(batch_size)):
             h = block_forward(blocks[-1], x, k).detach().requires_grad_(True)

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from compress.errors import BadInput
-from compress.expert_allocation import ExpertProblem, brute_force, nearest_uniform, solve_global, solve_local
+from compress.expert_allocation import ExpertProblem, brute_force, greedy, nearest_uniform, solve_global, solve_local
 from compress.qweight import unit_storage_bits
 
 BITS = (2, 3, 4)
@@ -50,12 +50,15 @@ def test_constraints_hold_and_bind():
     assert p.err_of(tied) >= p.err_of(free)
 
 
-def test_local_uses_the_same_total_and_never_beats_global():
+def test_local_and_greedy_fit_the_budget_and_never_beat_global():
     for seed in range(5):
         p = problem(seed, layers=3, budget=3.5)
         g, loc = solve_global(p), solve_local(p, 3.5)
         assert p.bits_of(loc) <= p.budget and p.bits_of(g) <= p.budget
         assert p.err_of(g) <= p.err_of(loc) + 1e-12
+        p.top_widths = 0  # greedy has no per-layer rule: compare with the exact optimum without it
+        gr = greedy(p)
+        assert p.bits_of(gr) <= p.budget and p.err_of(solve_global(p)) <= p.err_of(gr) + 1e-12
 
 
 def test_uniform_and_infeasible_budgets():

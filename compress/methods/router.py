@@ -136,6 +136,7 @@ def _compare(fp: dict, q: dict, top_k: dict) -> tuple[float, float]:
 def apply(ctx, cfg: RouterConfig) -> dict:
     from compress.models.adapters import ModelAdapter
     from compress.models.loading import load_model
+    from compress.moe import frozen
 
     t0 = time.time()
     adapter, model = ctx.adapter, ctx.model
@@ -151,20 +152,16 @@ def apply(ctx, cfg: RouterConfig) -> dict:
     q_logits, losses = _router_logits(adapter, model, tokens, cfg.batch_size)
     before = _compare(fp_logits, q_logits, top_k) + (float(torch.stack(losses).mean()),)
 
-    frozen = set(params)
-    mark = _fingerprint(model, frozen)
+    mark = _fingerprint(model, set(params))
     start = {n: p.detach().clone() for n, p in params.items()}
-    saved = [(p, p.requires_grad) for p in model.parameters()]
-    for p, _ in saved:
-        p.requires_grad_(False)
-    for p in params.values():
-        p.requires_grad_(True)
     opt = torch.optim.AdamW(list(params.values()), lr=cfg.lr, weight_decay=cfg.weight_decay)
     gen = torch.Generator().manual_seed(ctx.seed)
     rows = {i: z.shape[0] // tokens.shape[0] for i, z in fp_logits.items()}  # router rows per sequence
     bar = ctx.progress(total=cfg.epochs * -(-tokens.shape[0] // cfg.batch_size), desc=f"{ctx.key} routers",
                        unit="batch")
-    try:
+    with frozen(model):
+        for p in params.values():
+            p.requires_grad_(True)
         for _ in range(cfg.epochs):
             for idx in torch.randperm(tokens.shape[0], generator=gen).split(cfg.batch_size):
                 opt.zero_grad()
@@ -177,11 +174,8 @@ def apply(ctx, cfg: RouterConfig) -> dict:
                 loss.backward()
                 opt.step()
                 bar.update(1)
-    finally:
-        bar.close()
-        for p, was in saved:
-            p.requires_grad_(was)
-    if _fingerprint(model, frozen) != mark:
+    bar.close()
+    if _fingerprint(model, set(params)) != mark:
         raise RuntimeError("router fine-tuning changed a parameter other than the routers")
     if all(torch.equal(start[n], p) for n, p in params.items()):
         raise RuntimeError("router fine-tuning left every router unchanged")

@@ -29,10 +29,7 @@ def write_heatmap(plan: Plan, path: Path) -> None:
     ax.set_title(f"{plan.method}: {plan.effective_bits():.4f} effective bits (budget {plan.budget})", fontsize=8)
     fig.colorbar(im, ax=ax, label="bits")
     fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=120)
-    plt.close(fig)
-    tmp.replace(path)
+    _save(fig, path)
 
 
 def write_curve(curves, path: Path, labels=None) -> None:
@@ -52,10 +49,7 @@ def write_curve(curves, path: Path, labels=None) -> None:
     if labels:
         ax.legend(fontsize=6)
     fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=120)
-    plt.close(fig)
-    tmp.replace(path)
+    _save(fig, path)
 
 
 def write_experts(expert_bits: dict, loads: dict, path: Path, title: str) -> None:
@@ -82,6 +76,13 @@ def write_experts(expert_bits: dict, loads: dict, path: Path, title: str) -> Non
         fig.colorbar(im, ax=ax, label=label)
     fig.suptitle(title, fontsize=8)
     fig.tight_layout()
+    _save(fig, path)
+
+
+def _save(fig, path: Path) -> None:
+    """Write the figure next to `path` and rename it into place (no half-written picture), then free it."""
+    import matplotlib.pyplot as plt
+
     tmp = path.with_name(f".{path.name}.tmp.png")
     fig.savefig(tmp, dpi=120)
     plt.close(fig)
