@@ -88,10 +88,7 @@ class QuantizedWeights(Handoff):
         from compress.qweight import tensors_to_qweights
 
         ws = ctx.workspace
-        index_path, extra_path = ws.verified(f"stages/{key}/{cls.INDEX}"), ws.verified(f"stages/{key}/{cls.EXTRA}")
-        if index_path is None or extra_path is None:
-            raise RunFailure(f"stage {key} is recorded as finished but its weights index is missing or corrupt; "
-                             "rerun with --force")
+        index_path, extra_path = cls.artifact(ctx, key, cls.INDEX), cls.artifact(ctx, key, cls.EXTRA)
         index = json.loads(index_path.read_text())
         weights: dict[str, QuantizedWeight] = {}
         for i in range(index["blocks"]):

@@ -39,7 +39,8 @@ def expert_bits(qweights: dict) -> dict[str, dict[str, int | str]]:
         m = re.match(r"(.+)\.experts\.(\d+)\.[^.]+$", name)
         if m:
             out.setdefault(m.group(1), {}).setdefault(m.group(2), set()).add(q.bits)
-    return {block: {e: (next(iter(b)) if len(b) == 1 else "mixed") for e, b in sorted(experts.items(), key=lambda kv: int(kv[0]))}
+    return {block: {e: (next(iter(b)) if len(b) == 1 else "mixed")
+                    for e, b in sorted(experts.items(), key=lambda kv: int(kv[0]))}
             for block, experts in sorted(out.items())}
 
 

@@ -17,7 +17,7 @@ import torch
 
 from compress.allocation import Option, Problem, map_bits
 from compress.driver import LayerSpec, MixedSpec
-from compress.errors import BadInput, RunFailure
+from compress.errors import BadInput
 from compress.handoff import Handoff
 from compress.qweight import KEEP_BITS, unit_storage_bits
 
@@ -118,14 +118,10 @@ class Plan(Handoff):
     def load(cls, ctx, key: str) -> "Plan":
         from safetensors.torch import load_file
 
-        ws = ctx.workspace
-        path = ws.verified(f"stages/{key}/{PLAN_FILE}")
-        plan = cls.from_json(json.loads(path.read_text()), str(path)) if path is not None else None
-        energy = ws.verified(f"stages/{key}/{ENERGY_FILE}") if plan is not None and not plan.per_layer else None
-        if plan is None or (energy is None and not plan.per_layer):
-            raise RunFailure(f"stage {key} is recorded as finished but its plan is missing or corrupt; rerun with "
-                             "--force")
-        plan.energy = load_file(str(energy)) if energy is not None else None
+        path = cls.artifact(ctx, key, PLAN_FILE)
+        plan = cls.from_json(json.loads(path.read_text()), str(path))
+        if not plan.per_layer:  # per-layer plans are fitted by the quantizer itself: no energy
+            plan.energy = load_file(str(cls.artifact(ctx, key, ENERGY_FILE)))
         return plan
 
 
