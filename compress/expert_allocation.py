@@ -13,8 +13,9 @@ with scipy's HiGHS `milp`:
                                       sum_{u in layer l} x(u, b_k) >= 1 for the top `top_widths` widths b_k
 
 `budget = floor(B * expert parameters)` in integer bits, so the plan's bits per expert parameter never
-exceed B. `greedy` is the error-per-bit knapsack without the per-layer rule; `local` is the per-layer baseline: each layer gets `floor(B * its expert parameters)` and is
-solved alone by the same program (the same total, up to that rounding). `brute_force` enumerates every
+exceed B. `greedy` is the error-per-bit knapsack without the per-layer rule; `local` is the per-layer
+baseline: each layer gets `floor(B * its expert parameters)` and is solved alone by the same program (the same
+total, up to that rounding). `brute_force` enumerates every
 choice (tests' oracle on tiny instances).
 """
 

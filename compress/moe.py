@@ -140,11 +140,6 @@ def _moe_module(adapter, i: int):
     return get_module(adapter.blocks[i], path)
 
 
-def expert_forward(experts, e: int, x: torch.Tensor) -> torch.Tensor:
-    m = experts[e]
-    return m.down_proj(experts.act_fn(m.gate_proj(x)) * m.up_proj(x))
-
-
 @torch.no_grad()
 def coefficients(adapter, i: int, r: Routing, grads: list, bits: tuple[int, ...], group_size: int, sym: bool,
                  min_tokens: int) -> tuple[torch.Tensor, list[bool]]:
@@ -157,14 +152,14 @@ def coefficients(adapter, i: int, r: Routing, grads: list, bits: tuple[int, ...]
         rows, w, was_forced = r.rows_of(e, min_tokens)
         forced.append(was_forced)
         x = r.x[rows]
-        ref = expert_forward(experts, e, x)
+        ref = experts.expert(e, x)
         linears = {n: getattr(experts[e], n) for n in ("gate_proj", "up_proj", "down_proj")}
         saved = {n: lin.weight.data.clone() for n, lin in linears.items()}
         for j, b in enumerate(bits):
             for n, lin in linears.items():
                 gs = group_size if group_size != -1 and group_size <= lin.in_features else -1
                 lin.weight.data = rtn(saved[n], b, gs, sym).dequantize(saved[n].dtype)
-            dz = (w[:, None] * (ref - expert_forward(experts, e, x))).double()
+            dz = (w[:, None] * (ref - experts.expert(e, x))).double()
             out[e, j] = (g2[rows] * dz ** 2).sum()
         for n, lin in linears.items():
             lin.weight.data = saved[n]
@@ -208,7 +203,7 @@ class Coverage:
         for e, names in enumerate(expert_names(self.adapter, self.i)):
             if counts.get(names[0], self.min_tokens) < self.min_tokens:
                 top = torch.topk(logits[:, e], min(self.min_tokens, x.shape[0])).indices
-                expert_forward(experts, e, x[top])
+                experts.expert(e, x[top])
                 self.forced.append(e)
         self.rows = []
         return self.forced

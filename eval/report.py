@@ -51,7 +51,8 @@ def render_markdown(report: dict) -> str:
     if rt:
         out.append(f"\n## Router fine-tuning\n\n{rt['routers']} routers ({rt['router_params']} parameters), loss "
                    f"`{rt['loss']}`, {rt['epochs']} epoch(s) over {rt['sequences']} calibration sequences; against "
-                   "full precision on those tokens:\n\n| | top-k match | router KL | cross-entropy |\n|---|---|---|---|\n"
+                   "full precision on those tokens:\n\n| | top-k match | router KL | cross-entropy |\n"
+                   "|---|---|---|---|\n"
                    f"| before | {rt['topk_match_before']} | {rt['router_kl_before']} | {rt['ce_before']} |\n"
                    f"| after | {rt['topk_match_after']} | {rt['router_kl_after']} | {rt['ce_after']} |\n")
     ev = report.get("eval") or {}

@@ -32,6 +32,7 @@ from pydantic import Field
 from compress.config import StrictModel
 from compress.errors import BadInput
 from compress.handoff import Handoff
+from compress.moe import frozen, moe_blocks
 from compress.registry import register
 
 log = logging.getLogger(__name__)
@@ -76,12 +77,8 @@ class RouterWeights(Handoff):
 
 def routers(adapter) -> dict[str, torch.nn.Parameter]:
     """Every MoE router's weight, by parameter name."""
-    out = {}
-    for i in range(len(adapter.blocks)):
-        r = adapter.router(i)
-        if r is not None and adapter.experts(i) is not None:
-            out[f"{adapter.block_name(i)}.{adapter.arch.router}.weight"] = r.weight
-    return out
+    return {f"{adapter.block_name(i)}.{adapter.arch.router}.weight": adapter.router(i).weight
+            for i in moe_blocks(adapter)}
 
 
 def check(adapter, cfg: RouterConfig, facts):
@@ -105,11 +102,8 @@ def _fingerprint(model, skip: set[str]) -> str:
 def _router_logits(adapter, model, tokens: torch.Tensor, batch_size: int, grad: bool = False):
     """(per MoE layer: router logits (rows, experts) over all of `tokens`, LM loss of each batch)."""
     seen: dict[int, list] = {}
-    hooks = []
-    for i in range(len(adapter.blocks)):
-        r = adapter.router(i)
-        if r is not None and adapter.experts(i) is not None:
-            hooks.append(r.register_forward_hook(lambda _m, _a, out, i=i: seen.setdefault(i, []).append(out[0])))
+    hooks = [adapter.router(i).register_forward_hook(lambda _m, _a, out, i=i: seen.setdefault(i, []).append(out[0]))
+             for i in moe_blocks(adapter)]
     losses = []
     try:
         with torch.set_grad_enabled(grad):
@@ -136,14 +130,12 @@ def _compare(fp: dict, q: dict, top_k: dict) -> tuple[float, float]:
 def apply(ctx, cfg: RouterConfig) -> dict:
     from compress.models.adapters import ModelAdapter
     from compress.models.loading import load_model
-    from compress.moe import frozen
 
     t0 = time.time()
     adapter, model = ctx.adapter, ctx.model
     tokens = ctx.calibration_tokens()[:cfg.samples, :cfg.seqlen]
     params = routers(adapter)
-    top_k = {i: adapter.router(i).top_k for i in range(len(adapter.blocks))
-             if adapter.router(i) is not None and adapter.experts(i) is not None}
+    top_k = {i: adapter.router(i).top_k for i in moe_blocks(adapter)}
     r = ctx.loaded.recipe.model
     fp_model, _ = load_model(r.path, r.dtype, r.gguf_file)
     fp_adapter = ModelAdapter(fp_model)
@@ -182,7 +174,8 @@ def apply(ctx, cfg: RouterConfig) -> dict:
     q_logits, losses = _router_logits(adapter, model, tokens, cfg.batch_size)
     after = _compare(fp_logits, q_logits, top_k) + (float(torch.stack(losses).mean()),)
     ctx.emit(RouterWeights({n: p.detach().clone() for n, p in params.items()}))
-    out = {"loss": cfg.loss, "lr": cfg.lr, "epochs": cfg.epochs, "sequences": tokens.shape[0], "routers": len(params), "router_params": sum(p.numel() for p in params.values()),
+    out = {"loss": cfg.loss, "lr": cfg.lr, "epochs": cfg.epochs, "sequences": tokens.shape[0], "routers": len(params),
+           "router_params": sum(p.numel() for p in params.values()),
            "topk_match_before": round(before[0], 6), "topk_match_after": round(after[0], 6),
            "router_kl_before": round(before[1], 6), "router_kl_after": round(after[1], 6),
            "ce_before": round(before[2], 6), "ce_after": round(after[2], 6), "seconds": round(time.time() - t0, 3)}

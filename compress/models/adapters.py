@@ -104,14 +104,18 @@ class LinearExperts(nn.ModuleList):
         super().__init__(experts)
         object.__setattr__(self, "act_fn", fused.act_fn)  # not a child: keep the list pure experts
 
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert e on the rows `x` (no routing weight)."""
+        mlp = self[e]
+        return mlp.down_proj(self.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x))
+
     def forward(self, hidden_states, top_k_index, top_k_weights):
         out = torch.zeros_like(hidden_states)
-        for e, mlp in enumerate(self):
+        for e in range(len(self)):
             token_idx, k_pos = torch.where(top_k_index == e)
             if token_idx.numel() == 0:
                 continue
-            x = hidden_states[token_idx]
-            h = mlp.down_proj(self.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x))
+            h = self.expert(e, hidden_states[token_idx])
             out.index_add_(0, token_idx, (h * top_k_weights[token_idx, k_pos, None]).to(out.dtype))
         return out
 
