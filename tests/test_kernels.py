@@ -139,7 +139,9 @@ def test_every_kernel_test_passes_with_the_avx2_build():
     from pathlib import Path
 
     env = {**os.environ, "COMPRESS_CPU_ISA": "avx2"}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+    # the file's own tiers (this e2e test included, so it can skip itself there), on one worker
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0",
+                           "-m", "not slow and not gpu", __file__],
                           cwd=Path(__file__).parent, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert " passed" in proc.stdout and "skipped" in proc.stdout  # this test skipped itself there
