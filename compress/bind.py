@@ -107,7 +107,10 @@ def bind(recipe, adapter) -> Binding:
             if kind.must_be_consumed:
                 pending[kind] = i
         if ModelSpec in entry.produces and entry.reshape is not None:
-            spec = entry.reshape(spec, cfg)
+            shaped = entry.reshape(spec, cfg)
+            shaped.restore(adapter, spec)  # the weightless skeleton takes the new shapes (later stages plan on them)
+            spec = shaped
+            layers.clear()
         bound.append(Bound(i, facts.key, cfg, entry, facts))
     for kind, i in pending.items():
         users = sorted({e.stage for e in _all() if kind in e.consumes + e.uses})

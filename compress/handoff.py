@@ -10,6 +10,7 @@ model restored).
     QuantizedWeights  the rounded layers of a `quantize` stage (codes in the stage's block checkpoints)
     Plan              a mixed-precision allocation (compress/methods/allocate/plan.py), for the next quantize
     ModelSpec         the model's shapes: per block FFN channels, heads, experts; which source blocks remain
+    TrainedWeights    parameters a training stage changed (router fine-tuning, heal), written back on --resume
 """
 
 from __future__ import annotations
@@ -124,9 +125,10 @@ class BlockShape:
 @dataclass(frozen=True)
 class ModelSpec(Handoff):
     """The model's shapes after structural change: which source blocks remain and, per block, its FFN
-    channels, attention heads and expert widths. `kept_ffn[i]`, when given, lists the source FFN channels
-    block i keeps (the rest were removed). Exporters read it and refuse, at plan time, shapes their format
-    cannot hold; `compress inspect` prints it."""
+    channels, attention heads and expert widths. `kept_ffn[s]` / `kept_heads[s]`, when given, list the FFN
+    channels / KV heads that source block s keeps, in source indices (the rest were removed; a KV head keeps
+    the query heads that read it). Exporters read it and refuse, at plan time, shapes their format cannot
+    hold; `compress inspect` prints it; `restore` replays it on a model (compress/structure.py)."""
 
     model_type: str
     hidden_size: int
@@ -134,6 +136,7 @@ class ModelSpec(Handoff):
     source_blocks: int
     blocks: tuple[BlockShape, ...]
     kept_ffn: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    kept_heads: dict[int, tuple[int, ...]] = field(default_factory=dict)
 
     FILE: ClassVar[str] = "model_spec.json"
 
@@ -159,8 +162,9 @@ class ModelSpec(Handoff):
         out = []
         if len(self.blocks) != len(base.blocks):
             out.append(f"{len(self.blocks)} of {len(base.blocks)} blocks kept")
+        by_source = {b.source: b for b in base.blocks}
         for b in self.blocks:
-            s = base.blocks[b.source]
+            s = by_source[b.source]
             for attr in ("ffn", "heads", "kv_heads", "experts"):
                 if getattr(b, attr) != getattr(s, attr):
                     out.append(f"block {b.source} {attr} {getattr(s, attr)} -> {getattr(b, attr)}")
@@ -178,52 +182,109 @@ class ModelSpec(Handoff):
             lines.append(f"  experts: {span('experts')}")
         return "\n".join(lines)
 
+    # -- what a block keeps, in source indices ----------------------------------------------------------------
+    def ffn_sources(self, b: BlockShape) -> tuple[int, ...]:
+        return self.kept_ffn.get(b.source, tuple(range(b.ffn or 0)))
+
+    def head_sources(self, b: BlockShape) -> tuple[int, ...]:
+        return self.kept_heads.get(b.source, tuple(range(b.kv_heads)))
+
+    def keeping(self, *, blocks=None, ffn=None, kv_heads=None) -> "ModelSpec":
+        """This spec after keeping `blocks` (positions in self.blocks), and per kept position the FFN channels
+        `ffn[pos]` / KV heads `kv_heads[pos]` (positions within that block as it is now)."""
+        from dataclasses import replace
+
+        positions = list(range(len(self.blocks))) if blocks is None else list(blocks)
+        ffn, kv_heads = ffn or {}, kv_heads or {}
+        out, kept_ffn, kept_heads = [], {}, {}
+        for pos in positions:
+            b = self.blocks[pos]
+            f, h = self.ffn_sources(b), self.head_sources(b)
+            if pos in ffn:
+                f = tuple(f[j] for j in ffn[pos])
+            if pos in kv_heads:
+                per = b.heads // b.kv_heads
+                h = tuple(h[j] for j in kv_heads[pos])
+                b = replace(b, heads=per * len(h), kv_heads=len(h))
+            b = replace(b, ffn=len(f) if b.ffn is not None else None)
+            out.append(b)
+            if b.source in self.kept_ffn or pos in ffn:
+                kept_ffn[b.source] = f
+            if b.source in self.kept_heads or pos in kv_heads:
+                kept_heads[b.source] = h
+        return replace(self, blocks=tuple(out), kept_ffn=kept_ffn, kept_heads=kept_heads)
+
     def to_json(self) -> dict:
         d = asdict(self)
         d["kept_ffn"] = {str(k): list(v) for k, v in self.kept_ffn.items()}
+        d["kept_heads"] = {str(k): list(v) for k, v in self.kept_heads.items()}
         return d
 
     @classmethod
     def from_json(cls, d: dict) -> "ModelSpec":
         blocks = tuple(BlockShape(**{**b, "experts": tuple(b["experts"])}) for b in d["blocks"])
         return cls(d["model_type"], d["hidden_size"], d["head_dim"], d["source_blocks"], blocks,
-                   {int(k): tuple(v) for k, v in d.get("kept_ffn", {}).items()})
+                   {int(k): tuple(v) for k, v in d.get("kept_ffn", {}).items()},
+                   {int(k): tuple(v) for k, v in d.get("kept_heads", {}).items()})
 
     def save(self, ws, key: str) -> None:
         ws.write_json(f"stages/{key}/{self.FILE}", self.to_json())
 
     @classmethod
     def load(cls, ctx, key: str) -> "ModelSpec":
-        """Read the spec and bring the in-memory model to it (FFN channels are sliced as `kept_ffn` says)."""
+        """Read the spec and bring the in-memory model (at the shapes of the spec this stage used, if any) to it."""
         spec = cls.from_json(json.loads(cls.artifact(ctx, key, cls.FILE).read_text()))
-        spec.restore(ctx.adapter)
+        spec.restore(ctx.adapter, ctx.inputs.get(ModelSpec))
         return spec
 
-    def restore(self, adapter) -> None:
-        """Slice the model's FFN channels to `kept_ffn`; other structural changes cannot be restored yet and
-        are refused (the stage that made them must register `replay=True`)."""
-        now = ModelSpec.of(adapter)
-        if [b.source for b in self.blocks] != [b.source for b in now.blocks] or any(
-                (a.heads, a.kv_heads, a.experts) != (b.heads, b.kv_heads, b.experts)
-                for a, b in zip(self.blocks, now.blocks)):
-            raise RunFailure("this ModelSpec removes blocks, heads or experts, which a resumed run cannot restore "
-                             "from the spec alone; the stage that produced it must replay")
-        for i, kept in self.kept_ffn.items():
-            if now.blocks[i].ffn == len(kept):
-                continue
-            idx = torch.tensor(kept, dtype=torch.long)
-            for role in ("mlp_gate", "mlp_up"):
-                if adapter.role(i, role) is not None:
-                    _slice_linear(adapter.role(i, role), rows=idx)
-            _slice_linear(adapter.role(i, "mlp_down"), cols=idx)
+    def restore(self, adapter, previous: "ModelSpec | None" = None) -> None:
+        """Bring the model, whose shapes are `previous` (None: the source model's), to this spec: keep its blocks,
+        KV heads and FFN channels (compress/structure.py) and write the shapes into the config."""
+        from compress import structure
+
+        prev = previous or ModelSpec.of(adapter)
+        have = [b.source for b in prev.blocks]
+        if any(b.source not in have for b in self.blocks):
+            raise RunFailure(f"this ModelSpec keeps source blocks {[b.source for b in self.blocks]}, but the model "
+                             f"has only {have}")
+        if [b.source for b in self.blocks] != have:
+            structure.keep_blocks(adapter, [have.index(b.source) for b in self.blocks])
+        for pos, b in enumerate(self.blocks):
+            before = prev.blocks[have.index(b.source)]
+            for want, now, edit in ((self.head_sources(b), prev.head_sources(before), structure.keep_kv_groups),
+                                    (self.ffn_sources(b), prev.ffn_sources(before), structure.keep_ffn)):
+                if want != now:
+                    if any(s not in now for s in want):
+                        raise RunFailure(f"block {b.source}: this ModelSpec keeps channels or heads the model "
+                                         "no longer has")
+                    edit(adapter, pos, [now.index(s) for s in want])
+        structure.sync_config(adapter)
 
 
-def _slice_linear(lin, rows=None, cols=None) -> None:
-    with torch.no_grad():
-        w = lin.weight.data
-        w = w[rows] if rows is not None else w
-        w = w[:, cols] if cols is not None else w
-        lin.weight = torch.nn.Parameter(w.contiguous(), requires_grad=False)
-        if rows is not None and lin.bias is not None:
-            lin.bias = torch.nn.Parameter(lin.bias.data[rows].contiguous(), requires_grad=False)
-        lin.out_features, lin.in_features = lin.weight.shape
+# -- TrainedWeights -----------------------------------------------------------------------------------------
+@dataclass
+class TrainedWeights(Handoff):
+    """The parameters a training stage changed, by name (`trained.safetensors`); loading writes them back into
+    the in-memory model, so a resumed run continues from the trained model. Exports read the model."""
+
+    weights: dict[str, torch.Tensor]
+    FILE: ClassVar[str] = "trained.safetensors"
+
+    def save(self, ws, key: str) -> None:
+        from safetensors.torch import save
+
+        ws.write_bytes(f"stages/{key}/{self.FILE}", save({n: w.contiguous() for n, w in self.weights.items()}))
+
+    @classmethod
+    def load(cls, ctx, key: str) -> "TrainedWeights":
+        from safetensors.torch import load_file
+
+        weights = load_file(str(cls.artifact(ctx, key, cls.FILE)))
+        params = dict(ctx.model.named_parameters())
+        missing = sorted(set(weights) - set(params))
+        if missing:
+            raise RunFailure(f"stage {key}: {cls.FILE} holds parameters the model does not have, e.g. {missing[0]}")
+        with torch.no_grad():
+            for n, w in weights.items():
+                params[n].copy_(w)
+        return cls(weights)

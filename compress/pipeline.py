@@ -217,6 +217,9 @@ def _run(loaded, binding: Binding, ws: Workspace, quiet: bool) -> dict:
         found = [st["metrics"][section] for st in ws.manifest["stages"].values() if section in (st.get("metrics") or {})]
         if found:
             report[section] = found[-1]
+    steps = [st["metrics"]["structure"] for st in ws.manifest["stages"].values() if "structure" in (st.get("metrics") or {})]
+    if steps:  # every prune / heal stage, in order
+        report["structure"] = steps
     if r.eval.enabled and r.eval.data and r.model.stream:
         log.warning("model.stream: the in-run evaluation needs the whole model in memory and is skipped; "
                     "run `compress eval OUTPUT/hf --reference MODEL --data FILE` where memory allows")

@@ -30,6 +30,8 @@ METHOD_MODULES = (
     "compress.methods.autoround",
     "compress.methods.allocate",
     "compress.methods.router",
+    "compress.methods.prune",
+    "compress.methods.heal",
     "compress.rotation.walsh",
     "compress.rotation.autoround_hadamard",
     "compress.export.stage",

@@ -55,6 +55,8 @@ def render_markdown(report: dict) -> str:
                    "|---|---|---|---|\n"
                    f"| before | {rt['topk_match_before']} | {rt['router_kl_before']} | {rt['ce_before']} |\n"
                    f"| after | {rt['topk_match_after']} | {rt['router_kl_after']} | {rt['ce_after']} |\n")
+    if report.get("structure"):
+        out.append("\n## Structure\n\n" + "".join(f"- {_structure_step(st)}\n" for st in report["structure"]))
     ev = report.get("eval") or {}
     if ev:
         rows = [{"dataset": k, **v} for k, v in ev.items()]
@@ -101,3 +103,13 @@ def summary_lines(report: dict) -> list[str]:
                              "stored dense (the format cannot hold their shape packed); see report.md")
     lines.append(f"time: {report.get('seconds')} s, peak RSS {report.get('peak_rss_mb')} MB")
     return lines
+
+
+def _structure_step(st: dict) -> str:
+    """One line of report.md's Structure section: a prune stage's changes or a heal stage's KL."""
+    if st["stage"] == "heal":
+        return (f"heal ({st['method']}, {st['steps']} steps, {st['trained_params']} parameters trained): KL to full "
+                f"precision {st['kl_before']} -> {st['kl_after']}")
+    changes = "; ".join(st["changes"]) or "nothing removed"
+    return (f"prune {st['method']} ({st['importance']}): {changes}; parameters {st['parameters_before']} -> "
+            f"{st['parameters_after']}")

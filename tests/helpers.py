@@ -125,6 +125,10 @@ def shrink(recipe: dict) -> list[str]:
             sets.append(f"stages.{i}.iters=2")
         if "updates" in stage:
             sets.append(f"stages.{i}.updates=2")
+        if "steps" in stage:
+            sets.append(f"stages.{i}.steps=4")
+        if "samples" in stage:
+            sets.append(f"stages.{i}.samples=4")
     return [a for s in sets for a in ("--set", s)]
 
 

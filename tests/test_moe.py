@@ -177,7 +177,7 @@ def test_router_finetuning_moves_only_the_routers_and_resumes(tmp_path, loss):
         assert m["router_kl_after"] < 0.8 * m["router_kl_before"] and m["topk_match_after"] > m["topk_match_before"]
     else:
         assert m["ce_after"] < m["ce_before"]
-    saved = load_file(next((out / "stages").glob("*-finetune-router/routers.safetensors")))
+    saved = load_file(next((out / "stages").glob("*-finetune-router/trained.safetensors")))
     (out / "hf").rename(tmp_path / "hf-first")
     rc, stdout, err = invoke("run", path, "--output", out, "--resume", "--json")  # loads the routers, no retraining
     assert rc == 0, err
@@ -293,6 +293,31 @@ def test_the_moe_suite_runs_quick(tmp_path):
     assert all(c["effective_bits"] <= c["budget"] for c in result["cells"])
     assert "rtn_w2_ratio" in result["model"] and "loads" in result["model"]
     assert "## Expected outcomes" in md.read_text()
+    gemq, ft = (next(c for c in result["cells"] if c["method"] == m) for m in ("gemq", "gemq+ft"))
+    assert ft["expert_bits"] == gemq["expert_bits"]  # gemq+ft continues gemq's run
+    assert ft["alloc_seconds"] == gemq["alloc_seconds"]
+
+
+@pytest.mark.e2e
+def test_the_moe_suite_measures_in_parts_and_merges(tmp_path):
+    """--merge folds an earlier result's cells in (a cell run now replaces the same one); a result of other
+    settings is refused."""
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    rc, _, err = invoke("bench", "quality", "--suite", "moe", "--quick", "--method", "uniform", "--method", "local",
+                        "--json", a)
+    assert rc == 0, err
+    rc, _, err = invoke("bench", "quality", "--suite", "moe", "--quick", "--method", "local", "--merge", a,
+                        "--json", b)
+    assert rc == 0, err
+    first, merged = json.loads(a.read_text()), json.loads(b.read_text())
+    assert [r["method"] for r in merged["summary"]] == ["uniform", "local"]
+    assert [c["method"] for c in merged["cells"]] == ["uniform", "local"]
+    assert merged["cells"][0] == first["cells"][0]
+    assert merged["model"]["loads"] == first["model"]["loads"]
+    first["settings"]["stat_samples"] += 1
+    a.write_text(json.dumps(first))
+    rc, _, err = invoke("bench", "quality", "--suite", "moe", "--quick", "--method", "local", "--merge", a)
+    assert rc == 1 and "stat_samples" in err
 
 
 def test_progressive_rounds_measure_on_the_previous_plan_and_quantize_from_full_precision(tmp_path):

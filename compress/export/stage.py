@@ -8,7 +8,7 @@ from typing import Literal
 from pydantic import Field, field_validator
 
 from compress.config import StrictModel
-from compress.handoff import ModelSpec, QuantizedWeights
+from compress.handoff import QuantizedWeights
 from compress.registry import register
 
 
@@ -58,9 +58,6 @@ def _export(ctx, cfg, fmt: str) -> dict:
 
     out = ctx.workspace.path(cfg.directory)
     meta = _meta(ctx)
-    spec = ctx.inputs.get(ModelSpec)
-    if spec is not None and spec.blocks and spec.uniform("ffn") and spec.blocks[0].ffn is not None:
-        ctx.model.config.intermediate_size = spec.blocks[0].ffn  # what a pruning stage left (bind checked uniform)
     if ctx.streamer is not None:
         stage = ctx.inputs[QuantizedWeights].stage
         res = export_hf_streaming(ctx.model, ctx.streamer.source,
@@ -71,7 +68,7 @@ def _export(ctx, cfg, fmt: str) -> dict:
     return {"path": str(out), **res}
 
 
-EXPORT = {"uses": (QuantizedWeights, ModelSpec)}  # exports run last; their results go into the report
+EXPORT = {"uses": (QuantizedWeights,)}  # exports run last; their results go into the report
 
 
 @register("export", "hf", HFExportConfig, "packed auto-round checkpoint loadable by transformers", **EXPORT)

@@ -13,7 +13,7 @@ in batches of `batch_size`. `loss`:
 
 Reported before and after: the top-k match rate (the fraction of (token, layer) pairs whose set of top-k
 experts equals full precision's), the mean router KL, and the cross-entropy on those tokens. The fine-tuned
-routers are the stage's hand-off (`RouterWeights`, `routers.safetensors` in its directory), written back into
+routers are the stage's hand-off (`TrainedWeights`, `trained.safetensors` in its directory), written back into
 the model on `--resume` and read by every export from the model.
 """
 
@@ -22,8 +22,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +30,7 @@ from pydantic import Field
 
 from compress.config import StrictModel
 from compress.errors import BadInput
-from compress.handoff import Handoff
+from compress.handoff import TrainedWeights
 from compress.moe import frozen, moe_blocks
 from compress.registry import register
 
@@ -49,30 +48,6 @@ class RouterConfig(StrictModel):
     batch_size: int = Field(1, ge=1)
     samples: int = Field(128, ge=1, description="calibration sequences to train on")
     seqlen: int = Field(256, ge=2, description="tokens per sequence")
-
-
-@dataclass
-class RouterWeights(Handoff):
-    """The fine-tuned router weights by parameter name."""
-
-    weights: dict[str, torch.Tensor]
-    FILE: ClassVar[str] = "routers.safetensors"
-
-    def save(self, ws, key: str) -> None:
-        from safetensors.torch import save
-
-        ws.write_bytes(f"stages/{key}/{self.FILE}", save({n: w.contiguous() for n, w in self.weights.items()}))
-
-    @classmethod
-    def load(cls, ctx, key: str) -> "RouterWeights":
-        from safetensors.torch import load_file
-
-        weights = load_file(str(cls.artifact(ctx, key, cls.FILE)))
-        params = dict(ctx.model.named_parameters())
-        with torch.no_grad():
-            for n, w in weights.items():
-                params[n].copy_(w)
-        return cls(weights)
 
 
 def routers(adapter) -> dict[str, torch.nn.Parameter]:
@@ -173,7 +148,7 @@ def apply(ctx, cfg: RouterConfig) -> dict:
         raise RuntimeError("router fine-tuning left every router unchanged")
     q_logits, losses = _router_logits(adapter, model, tokens, cfg.batch_size)
     after = _compare(fp_logits, q_logits, top_k) + (float(torch.stack(losses).mean()),)
-    ctx.emit(RouterWeights({n: p.detach().clone() for n, p in params.items()}))
+    ctx.emit(TrainedWeights({n: p.detach().clone() for n, p in params.items()}))
     out = {"loss": cfg.loss, "lr": cfg.lr, "epochs": cfg.epochs, "sequences": tokens.shape[0], "routers": len(params),
            "router_params": sum(p.numel() for p in params.values()),
            "topk_match_before": round(before[0], 6), "topk_match_after": round(after[0], 6),
@@ -190,4 +165,4 @@ def _rows(z: torch.Tensor, idx: torch.Tensor, per_seq: int) -> torch.Tensor:
 
 
 register("finetune", "router", RouterConfig, "router fine-tuning of a quantized MoE model (GEMQ)", check=check,
-         produces=(RouterWeights,))(apply)
+         produces=(TrainedWeights,))(apply)

@@ -47,6 +47,11 @@ def bench_quality(
     seed: Optional[List[int]] = typer.Option(None, "--seed", help="--suite mixed / moe: only these seeds (repeatable)"),
     method: Optional[List[str]] = typer.Option(None, "--method", help="--suite mixed / moe: only these allocation "
                                                "rows (repeatable), e.g. greedy-sens+refine, rl+refine; gemq, gemq+ft"),
+    quantizer: Optional[List[str]] = typer.Option(None, "--quantizer", help="--suite moe: only these quantizers "
+                                                  "(gptq, autoround; repeatable)"),
+    merge: Optional[List[Path]] = typer.Option(None, "--merge", help="--suite moe: fold in the cells of these "
+                                               "earlier --json results (same model and settings; a cell run now "
+                                               "replaces the same one there), to measure the matrix in parts"),
     refine: Optional[int] = typer.Option(None, "--refine", help="--suite mixed: pair moves of the +refine rows "
                                          "(default 2000)"),
     suite: str = typer.Option("ptq", "--suite", help="`ptq`: FP/RTN/GPTQ/AutoRound matrix; `lfq`: AutoRound "
@@ -71,6 +76,8 @@ def bench_quality(
         raise BadInput("--variant selects rotation variants of --suite walsh")
     if (budget or seed or method) and suite not in ("mixed", "moe") or refine is not None and suite != "mixed":
         raise BadInput("--budget, --seed and --method select rows of --suite mixed or moe; --refine of mixed")
+    if (quantizer or merge) and suite != "moe":
+        raise BadInput("--quantizer and --merge are options of --suite moe")
     if suite == "ptq":
         from compress.eval.bench.quality import run_quality
 
@@ -92,7 +99,8 @@ def bench_quality(
     elif suite == "moe":
         from compress.eval.bench.moe import run_moe
 
-        rows, md = run_moe(quick=quick, budgets=budget or None, seeds=seed or None, methods=method or None)
+        rows, md = run_moe(quick=quick, budgets=budget or None, seeds=seed or None, methods=method or None,
+                           quantizers=quantizer or None, merge=merge or ())
     elif suite == "flipguard":
         from compress.eval.bench.flipguard import run_flipguard
 

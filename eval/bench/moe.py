@@ -85,24 +85,22 @@ def recipe(path: str, calib: str, text: str, method: str, quantizer: str, budget
             "stages": stages, "eval": ev, "export": {"formats": []}}
 
 
-def run(rec: dict, tmp: Path) -> tuple[dict, dict]:
-    """(report, the allocate stage's statistics.json) of one pipeline run in a scratch directory."""
+def run(rec: dict, tmp: Path, out: Path, resume: bool = False) -> tuple[dict, dict]:
+    """(report, the allocate stage's statistics.json) of one pipeline run into `out` (the caller removes it);
+    `resume` continues an earlier run there (its finished stages with the same settings are loaded)."""
     from compress import pipeline
     from compress.recipe import load_recipe
 
     path = tmp / "cell.yaml"
     path.write_text(yaml.safe_dump(rec, sort_keys=False))
-    out = tmp / "cell"
-    try:
-        report = pipeline.run(load_recipe(path), out, force=True, quiet=True)
-        stats = json.loads(next((out / "stages").glob("*-allocate-moe/statistics.json")).read_text())
-        return report, stats
-    finally:
-        shutil.rmtree(out, ignore_errors=True)
+    report = pipeline.run(load_recipe(path), out, resume=resume, force=not resume, quiet=True)
+    stats = json.loads(next((out / "stages").glob("*-allocate-moe/statistics.json")).read_text())
+    return report, stats
 
 
-def cell(path, calib, text, method, quantizer, budget, group, seed, s: MoESettings, tmp: Path) -> tuple[dict, dict]:
-    report, stats = run(recipe(path, calib, text, method, quantizer, budget, group, seed, s), tmp)
+def cell(path, calib, text, method, quantizer, budget, group, seed, s: MoESettings, tmp: Path,
+         out: Path, resume: bool = False) -> tuple[dict, dict]:
+    report, stats = run(recipe(path, calib, text, method, quantizer, budget, group, seed, s), tmp, out, resume)
     ev = next(iter(report["eval"].values()))
     alloc = next(st for st in report["stages"] if st["name"] == "allocate")
     row = {"method": method, "quantizer": quantizer, "budget": budget, "group_size": group, "seed": seed,
@@ -156,14 +154,54 @@ def targets(rows: list[dict], cells: list[dict]) -> list[dict]:
     return out
 
 
-def run_moe(quick: bool = False, budgets=None, seeds=None, methods=None) -> tuple[dict, str]:
+KEY = ("quantizer", "budget", "method", "seed")
+
+
+def key(c: dict) -> tuple:
+    return tuple(c[k] for k in KEY)
+
+
+def settings_of(s: MoESettings) -> dict:
+    return {**s.base.__dict__, **{k: v for k, v in s.__dict__.items() if k != "base"}}
+
+
+def earlier_results(files, s: MoESettings) -> list[dict]:
+    """The results to fold in (`--merge`): same settings but the selections (budgets, seeds, quantizers)."""
+    from compress.errors import BadInput
+
+    out, mine = [], {k: v for k, v in settings_of(s).items() if k not in ("budgets", "seeds", "quantizers")}
+    for f in files:
+        try:
+            r = json.loads(Path(f).read_text())
+            theirs = {k: r["settings"][k] for k in mine}
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise BadInput(f"--merge {f}: not a result of --suite moe ({e})") from None
+        if json.loads(json.dumps(mine)) != theirs:
+            diff = sorted(k for k in mine if json.loads(json.dumps(mine[k])) != theirs[k])
+            raise BadInput(f"--merge {f}: measured with other settings ({', '.join(diff)})")
+        out.append(r)
+    return out
+
+
+def run_moe(quick: bool = False, budgets=None, seeds=None, methods=None, quantizers=None,
+            merge=()) -> tuple[dict, str]:
+    """The suite's result and markdown. `budgets`, `seeds`, `methods`, `quantizers` select cells; `merge` folds
+    in the cells of earlier results of the same model and settings (a cell run now replaces one with the same
+    quantizer, budget, method and seed), so the matrix can be measured in parts."""
+    from compress.errors import BadInput
     from compress.eval.bench import moe_model
 
     chosen = bq.pick(methods, list(METHODS), "moe method", "--method")
     s = QUICK if quick else FULL
-    s = replace(s, budgets=tuple(budgets or s.budgets), seeds=tuple(seeds or s.seeds))
+    quantizers = bq.pick(quantizers, list(FULL.quantizers), "moe quantizer", "--quantizer") if quantizers else None
+    s = replace(s, budgets=tuple(budgets or s.budgets), seeds=tuple(seeds or s.seeds),
+                quantizers=tuple(quantizers or s.quantizers))
+    earlier = earlier_results(merge, s)
     t0, meta = time.time(), bq.suite_meta(quick)
     cells, infeasible, stats = [], [], None
+    for r in earlier:
+        cells = [c for c in cells if key(c) not in {key(d) for d in r["cells"]}] + r["cells"]
+        infeasible += [x for x in r["infeasible"] if x not in infeasible]
     with tempfile.TemporaryDirectory(prefix="compress-bench-moe-") as tmp_dir:
         tmp = Path(tmp_dir)
         text = str(bq.TEXT / "tinystories" / "tinystories_val.txt")
@@ -175,22 +213,36 @@ def run_moe(quick: bool = False, budgets=None, seeds=None, methods=None) -> tupl
             path = str(moe_model.build(bq.log.info))
             narrowest = 128
             model = {"name": "stories-moe", **json.loads((Path(path) / "build.json").read_text())}
+        for r in earlier:
+            if r["model"].get("sha256") != model.get("sha256"):
+                raise BadInput(f"--merge: a result measured on another model (sha256 {r['model'].get('sha256')}, "
+                               f"this one {model.get('sha256')})")
         model.update(characterise(path, calib, text, s, tmp))
         for budget in s.budgets:
             group = group_for(budget, narrowest)
             if group is None:
-                infeasible.append({"budget": budget, "reason": f"2-bit experts cost {2 + 18 / GROUPS[-1]:.4f} bits per "
-                                   f"parameter at group {GROUPS[-1]} (scales and zero points); no candidate width "
-                                   "below 2 bits"})
+                x = {"budget": budget, "reason": f"2-bit experts cost {2 + 18 / GROUPS[-1]:.4f} bits per parameter "
+                     f"at group {GROUPS[-1]} (scales and zero points); no candidate width below 2 bits"}
+                infeasible += [x] if x not in infeasible else []
                 continue
             for qz in s.quantizers:
                 for seed in s.seeds:
                     for method in chosen:
-                        row, st = cell(path, calib, text, method, qz, budget, group, seed, s, tmp)
+                        # gemq+ft continues gemq's run: the same allocation and quantization, then the router stage
+                        out = tmp / f"cell-{method.split('+')[0]}"
+                        try:
+                            row, st = cell(path, calib, text, method, qz, budget, group, seed, s, tmp, out,
+                                           resume=method == "gemq+ft" and out.exists())
+                        finally:
+                            if method != "gemq" or "gemq+ft" not in chosen:
+                                shutil.rmtree(out, ignore_errors=True)
                         stats = stats or st
-                        cells.append(row)
+                        cells = [c for c in cells if key(c) != key(row)] + [row]
                         bq.log.info("moe %s %s @%s seed %d: ppl %.4f bits %.4f alloc %.1fs", method, qz, budget, seed,
                                     row["ppl"], row["effective_bits"], row["alloc_seconds"])
+    if not stats and earlier:  # no cell ran now: the statistics' summary of the merged results
+        model.update({k: earlier[-1]["model"][k] for k in ("loads", "forced", "sensitivity_spread")
+                      if k in earlier[-1]["model"]})
     if stats:
         coef = [c for layer in stats["coefficients"].values() for c in layer]
         model.update(loads=stats["loads"], forced=stats["forced"],
@@ -201,8 +253,9 @@ def run_moe(quick: bool = False, budgets=None, seeds=None, methods=None) -> tupl
                                             "router_kl_after"))}
                for k, cs in bq.seed_groups(cells, ("quantizer", "budget", "method"),
                                            lambda k: (k[0], k[1], METHODS.index(k[2])))]
-    result = {"meta": meta, "model": model, "settings": {**s.base.__dict__, **{k: v for k, v in s.__dict__.items()
-                                                                              if k != "base"}},
+    s = replace(s, **{f: tuple(sorted({c[k] for c in cells} | set(getattr(s, f)))) for f, k in
+                      (("budgets", "budget"), ("seeds", "seed"), ("quantizers", "quantizer"))})  # merged ones too
+    result = {"meta": meta, "model": model, "settings": settings_of(s),
               "summary": summary, "cells": cells, "infeasible": infeasible, "targets": targets(summary, cells)}
     return result, markdown(result)
 

@@ -1,0 +1,153 @@
+"""`stage: prune`, methods `ffn`, `heads`, `depth`: structured pruning (docs/prune.md).
+
+- `ffn`: remove `ratio` of the FFN channels of every dense MLP (SwiGLU rows of gate/up, columns of down), by
+  `importance` (`calibrated`: activation energy x down-column norm; `magnitude`: weights only), per layer
+  (`scope: layer`, the same width everywhere) or with one threshold over all layers (`scope: global`, widths
+  differ per layer: onnx/openvino only). Kept widths are rounded to `multiple` (default: the next quantize
+  stage's group size, so groups stay whole; 1 without one).
+- `heads`: remove `ratio` of the KV heads of every block, each with the query heads that read it (GQA-aware:
+  whole groups), the same number in every block (one KV-cache layout), by `importance` as above.
+- `depth`: remove `blocks` whole decoder blocks by `importance` `cosine` (block influence), `loss` (loss
+  increase when skipped) or `last` (the last blocks; the baseline).
+
+Scores are measured on the first `samples` calibration sequences cut to `seqlen` tokens. The stage produces a
+`ModelSpec` (the kept channels, heads and blocks in source indices) that `--resume` replays and the exports
+read; at plan time it says the new shapes so every later stage and export plans on them.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Literal
+
+from pydantic import Field
+
+from compress import prune as scores
+from compress.config import StrictModel
+from compress.errors import BadInput
+from compress.handoff import ModelSpec
+from compress.registry import register
+
+log = logging.getLogger(__name__)
+
+IMPORTANCE = {"ffn": ("calibrated", "magnitude"), "heads": ("calibrated", "magnitude"),
+              "depth": ("cosine", "loss", "last")}
+
+
+class _PruneConfig(StrictModel):
+    stage: Literal["prune"] = "prune"
+    samples: int = Field(32, ge=1, description="calibration sequences the scores are measured on")
+    seqlen: int = Field(256, ge=2)
+    batch_size: int = Field(8, ge=1)
+
+
+class FFNPruneConfig(_PruneConfig):
+    method: Literal["ffn"] = "ffn"
+    ratio: float = Field(..., gt=0, lt=1, description="share of FFN channels removed")
+    importance: Literal["calibrated", "magnitude"] = "calibrated"
+    scope: Literal["layer", "global"] = "layer"
+    multiple: int | None = Field(None, ge=1, description="kept widths are multiples of this (default: the next "
+                                                          "quantize stage's group size, else 1)")
+
+
+class HeadsPruneConfig(_PruneConfig):
+    method: Literal["heads"] = "heads"
+    ratio: float = Field(..., gt=0, lt=1, description="share of KV heads (with their query heads) removed")
+    importance: Literal["calibrated", "magnitude"] = "calibrated"
+
+
+class DepthPruneConfig(_PruneConfig):
+    method: Literal["depth"] = "depth"
+    blocks: int = Field(..., ge=1, description="decoder blocks removed")
+    importance: Literal["cosine", "loss", "last"] = "cosine"
+
+
+def _dense(spec: ModelSpec) -> list[int]:
+    return [p for p, b in enumerate(spec.blocks) if b.ffn is not None]
+
+
+def check(adapter, cfg, facts):
+    if adapter.kind != "causal":
+        raise BadInput(f"`prune` works on decoder (causal) models; `{adapter.model_type}` is an encoder")
+    if facts.after_quantize:
+        raise BadInput(f"stage {facts.index} (`prune`/{cfg.method}) comes after a `quantize` stage; prune before "
+                       "quantizing (the rounded layers would no longer match the model's shapes)")
+    spec = facts.spec
+    if cfg.method == "ffn":
+        if not _dense(spec):
+            raise BadInput(f"`prune: ffn` needs dense MLPs; `{adapter.model_type}` has none (MoE experts are "
+                           "allocated, not pruned)")
+        if cfg.multiple is None:
+            cfg = cfg.model_copy(update={"multiple": facts.rounding[1] if facts.rounding else 1})
+        if cfg.scope == "global" and any(f in ("hf", "fake") for f in facts.exports):
+            raise BadInput("`prune: ffn, scope: global` gives every layer its own FFN width, which the hf export "
+                           "cannot hold (a transformers config has one `intermediate_size`); use `scope: layer` "
+                           "or export onnx/openvino only")
+        narrow = min(spec.blocks[p].ffn for p in _dense(spec))
+        if cfg.multiple > narrow:
+            raise BadInput(f"`multiple: {cfg.multiple}` exceeds the narrowest FFN ({narrow} channels)")
+    elif cfg.method == "heads":
+        kv = {b.kv_heads for b in spec.blocks}
+        if len(kv) != 1:
+            raise BadInput("`prune: heads` needs the same number of KV heads in every block")
+        n = kv.pop()
+        if n - round(cfg.ratio * n) < 1:
+            raise BadInput(f"`ratio: {cfg.ratio}` of {n} KV heads removes them all; each block keeps at least one")
+        if round(cfg.ratio * n) == 0:
+            raise BadInput(f"`ratio: {cfg.ratio}` of {n} KV heads removes none (whole KV heads are removed)")
+    elif cfg.blocks >= len(spec.blocks):
+        raise BadInput(f"`blocks: {cfg.blocks}` removes every one of the model's {len(spec.blocks)} blocks")
+    return cfg
+
+
+def reshape(spec: ModelSpec, cfg) -> ModelSpec:
+    """The shapes after the stage (plan time: which channels, heads or blocks go is measured later, so the
+    first ones stand in for them; with `scope: global` the layer widths are only known after measuring)."""
+    if cfg.method == "ffn":
+        return spec.keeping(ffn={p: range(scores.kept_count(spec.blocks[p].ffn, cfg.ratio, cfg.multiple))
+                                 for p in _dense(spec)})
+    if cfg.method == "heads":
+        kv = spec.blocks[0].kv_heads
+        return spec.keeping(kv_heads={p: range(kv - round(cfg.ratio * kv)) for p in range(len(spec.blocks))})
+    return spec.keeping(blocks=range(len(spec.blocks) - cfg.blocks))
+
+
+def apply(ctx, cfg) -> dict:
+    adapter = ctx.adapter
+    before = ctx.inputs.get(ModelSpec) or ModelSpec.of(adapter)
+    calibrated = cfg.importance not in ("magnitude", "last")
+    tokens = ctx.calibration_tokens()[:cfg.samples, :cfg.seqlen] if calibrated else None
+    if cfg.method == "ffn":
+        s = scores.ffn_scores(adapter, tokens, cfg.batch_size)
+        counts = (scores.global_counts(s, cfg.ratio, cfg.multiple) if cfg.scope == "global" else
+                  {i: scores.kept_count(v.numel(), cfg.ratio, cfg.multiple) for i, v in s.items()})
+        after = before.keeping(ffn={i: scores.top(s[i], counts[i]) for i in s})
+        what = {"ffn": {str(b.source): b.ffn for b in after.blocks}}
+    elif cfg.method == "heads":
+        s = scores.head_scores(adapter, tokens, cfg.batch_size)
+        kv = before.blocks[0].kv_heads
+        after = before.keeping(kv_heads={i: scores.top(v, kv - round(cfg.ratio * kv)) for i, v in s.items()})
+        what = {"kv_heads_kept": {str(b.source): list(after.head_sources(b)) for b in after.blocks}}
+    else:
+        s = scores.block_scores(adapter, tokens, cfg.importance, cfg.batch_size)
+        keep = scores.top(s, len(before.blocks) - cfg.blocks)
+        after = before.keeping(blocks=keep)
+        what = {"blocks_removed": [b.source for p, b in enumerate(before.blocks) if p not in keep],
+                "block_scores": {str(b.source): round(float(s[p]), 6) for p, b in enumerate(before.blocks)}}
+    params = sum(p.numel() for p in adapter.model.parameters())
+    after.restore(adapter, before)
+    ctx.emit(after)
+    left = sum(p.numel() for p in adapter.model.parameters())
+    log.info("prune %s (%s): %s; parameters %d -> %d", cfg.method, cfg.importance,
+             "; ".join(after.differences(before)[:4]) or "nothing removed", params, left)
+    return {"structure": {"stage": "prune", "method": cfg.method, "importance": cfg.importance,
+                          "parameters_before": params, "parameters_after": left,
+                          "changes": after.differences(before), **what}}
+
+
+DESCRIPTIONS = {"ffn": "remove FFN channels by calibrated or magnitude importance",
+                "heads": "remove KV heads (with their query heads) by calibrated or magnitude importance",
+                "depth": "remove decoder blocks by block influence, loss increase or position"}
+for _method, _config in (("ffn", FFNPruneConfig), ("heads", HeadsPruneConfig), ("depth", DepthPruneConfig)):
+    register("prune", _method, _config, DESCRIPTIONS[_method], check=check, uses=(ModelSpec,), produces=(ModelSpec,),
+             reshape=reshape)(apply)

@@ -1,0 +1,142 @@
+"""Importance scores for structured pruning (docs/prune.md): FFN channels, KV-head groups, whole blocks.
+
+Every score is "how much of the block's output would go with this unit", higher = keep:
+
+- `calibrated` FFN channel j of a block: `E[a_j^2] * ||W_down[:, j]||^2`, with `a_j` the channel's activation
+  (the input of `down_proj`) over the calibration tokens: the expected energy the channel writes into the
+  residual stream, ignoring correlations between channels (the Wanda / Minitron activation x weight score,
+  squared). `magnitude`: `||W_gate[j]|| * ||W_up[j]|| * ||W_down[:, j]||`, weights only (the baseline).
+- `calibrated` KV group g (one KV head and the query heads that read it): the same expected output energy of
+  its query heads at `o_proj`, `sum_{d in heads(g)} E[o_d^2] * ||W_o[:, d]||^2`. `magnitude`:
+  `||W_v[g]|| * ||W_o[:, heads(g)]||`.
+- Blocks: `cosine`, the block influence of ShortGPT, `1 - E[cos(x_in, x_out)]` over the calibration tokens (a
+  block that barely turns the residual stream matters little); `loss`, the increase of the calibration
+  cross-entropy when the block alone is skipped; `last`, the baseline, scores blocks by position (the last go
+  first).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from compress.calibration import collect_energy
+from compress.models.adapters import accepts_use_cache
+from compress.structure import block_heads
+
+
+@torch.no_grad()
+def ffn_scores(adapter, tokens: torch.Tensor | None, batch_size: int) -> dict[int, torch.Tensor]:
+    """Per dense-MLP block: the score of each FFN channel (calibrated when `tokens` is given, else magnitude)."""
+    blocks = [i for i in range(len(adapter.blocks)) if adapter.role(i, "mlp_down") is not None]
+    if tokens is None:
+        out = {}
+        for i in blocks:
+            s = adapter.role(i, "mlp_down").weight.float().norm(dim=0)
+            for role in ("mlp_gate", "mlp_up"):
+                if adapter.role(i, role) is not None:
+                    s = s * adapter.role(i, role).weight.float().norm(dim=1)
+            out[i] = s
+        return out
+    energy = collect_energy(adapter.model, tokens, {i: (adapter.role(i, "mlp_down"), "input") for i in blocks},
+                            batch_size=batch_size)
+    return {i: energy[i].float() * adapter.role(i, "mlp_down").weight.float().pow(2).sum(0) for i in blocks}
+
+
+@torch.no_grad()
+def head_scores(adapter, tokens: torch.Tensor | None, batch_size: int) -> dict[int, torch.Tensor]:
+    """Per block: the score of each KV group (calibrated when `tokens` is given, else magnitude)."""
+    _, _, hd = adapter.attention_shape()
+    n = len(adapter.blocks)
+    if tokens is not None:
+        energy = collect_energy(adapter.model, tokens, {i: (adapter.role(i, "o"), "input") for i in range(n)},
+                                batch_size=batch_size)
+    out = {}
+    for i in range(n):
+        heads, kv = block_heads(adapter, i)
+        o = adapter.role(i, "o").weight.float()
+        if tokens is not None:
+            per_dim = energy[i].float() * o.pow(2).sum(0)  # (heads * hd,)
+            out[i] = per_dim.view(kv, -1).sum(1)
+        else:
+            v = adapter.role(i, "v").weight.float().view(kv, -1).norm(dim=1)
+            out[i] = v * o.view(o.shape[0], kv, -1).pow(2).sum((0, 2)).sqrt()
+    return out
+
+
+@torch.no_grad()
+def block_scores(adapter, tokens: torch.Tensor, how: str, batch_size: int) -> torch.Tensor:
+    """Per block, its importance by `how` (`cosine`, `loss` or `last`; module docstring)."""
+    n = len(adapter.blocks)
+    if how == "last":
+        return torch.arange(n, 0, -1, dtype=torch.float64)
+    model = adapter.model
+    kw = {"use_cache": False} if accepts_use_cache(model) else {}
+    if how == "cosine":
+        sums = torch.zeros(n, dtype=torch.float64)
+        count = 0
+
+        def hook(i):
+            def fn(_m, args, kwargs, out):
+                x = args[0] if args else kwargs["hidden_states"]
+                y = out[0] if isinstance(out, tuple) else out
+                sums[i] += F.cosine_similarity(x.double(), y.double(), dim=-1).sum()
+            return fn
+
+        handles = [adapter.blocks[i].register_forward_hook(hook(i), with_kwargs=True) for i in range(n)]
+        try:
+            for b in tokens.split(batch_size):
+                model(input_ids=b, **kw)
+                count += b.numel()
+        finally:
+            for h in handles:
+                h.remove()
+        return 1 - sums / count
+
+    def loss() -> float:
+        total = 0.0
+        for b in tokens.split(batch_size):
+            total += float(model(input_ids=b, labels=b, **kw).loss) * b.shape[0]
+        return total / tokens.shape[0]
+
+    base = loss()
+    out = torch.zeros(n, dtype=torch.float64)
+    for i in range(n):
+        def skip(_m, args, kwargs, out):
+            x = args[0] if args else kwargs["hidden_states"]
+            return (x, *out[1:]) if isinstance(out, tuple) else x
+
+        h = adapter.blocks[i].register_forward_hook(skip, with_kwargs=True)
+        try:
+            out[i] = loss() - base
+        finally:
+            h.remove()
+    return out
+
+
+def kept_count(width: int, ratio: float, multiple: int) -> int:
+    """Channels kept of `width` when `ratio` of them go: the nearest multiple of `multiple` (ties keep more),
+    at least one multiple, at most `width`."""
+    want = width * (1 - ratio) / multiple
+    k = int(want) + (1 if want - int(want) >= 0.5 else 0)
+    return min(width, max(multiple, k * multiple))
+
+
+def top(scores: torch.Tensor, k: int) -> list[int]:
+    """The positions of the `k` largest scores, in increasing order (ties: the earlier position)."""
+    order = sorted(range(scores.numel()), key=lambda j: (-float(scores[j]), j))
+    return sorted(order[:k])
+
+
+def global_counts(scores: dict[int, torch.Tensor], ratio: float, multiple: int) -> dict[int, int]:
+    """Per block, channels kept when one threshold over every block's scores removes `ratio` of all channels;
+    each block's count rounded to `multiple` (at least one multiple)."""
+    total = sum(s.numel() for s in scores.values())
+    keep = total - round(ratio * total)
+    allv = torch.cat([s.double() for s in scores.values()])
+    thr = allv.sort(descending=True).values[keep - 1] if keep else float("inf")
+    out = {}
+    for i, s in scores.items():
+        n = int((s.double() >= thr).sum())
+        out[i] = min(s.numel(), max(multiple, int(round(n / multiple)) * multiple))
+    return out
