@@ -217,7 +217,8 @@ def _run(loaded, binding: Binding, ws: Workspace, quiet: bool) -> dict:
         found = [st["metrics"][section] for st in ws.manifest["stages"].values() if section in (st.get("metrics") or {})]
         if found:
             report[section] = found[-1]
-    steps = [st["metrics"]["structure"] for st in ws.manifest["stages"].values() if "structure" in (st.get("metrics") or {})]
+    steps = [st["metrics"]["structure"] for st in ws.manifest["stages"].values()
+             if "structure" in (st.get("metrics") or {})]
     if steps:  # every prune / heal stage, in order
         report["structure"] = steps
     if r.eval.enabled and r.eval.data and r.model.stream:

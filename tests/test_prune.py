@@ -200,3 +200,19 @@ def test_heads_and_depth_prune_an_moe_model_too():
     s1.restore(a, s0)
     assert (model.config.num_hidden_layers, model.config.num_key_value_heads) == (2, 1)
     assert logits(model).shape == (4, 24, 128) and ModelSpec.of(a).blocks[1].experts == s0.blocks[2].experts
+
+
+@pytest.mark.e2e
+def test_the_prune_suite_runs_quick(tmp_path):
+    """`compress bench quality --suite prune --quick`: every row on stories260K with tiny sizes (plumbing)."""
+    js, md = tmp_path / "p.json", tmp_path / "p.md"
+    rc, _, err = invoke("bench", "quality", "--suite", "prune", "--quick", "--json", js, "--markdown", md)
+    assert rc == 0, err
+    result = json.loads(js.read_text())
+    fams = [(r["family"], r["importance"], r["heal"], r["quant"]) for r in result["summary"]]
+    assert ("ffn", "calibrated", True, None) in fams and ("depth", "last", False, None) in fams
+    assert ("dense", "-", False, "w2") in fams and ("ffn", "calibrated", True, "w4") in fams
+    dense4 = next(r for r in result["summary"] if r["quant"] == "w4" and r["family"] == "dense")
+    pruned4 = next(r for r in result["summary"] if r["quant"] == "w4" and r["family"] == "ffn")
+    assert pruned4["bytes"] < dense4["bytes"] < result["cells"][0]["fp_bytes"]
+    assert (tmp_path / "p-pareto.png").stat().st_size > 0 and "## Expected outcomes" in md.read_text()

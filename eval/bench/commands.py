@@ -61,7 +61,9 @@ def bench_quality(
                               "effective bits (the RL learning curves go next to --markdown as *-rl-curves.png); "
                               "`flipguard`: a quantization-conditioned backdoor on stories260K against RTN int4, "
                               "with and without FlipGuard and noise; `moe`: expert-level allocation (GEMQ) and router "
-                              "fine-tuning vs uniform/local/greedy on stories-moe (built into the cache when missing)"),
+                              "fine-tuning vs uniform/local/greedy on stories-moe (built into the cache when missing); "
+                              "`prune`: FFN/depth pruning with and without heal, chained with AutoRound (the "
+                              "size/perplexity Pareto plot goes next to --markdown as *-pareto.png)"),
 ):
     """FP, RTN, GPTQ and AutoRound at W4/W3/W2 on the real small models and MiniLM (`--suite ptq`),
     the LFQ comparison (`--suite lfq`), the rotation comparison (`--suite walsh`) or mixed-precision
@@ -101,12 +103,17 @@ def bench_quality(
 
         rows, md = run_moe(quick=quick, budgets=budget or None, seeds=seed or None, methods=method or None,
                            quantizers=quantizer or None, merge=merge or ())
+    elif suite == "prune":
+        from compress.eval.bench.prune import run_prune
+
+        pareto = md_out.with_name(f"{md_out.stem}-pareto.png") if md_out else None
+        rows, md = run_prune(quick=quick, pareto=pareto)
     elif suite == "flipguard":
         from compress.eval.bench.flipguard import run_flipguard
 
         rows, md = run_flipguard(quick=quick)
     else:
-        raise BadInput(f"unknown --suite `{suite}` (known: ptq, lfq, walsh, mixed, moe, flipguard)")
+        raise BadInput(f"unknown --suite `{suite}` (known: ptq, lfq, walsh, mixed, moe, prune, flipguard)")
     _emit_bench(rows, md, json_out, md_out)
 
 

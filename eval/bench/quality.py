@@ -155,8 +155,8 @@ def run_cell(rec: dict, tmp: Path) -> dict:
     from compress import pipeline
     from compress.recipe import load_recipe
 
-    q = rec["stages"][-1]  # the quantize stage (a rotate stage may come first)
-    name = f"{Path(rec['model']['path']).name}-{q['method']}-w{q['bits']}"
+    last = rec["stages"][-1] if rec["stages"] else {"stage": "none", "method": "fp"}
+    name = f"{Path(rec['model']['path']).name}-{last['stage']}-{last['method']}-{last.get('bits', '')}"
     path = tmp / f"{name}.yaml"
     path.write_text(yaml.safe_dump(rec, sort_keys=False))
     out = tmp / name
