@@ -21,7 +21,7 @@ from typing import Callable
 
 import torch
 
-from compress import inputs
+from compress import inputs, prunepath
 from compress.bind import Binding, Bound, Facts, bind
 from compress.calibration import calibration_tokens, tokens_hash
 from compress.errors import BadInput, RunFailure
@@ -303,7 +303,8 @@ def _run_stage(ctx: StageContext, b: Bound, inputs_hash: str, handoffs: dict, ti
         if not resumed:
             ws.stage_begin(b.key, b.cfg.stage, b.cfg.method, inputs_hash)
         log.info("stage %s%s", b.key, " (finished earlier: replayed)" if resumed else "")
-        metrics = entry.apply(ctx, b.cfg)
+        with prunepath.dense(ctx.model):  # stages calibrate on dense FFNs; the evaluation runs at tau
+            metrics = entry.apply(ctx, b.cfg)
         produced = ctx.emitted
         kinds = sorted(type(v).__name__ for v in produced)
         if kinds != sorted(k.__name__ for k in entry.produces):

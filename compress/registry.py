@@ -32,6 +32,7 @@ METHOD_MODULES = (
     "compress.methods.router",
     "compress.methods.prune",
     "compress.methods.heal",
+    "compress.methods.prunepath",
     "compress.rotation.walsh",
     "compress.rotation.autoround_hadamard",
     "compress.export.stage",
