@@ -184,6 +184,9 @@ def eval_(
     new_tokens: int = typer.Option(64, "--new-tokens", help="greedy tokens generated per prompt"),
     backend: str = typer.Option("auto", "--backend", help="kernels for a packed `hf` export: auto, cpu, cpu-a8, "
                                 "triton, reference, or `transformers` (auto-round's loader, fp16 on CPU)"),
+    ffn_mass: Optional[float] = typer.Option(None, "--ffn-mass", help="PrunePath models: cumulative router mass "
+                                             "of the active FFN experts per token (1 = dense; the checkpoint's own "
+                                             "tau when not given)"),
     as_json: bool = typer.Option(False, "--json", help="print JSON on stdout"),
 ):
     """Perplexity and logit fidelity (KL, top-1 vs --reference) of any checkpoint, and how long its
@@ -196,7 +199,7 @@ def eval_(
     _setup_logging(as_json)
     res = evaluate_checkpoint(model, reference=reference, data=data or [], window=window, max_tokens=max_tokens,
                               gen_prompts=gen_prompts, prompt_tokens=prompt_tokens, new_tokens=new_tokens,
-                              backend=backend)
+                              backend=backend, ffn_mass=ffn_mass)
     if as_json:
         _emit_json(res)
     else:
@@ -211,6 +214,9 @@ def generate(
     prompt: str = typer.Option(..., "--prompt", help="text to continue"),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", help="greedy tokens to generate"),
     backend: str = typer.Option("auto", "--backend", help="auto, cpu, cpu-a8, triton, reference, or transformers"),
+    ffn_mass: Optional[float] = typer.Option(None, "--ffn-mass", help="PrunePath models: cumulative router mass "
+                                             "of the active FFN experts per token (1 = dense; the checkpoint's own "
+                                             "tau when not given)"),
     as_json: bool = typer.Option(False, "--json", help="print JSON on stdout"),
 ):
     """Greedy continuation of a prompt, and the decoding speed (tokens/s) on this machine.
@@ -220,7 +226,7 @@ def generate(
     from compress.eval.cli import generate_text
 
     _setup_logging(as_json)
-    res = generate_text(model, prompt, max_new_tokens=max_new_tokens, backend=backend)
+    res = generate_text(model, prompt, max_new_tokens=max_new_tokens, backend=backend, ffn_mass=ffn_mass)
     if as_json:
         _emit_json(res)
         return

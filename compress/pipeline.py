@@ -303,7 +303,7 @@ def _run_stage(ctx: StageContext, b: Bound, inputs_hash: str, handoffs: dict, ti
         if not resumed:
             ws.stage_begin(b.key, b.cfg.stage, b.cfg.method, inputs_hash)
         log.info("stage %s%s", b.key, " (finished earlier: replayed)" if resumed else "")
-        with prunepath.dense(ctx.model):  # stages calibrate on dense FFNs; the evaluation runs at tau
+        with prunepath.dense(ctx.model, not entry.routed):  # calibrate on dense FFNs; eval and heal at tau
             metrics = entry.apply(ctx, b.cfg)
         produced = ctx.emitted
         kinds = sorted(type(v).__name__ for v in produced)

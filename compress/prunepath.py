@@ -77,22 +77,26 @@ class PrunePathMLP(nn.Module):
         self.gate_proj, self.up_proj, self.down_proj, self.act_fn = mlp.gate_proj, mlp.up_proj, mlp.down_proj, mlp.act_fn
         self.router, self.expert_size, self.tau, self.k_min = router, expert_size, tau, k_min
         self.last_active = 1.0
+        self.active = [0.0, 0]  # sum of active fractions over tokens, tokens seen (`mean_active`)
 
     @property
     def experts(self) -> int:
-        return self.up_proj.out_features // self.expert_size
+        return self.router.weight.shape[0]
 
     def mask(self, x: torch.Tensor) -> torch.Tensor:
         return top_p_mask(torch.softmax(self.router(x).float(), -1), self.tau, self.k_min)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.act_fn(self.gate_proj(x)) * self.up_proj(x)
+        tokens = h[..., 0].numel()
         if self.tau < 1:
             m = self.mask(x)
             self.last_active = float(m.float().mean())
             h = h * m.to(h.dtype).repeat_interleave(self.expert_size, -1)
         else:
             self.last_active = 1.0
+        self.active[0] += self.last_active * tokens
+        self.active[1] += tokens
         return self.down_proj(h)
 
 
@@ -166,8 +170,8 @@ def wrap(adapter, i: int, router: torch.Tensor, expert_size: int, tau: float, k_
 class dense:
     """Context: every PrunePath FFN of `model` runs dense (tau = 1), e.g. while a later stage calibrates."""
 
-    def __init__(self, model: nn.Module):
-        self.mlps = [m for m in model.modules() if isinstance(m, PrunePathMLP)]
+    def __init__(self, model: nn.Module, active: bool = True):
+        self.mlps = [m for m in model.modules() if isinstance(m, PrunePathMLP)] if active else []
 
     def __enter__(self):
         self.saved = [m.tau for m in self.mlps]
@@ -180,9 +184,41 @@ class dense:
             m.tau = t
 
 
+def mean_active(model: nn.Module) -> float | None:
+    """Mean fraction of experts active over every token every PrunePath FFN has seen (None: there are none)."""
+    mlps = [m for m in model.modules() if isinstance(m, PrunePathMLP) and m.active[1]]
+    return sum(m.active[0] for m in mlps) / sum(m.active[1] for m in mlps) if mlps else None
+
+
 def set_tau(model: nn.Module, tau: float) -> int:
     """Set the mass threshold of every PrunePath FFN; returns how many there are."""
     mlps = [m for m in model.modules() if isinstance(m, PrunePathMLP)]
     for m in mlps:
         m.tau = tau
     return len(mlps)
+
+
+def describe(model: nn.Module, expert_size: int, k_min: int, tau: float, blocks: list[int]) -> None:
+    """Record the PrunePath FFNs in the model's config (`prunepath`: what `attach` rebuilds from a checkpoint;
+    plain transformers ignores the field and the router tensors, and runs the FFNs dense)."""
+    model.config.prunepath = {"expert_size": expert_size, "k_min": k_min, "tau": tau, "blocks": list(blocks),
+                              "router": "model.layers.{i}.mlp.router.weight"}
+
+
+def attach(model: nn.Module, tensors: dict | None = None) -> int:
+    """Wrap the FFNs the config's `prunepath` names, with routers from `tensors` (a checkpoint's, by name) or
+    zeros (to be filled by `load_state_dict`); returns how many. Nothing happens without the field."""
+    from compress.models.adapters import ModelAdapter
+
+    info = getattr(model.config, "prunepath", None)
+    if not info:
+        return 0
+    a = ModelAdapter(model)
+    for i in info["blocks"]:
+        if tensors is not None:
+            w = tensors[info["router"].format(i=i)].float()
+        else:  # a model built from its config (plain nn.Linear layers): the routers' shapes from the FFN
+            up = a.blocks[i].mlp.up_proj
+            w = torch.zeros(up.out_features // info["expert_size"], up.in_features)
+        wrap(a, i, w, info["expert_size"], info["tau"], info["k_min"])
+    return len(info["blocks"])

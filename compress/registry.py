@@ -58,6 +58,9 @@ class Entry:
     evaluation_only: Callable | None = None
     # reshape(spec, cfg) -> ModelSpec at plan time: the shapes after this stage, for stages producing a ModelSpec
     reshape: Callable | None = None
+    # routed: the stage runs PrunePath FFNs at their threshold (heal trains the routed model); other stages see
+    # them dense (calibration statistics of every neuron)
+    routed: bool = False
 
 
 _REGISTRY: dict[tuple[str, str], Entry] = {}

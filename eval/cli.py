@@ -12,6 +12,18 @@ from compress.verify import verify_artifact
 BACKENDS = ("auto", "cpu", "cpu-a8", "triton", "reference", "transformers")
 
 
+def _ffn_mass(model, tau: float | None) -> None:
+    """`--ffn-mass`: the PrunePath threshold of every routed FFN (docs/prune.md)."""
+    if tau is None:
+        return
+    from compress import prunepath
+
+    if not 0 < tau <= 1:
+        raise BadInput(f"--ffn-mass {tau}: the cumulative router mass must be in (0, 1]")
+    if not prunepath.set_tau(model, tau):
+        raise BadInput("--ffn-mass needs a model with PrunePath FFNs (`prune: prunepath`); this one has none")
+
+
 def _load(path: str, backend: str = "auto"):
     """(model, tokenizer). A packed `hf` export runs on our kernels (`backend`: auto, cpu, cpu-a8, triton,
     reference; compress/export/runtime.py) unless `backend` is `transformers` (auto-round's loader);
@@ -35,6 +47,11 @@ def _load(path: str, backend: str = "auto"):
             # auto-round casts a packed model to fp16 on CPU and its `.float()` refuses quantized models;
             # nn.Module.float restores fp32 compute (see compress/export/hf.py).
             model = torch.nn.Module.float(model).eval()
+            if getattr(model.config, "prunepath", None):  # routed FFNs: transformers dropped the router tensors
+                from compress import prunepath
+                from compress.export.hf import load_tensors
+
+                prunepath.attach(model, load_tensors(Path(src)))
     except (OSError, ValueError) as e:
         raise BadInput(f"cannot load `{path}`: {e}") from e
     check_finite(model, path)
@@ -47,7 +64,7 @@ def _load(path: str, backend: str = "auto"):
 
 def evaluate_checkpoint(model_path: str, *, reference: str | None, data: list[str], window: int = 256,
                         max_tokens: int | None = None, gen_prompts: int = 16, prompt_tokens: int = 32,
-                        new_tokens: int = 64, backend: str = "auto") -> dict:
+                        new_tokens: int = 64, backend: str = "auto", ffn_mass: float | None = None) -> dict:
     """Perplexity of `model_path` on each file; with `reference`, also KL/top-1 and greedy-continuation
     agreement (`gen_prompts` prompts, 0 = off) against it on the same tokens. A packed checkpoint runs
     on `backend` (see `_load`)."""
@@ -58,6 +75,7 @@ def evaluate_checkpoint(model_path: str, *, reference: str | None, data: list[st
     if not data:
         raise BadInput("give at least one --data FILE to evaluate on")
     model, tok = _load(model_path, backend)
+    _ffn_mass(model, ffn_mass)
     ref = _load(reference) if reference else None
     tok = tok or (ref[1] if ref else None)
     if tok is None:
@@ -72,6 +90,10 @@ def evaluate_checkpoint(model_path: str, *, reference: str | None, data: list[st
                                                   new_tokens=new_tokens)
         else:
             out[Path(path).name] = {"ppl": perplexity(model, ids, window=window, bos_id=bos, max_tokens=max_tokens)}
+        if ffn_mass is not None:
+            from compress import prunepath
+
+            out[Path(path).name].update(ffn_mass=ffn_mass, ffn_active=prunepath.mean_active(model))
     bad = non_finite(out)
     if bad:
         raise RunFailure(f"`{model_path}` computes non-finite values ({', '.join(bad[:4])}): NaN or overflow in "
@@ -79,7 +101,8 @@ def evaluate_checkpoint(model_path: str, *, reference: str | None, data: list[st
     return out
 
 
-def generate_text(model_path: str, prompt: str, *, max_new_tokens: int = 64, backend: str = "auto") -> dict:
+def generate_text(model_path: str, prompt: str, *, max_new_tokens: int = 64, backend: str = "auto",
+                  ffn_mass: float | None = None) -> dict:
     """Greedy continuation of `prompt` (KV cache, exactly max_new_tokens steps) and its speed: decode
     tokens/s counts the steps after the first token (prefill_s covers the prompt and the first token)."""
     from compress.eval.generation import greedy
@@ -87,6 +110,7 @@ def generate_text(model_path: str, prompt: str, *, max_new_tokens: int = 64, bac
     if max_new_tokens < 1:
         raise BadInput("--max-new-tokens must be at least 1")
     model, tok = _load(model_path, backend)
+    _ffn_mass(model, ffn_mass)
     if tok is None:
         raise BadInput(f"no tokenizer found in `{model_path}`")
     ids = tok(prompt, return_tensors="pt").input_ids

@@ -108,7 +108,24 @@ def test_the_stage_sets_tau_for_the_target_quantizes_dense_and_resumes(tmp_path)
     from transformers import AutoModelForCausalLM
 
     loaded = AutoModelForCausalLM.from_pretrained(out / "hf")  # plain transformers: the dense fallback
-    assert loaded.config.intermediate_size == 384
+    assert loaded.config.intermediate_size == 384 and loaded.config.prunepath["tau"] == st["tau"]
+    runs = {}
+    for backend in ("cpu", "transformers"):  # our packed loader and auto-round's both rebuild the routed FFNs
+        for mass in (None, 1.0, 0.3):
+            args = ["--ffn-mass", mass] if mass else []
+            rc, text, err = invoke("eval", out / "hf", "--data", CAL, "--max-tokens", 1024, "--backend", backend,
+                                   "--json", *args)
+            assert rc == 0, err
+            runs[backend, mass] = json.loads(text)[CAL.name]
+    assert abs(runs["cpu", None]["ppl"] - ev["ppl"]) / ev["ppl"] < 1e-3  # the checkpoint's own tau
+    for backend in ("cpu", "transformers"):
+        assert runs[backend, 1.0]["ffn_active"] == 1.0 and runs[backend, 0.3]["ffn_active"] < 0.5
+        assert runs[backend, 1.0]["ppl"] < runs[backend, None]["ppl"] < runs[backend, 0.3]["ppl"]
+    rc, text, err = invoke("generate", out / "hf", "--prompt", "Once upon a time", "--max-new-tokens", 8,
+                           "--ffn-mass", 0.7, "--json")
+    assert rc == 0, err
+    rc, _, err = invoke("eval", MODELS / "stories-llama-1m", "--data", CAL, "--ffn-mass", 0.5)
+    assert rc == 1 and "PrunePath" in err
 
 
 def test_plan_time_refusals(tmp_path):

@@ -25,7 +25,8 @@ def test_bundled_recipes():
     """The recipes the issues ask for are bundled (every bundled recipe runs in the test below)."""
     required = {"quickstart.yaml", "w4-gptq.yaml", "w3-autoround.yaml", "w2-autoround.yaml", "w2-autoround-lfq.yaml",
                 "w4-onnx.yaml", "w4-openvino.yaml", "w2-walsh-autoround.yaml", "w2-walsh-fused-autoround.yaml",
-                "mixed-2.5-rl.yaml", "mixed-2.5-greedy.yaml", "prune-ffn25-w4.yaml"}
+                "mixed-2.5-rl.yaml", "mixed-2.5-greedy.yaml", "prune-ffn25-w4.yaml",
+                "prunepath-w4.yaml"}
     assert required <= {p.name for p in RECIPES} and (REPO / "recipes" / "moe-2.5-gemq.yaml").is_file()
 
 

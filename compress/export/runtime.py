@@ -34,6 +34,7 @@ def load_packed(directory, backend: str = "auto"):
     """(model in eval mode, {"backend": {name: count}, "quantized_layers": n}) for a packed checkpoint."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from compress import prunepath
     from compress.export.hf import load_tensors, read_quantized
     from compress.kernels.backends import QuantLinear, quantize_model
 
@@ -46,6 +47,7 @@ def load_packed(directory, backend: str = "auto"):
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # build plain nn.Linear layers; ours replace the packed ones
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    prunepath.attach(model)  # routed FFNs (docs/prune.md): their routers are ordinary tensors of the file
     dense = {k: v for k, v in tensors.items() if not k.endswith(PACKED_SUFFIXES)}
     result = model.load_state_dict(dense, strict=False)
     _check_keys(model, result, qweights, directory)

@@ -6,7 +6,8 @@ left it (pruned). For `steps` AdamW steps (`lr`, cosine decay to zero after `war
 clipped to 1) on batches of `batch_size` calibration sequences cut to `seqlen` tokens (cycled, reshuffled each
 pass), the loss is KL(p_teacher || p_student) of the next-token distributions at `temperature`, averaged
 over tokens. Every parameter trains except the embeddings and the LM head (tied or not): they hold most of a
-small model's parameters and pruning left them whole. Reported: the KL on the first batch before and after.
+small model's parameters and pruning left them whole. PrunePath FFNs train as they run, at their threshold
+(the active experts of each token; the routers get no gradient through the hard selection). Reported: the KL on the first batch before and after.
 The trained parameters are the stage's hand-off (`TrainedWeights`), written back on `--resume`. It must come
 before any `quantize` stage (the quantizer rounds the healed weights).
 """
@@ -126,4 +127,4 @@ def apply(ctx, cfg: HealConfig) -> dict:
 
 
 register("heal", "distill", HealConfig, "distil the pruned model from the full-precision one (KL on logits)",
-         check=check, produces=(TrainedWeights,))(apply)
+         check=check, produces=(TrainedWeights,), routed=True)(apply)

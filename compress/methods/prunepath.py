@@ -76,6 +76,7 @@ class PathRouters(Handoff):
         routers = {int(i): w for i, w in load_file(str(cls.artifact(ctx, key, cls.FILE))).items()}
         for i, w in routers.items():
             pp.wrap(ctx.adapter, i, w, meta["expert_size"], meta["tau"], meta["k_min"])
+        pp.describe(ctx.model, meta["expert_size"], meta["k_min"], meta["tau"], sorted(routers))
         return cls(routers, meta["expert_size"], meta["k_min"], meta["tau"])
 
 
@@ -149,6 +150,7 @@ def apply(ctx, cfg: PrunePathConfig) -> dict:
     tau = cfg.tau if cfg.tau is not None else pp.tau_for(probs, cfg.target_active, cfg.k_min)
     for i in blocks:
         pp.wrap(adapter, i, routers[i], cfg.expert_size, tau, cfg.k_min)
+    pp.describe(adapter.model, cfg.expert_size, cfg.k_min, tau, blocks)
     ctx.emit(PathRouters(routers, cfg.expert_size, cfg.k_min, tau))
     active = pp.active_fraction(probs, tau, cfg.k_min)
     log.info("prunepath: %d FFNs in experts of %d, tau %.4f, %.1f%% of experts active on the calibration tokens",
