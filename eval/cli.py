@@ -64,11 +64,13 @@ def _load(path: str, backend: str = "auto"):
 
 def evaluate_checkpoint(model_path: str, *, reference: str | None, data: list[str], window: int = 256,
                         max_tokens: int | None = None, gen_prompts: int = 16, prompt_tokens: int = 32,
-                        new_tokens: int = 64, backend: str = "auto", ffn_mass: float | None = None) -> dict:
+                        new_tokens: int = 64, backend: str = "auto", ffn_mass: float | None = None,
+                        text_slice: tuple[float, float] | None = None) -> dict:
     """Perplexity of `model_path` on each file; with `reference`, also KL/top-1 and greedy-continuation
     agreement (`gen_prompts` prompts, 0 = off) against it on the same tokens. A packed checkpoint runs
-    on `backend` (see `_load`)."""
-    from compress.eval.data import read_text, token_stream
+    on `backend` (see `_load`); `ffn_mass` sets a PrunePath model's tau; `text_slice` (start, end) evaluates
+    that fraction of each file (as a recipe's `eval.text_slice`)."""
+    from compress.eval.data import read_text, text_slice as cut, token_stream
     from compress.eval.generation import compare_causal
     from compress.eval.metrics import perplexity
 
@@ -82,7 +84,8 @@ def evaluate_checkpoint(model_path: str, *, reference: str | None, data: list[st
         raise BadInput(f"no tokenizer found in `{model_path}`" + (f" or `{reference}`" if reference else ""))
     out = {}
     for path in data:
-        ids = token_stream(tok, read_text(path))
+        text = read_text(path)
+        ids = token_stream(tok, cut(text, *text_slice) if text_slice else text)
         bos = getattr(tok, "bos_token_id", None)
         if ref:
             out[Path(path).name] = compare_causal(ref[0], model, ids, window=window, bos_id=bos, max_tokens=max_tokens,

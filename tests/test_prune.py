@@ -216,3 +216,7 @@ def test_the_prune_suite_runs_quick(tmp_path):
     pruned4 = next(r for r in result["summary"] if r["quant"] == "w4" and r["family"] == "ffn")
     assert pruned4["bytes"] < dense4["bytes"] < result["cells"][0]["fp_bytes"]
     assert (tmp_path / "p-pareto.png").stat().st_size > 0 and "## Expected outcomes" in md.read_text()
+    path = next(r for r in result["summary"] if r["family"] == "prunepath")
+    assert [p["tau"] for p in path["curve"]] == [0.5, 1.0] and path["curve"][-1]["active"] == 1.0
+    assert path["curve"][0]["active"] < 1 and (tmp_path / "p-prunepath.png").stat().st_size > 0
+    assert any(t["target"].startswith("PrunePath") for t in result["targets"])

@@ -64,7 +64,8 @@ def _export(ctx, cfg, fmt: str) -> dict:
                                   lambda i: ctx.workspace.load_block(stage, i, required=True),
                                   _qweights(ctx), ctx.tokenizer, out, meta=meta)
     else:
-        res = export_hf(ctx.model, _qweights(ctx), ctx.tokenizer, out, fmt=fmt, meta=meta)
+        qweights = _qweights(ctx)  # none (a run that prunes without quantizing): a plain checkpoint
+        res = export_hf(ctx.model, qweights, ctx.tokenizer, out, fmt=fmt if qweights else "fake", meta=meta)
     return {"path": str(out), **res}
 
 

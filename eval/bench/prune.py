@@ -4,6 +4,9 @@ Every cell is one pipeline run (calibrated on the first 80% of TinyStories val, 
 picks the calibration windows and the heal batches), three seeds:
 
     ffn     25% and 50% of the FFN channels, `calibrated` vs `magnitude`, each without and with `heal`
+    prunepath  experts of 32 neurons, tau for 50% active experts, healed at that tau; then the one checkpoint
+            evaluated at every tau of `taus` (`compress eval --ffn-mass`): perplexity vs active fraction, next to
+            static FFN pruning at the same fraction (`PATH-prunepath.png` beside the Pareto plot)
     depth   1 and 2 blocks, `cosine` and `loss` (calibrated) vs `last`
     w4      the chained recipes: ffn 25% / 50% and depth 1 (calibrated + heal) then AutoRound W4 (group 32), next to the
             dense AutoRound W4 / W3 / W2 points (group 32): the size / perplexity Pareto plot (`--markdown` PATH ->
@@ -39,11 +42,14 @@ class PruneSettings:
     heal_steps: int = 300
     heal_lr: float = 1e-3
     heal_batch: int = 8
+    expert_size: int = 32
+    taus: tuple[float, ...] = (0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 
 
 FULL = PruneSettings()
 QUICK = PruneSettings(base=replace(bq.QUICK, iters=2, eval_tokens=512), model="stories260K", seeds=(0,),
-                      ratios=(0.25,), depths=(1,), group=32, score_samples=4, heal_steps=4, heal_batch=2)
+                      ratios=(0.5,), depths=(1,), group=32, score_samples=4, heal_steps=4, heal_batch=2,
+                      expert_size=43, taus=(0.5, 1.0))
 
 
 def rows(s: PruneSettings) -> list[dict]:
@@ -53,6 +59,7 @@ def rows(s: PruneSettings) -> list[dict]:
         for imp in ("calibrated", "magnitude"):
             for heal in (False, True):
                 out.append({"family": "ffn", "amount": r, "importance": imp, "heal": heal, "quant": None})
+    out.append({"family": "prunepath", "amount": 0.5, "importance": "router", "heal": True, "quant": None})
     for n in s.depths:
         for imp in ("cosine", "loss", "last"):
             out.append({"family": "depth", "amount": n, "importance": imp, "heal": False, "quant": None})
@@ -67,7 +74,11 @@ def rows(s: PruneSettings) -> list[dict]:
 def recipe(row: dict, path: str, calib: str, text: str, seed: int, s: PruneSettings) -> dict:
     base = replace(s.base, seed=seed)
     stages = []
-    if row["family"] != "dense":
+    if row["family"] == "prunepath":
+        stages.append({"stage": "prune", "method": "prunepath", "expert_size": s.expert_size,
+                       "target_active": row["amount"], "samples": min(s.score_samples, base.nsamples),
+                       "seqlen": base.seqlen})
+    elif row["family"] != "dense":
         p = {"stage": "prune", "method": row["family"], "importance": row["importance"],
              "samples": min(s.score_samples, base.nsamples), "seqlen": base.seqlen}
         p.update({"ratio": row["amount"], "multiple": s.group} if row["family"] == "ffn" else {"blocks": row["amount"]})
@@ -83,11 +94,44 @@ def recipe(row: dict, path: str, calib: str, text: str, seed: int, s: PruneSetti
         ev["max_tokens"] = base.eval_tokens
     return {"version": 1, "description": f"bench prune: {row} seed {seed}", "model": {"path": path, "dtype": "float32"},
             "calibration": {"sources": [calib], "nsamples": base.nsamples, "seqlen": base.seqlen, "seed": seed},
-            "stages": stages, "eval": ev, "export": {"formats": []}}
+            "stages": stages, "eval": ev,
+            "export": {"formats": ["hf"] if row["family"] == "prunepath" else []}}
+
+
+def run(rec: dict, tmp: Path, then=None) -> tuple[dict, object]:
+    """(report, `then(output directory)` before it is removed) of one pipeline run."""
+    import shutil
+
+    import yaml
+
+    from compress import pipeline
+    from compress.recipe import load_recipe
+
+    path, out = tmp / "cell.yaml", tmp / "cell"
+    path.write_text(yaml.safe_dump(rec, sort_keys=False))
+    try:
+        report = pipeline.run(load_recipe(path), out, force=True, quiet=True)
+        return report, then(out) if then else None
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+
+
+def tau_curve(out: Path, text: str, fp: str, s: PruneSettings) -> list[dict]:
+    """Perplexity and active fraction of one PrunePath checkpoint at every tau (`compress eval --ffn-mass`)."""
+    from compress.eval.cli import evaluate_checkpoint
+
+    curve = []
+    for tau in s.taus:
+        ev = evaluate_checkpoint(str(out / "hf"), reference=fp, data=[text], window=s.base.window,
+                                 max_tokens=s.base.eval_tokens, gen_prompts=0, ffn_mass=tau, text_slice=(0.8, 1.0))
+        r = next(iter(ev.values()))
+        curve.append({"tau": tau, "active": r["ffn_active"], "ppl": r["ppl"], "kl": r["kl"]})
+    return curve
 
 
 def cell(row: dict, path, calib, text, seed: int, s: PruneSettings, tmp: Path) -> dict:
-    report = bq.run_cell(recipe(row, path, calib, text, seed, s), tmp)
+    then = (lambda out: tau_curve(out, text, path, s)) if row["family"] == "prunepath" else None
+    report, curve = run(recipe(row, path, calib, text, seed, s), tmp, then)
     ev = next(iter(report["eval"].values()))
     out = {**row, "seed": seed, "fp_ppl": ev["fp_ppl"], "ppl": ev["ppl"], "kl": ev["kl"], "top1": ev["top1"],
            "bytes": report["size"]["packed_bytes"], "fp_bytes": report["size"]["fp_bytes"]}
@@ -97,16 +141,24 @@ def cell(row: dict, path, calib, text, seed: int, s: PruneSettings, tmp: Path) -
     heal = next((st for st in steps if st["stage"] == "heal"), None)
     if heal:
         out.update(heal_kl_before=heal["kl_before"], heal_kl_after=heal["kl_after"])
+    if curve:
+        out.update(curve=curve, tau=prune["tau"], active=prune["active_fraction"])
     return out
 
 
 def summarize(cells: list[dict]) -> list[dict]:
     keys = [tuple(r[k] for k in KEY) for r in rows(FULL)] + [tuple(r[k] for k in KEY) for r in rows(QUICK)]
     order = {k: i for i, k in reversed(list(enumerate(keys)))}
-    return [{**dict(zip(KEY, k)), "seeds": len(cs), "fp_ppl": cs[0]["fp_ppl"],
+    out = []
+    for k, cs in bq.seed_groups(cells, KEY, lambda k: order.get(k, len(order))):
+        r = {**dict(zip(KEY, k)), "seeds": len(cs), "fp_ppl": cs[0]["fp_ppl"],
              **(bq.mean_sd(cs, ("params",)) if cs[0]["params"] is not None else {"params": None}),
-             **bq.mean_sd(cs, ("ppl", "kl", "top1", "bytes"))}
-            for k, cs in bq.seed_groups(cells, KEY, lambda k: order.get(k, len(order)))]
+             **bq.mean_sd(cs, ("ppl", "kl", "top1", "bytes", "tau", "active"))}
+        if "curve" in cs[0]:  # PrunePath: perplexity and active fraction per tau, mean over seeds
+            r["curve"] = [{"tau": pt["tau"], **bq.mean_sd([c["curve"][j] for c in cs], ("active", "ppl", "kl"))}
+                          for j, pt in enumerate(cs[0]["curve"])]
+        out.append(r)
+    return out
 
 
 def targets(summary: list[dict]) -> list[dict]:
@@ -127,6 +179,11 @@ def targets(summary: list[dict]) -> list[dict]:
             if m:
                 out.append({"target": f"ffn {amount:.0%}{' + heal' if heal else ''}: calibrated ppl < magnitude",
                             "met": r["ppl"] < m["ppl"], "value": f"{r['ppl']:.4f} vs {m['ppl']:.4f}"})
+        if fam == "prunepath" and (static := by.get(("ffn", 1 - amount, "calibrated", True, None))):
+            out.append({"target": f"PrunePath at {amount:.0%} active FFN (+ heal) ppl < static FFN pruning to "
+                                  f"{1 - amount:.0%} (calibrated + heal)", "met": r["ppl"] < static["ppl"],
+                        "value": f"{r['ppl']:.4f} (active {r['active']:.3f} on calibration tokens) vs "
+                                 f"{static['ppl']:.4f}"})
         if fam == "depth" and imp in ("cosine", "loss") and (last := by.get((fam, amount, "last", heal, None))):
             out.append({"target": f"depth -{amount} blocks: {imp} ppl <= last blocks", "met": r["ppl"] <= last["ppl"],
                         "value": f"{r['ppl']:.4f} vs {last['ppl']:.4f}"})
@@ -157,6 +214,32 @@ def pareto_png(summary: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def curve_png(summary: list[dict], path: Path) -> None:
+    """Perplexity vs active FFN fraction: PrunePath over tau, static FFN pruning (+ heal), full precision."""
+    from compress.eval.figures import _pyplot
+
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for r in summary:
+        if "curve" in r:
+            ax.plot([p["active"] for p in r["curve"]], [p["ppl"] for p in r["curve"]], "o-",
+                    label=f"PrunePath (heal at {r['amount']:.0%} active), tau {r['curve'][0]['tau']}..1")
+    static = [r for r in summary if r["family"] == "ffn" and r["importance"] == "calibrated" and not r["quant"]]
+    for heal in (False, True):
+        pts = sorted((1 - r["amount"], r["ppl"]) for r in static if r["heal"] == heal)
+        if pts:
+            ax.plot(*zip(*pts), "s--", label=f"static FFN pruning, calibrated{' + heal' if heal else ''}")
+    if summary:
+        ax.axhline(summary[0]["fp_ppl"], ls=":", color="grey", label="full precision")
+    ax.set_xlabel("active FFN fraction")
+    ax.set_ylabel("perplexity")
+    ax.set_yscale("log")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=150)
+    plt.close(fig)
+
+
 def run_prune(quick: bool = False, pareto: Path | None = None) -> tuple[dict, str]:
     s = QUICK if quick else FULL
     t0, meta = time.time(), bq.suite_meta(quick)
@@ -180,7 +263,9 @@ def run_prune(quick: bool = False, pareto: Path | None = None) -> tuple[dict, st
               "summary": summary, "cells": cells, "targets": targets(summary)}
     if pareto:
         pareto_png(summary, pareto)
-        result["pareto"] = str(pareto)
+        curves = pareto.with_name(pareto.name.replace("-pareto", "-prunepath"))
+        curve_png(summary, curves)
+        result.update(pareto=str(pareto), curves=str(curves))
     return result, markdown(result)
 
 
@@ -198,14 +283,21 @@ def markdown(result: dict) -> str:
              "| family | amount | importance | heal | quant | params | bytes | ppl | KL | top-1 |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["summary"]:
-        amount = f"{r['amount']:.0%}" if r["family"] == "ffn" else (f"-{r['amount']} blocks" if r["family"] == "depth"
-                                                                   else "-")
+        amount = {"ffn": f"{r['amount']:.0%}", "depth": f"-{r['amount']} blocks",
+                  "prunepath": f"{r['amount']:.0%} active"}.get(r["family"], "-")
         lines.append(f"| {r['family']} | {amount} | {r['importance']} | {'yes' if r['heal'] else 'no'} | "
                      f"{r['quant'] or 'fp32'} | {r['params']:,.0f} | {r['bytes']:,.0f} | {pm(r, 'ppl')} | "
                      f"{pm(r, 'kl')} | {pm(r, 'top1', 3)} |" if r.get("params") is not None else
                      f"| {r['family']} | {amount} | {r['importance']} | {'yes' if r['heal'] else 'no'} | "
                      f"{r['quant'] or 'fp32'} | - | {r['bytes']:,.0f} | {pm(r, 'ppl')} | {pm(r, 'kl')} | "
                      f"{pm(r, 'top1', 3)} |")
+    for r in result["summary"]:
+        if "curve" in r:
+            lines += ["", f"PrunePath (one checkpoint, healed at tau {r['tau']:.4f}), `--ffn-mass` tau vs active "
+                          "FFN fraction (evaluation text) and perplexity:", "",
+                      "| tau | active | ppl | KL |", "|---|---|---|---|"]
+            lines += [f"| {p['tau']} | {pm(p, 'active', 3)} | {pm(p, 'ppl')} | {pm(p, 'kl')} |" for p in r["curve"]]
     if result.get("pareto"):
         lines.append(f"\n![size vs perplexity]({Path(result['pareto']).name})")
+        lines.append(f"\n![perplexity vs active FFN fraction]({Path(result['curves']).name})")
     return "\n".join(lines + bq.outcomes(result["targets"])) + "\n"
