@@ -289,7 +289,7 @@ def test_the_moe_suite_runs_quick(tmp_path):
     rc, _, err = invoke("bench", "quality", "--suite", "moe", "--quick", "--json", js, "--markdown", md)
     assert rc == 0, err
     result = json.loads(js.read_text())
-    assert [r["method"] for r in result["summary"]] == ["uniform", "local", "greedy", "gemq", "gemq+ft"]
+    assert [r["method"] for r in result["summary"]] == ["uniform", "local", "greedy", "gemq", "gemq+ft", "gemq+ft-lm"]
     assert all(c["effective_bits"] <= c["budget"] for c in result["cells"])
     assert "rtn_w2_ratio" in result["model"] and "loads" in result["model"]
     assert "## Expected outcomes" in md.read_text()

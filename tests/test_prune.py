@@ -220,3 +220,26 @@ def test_the_prune_suite_runs_quick(tmp_path):
     assert [p["tau"] for p in path["curve"]] == [0.5, 1.0] and path["curve"][-1]["active"] == 1.0
     assert path["curve"][0]["active"] < 1 and (tmp_path / "p-prunepath.png").stat().st_size > 0
     assert any(t["target"].startswith("PrunePath") for t in result["targets"])
+
+
+def test_onnx_and_openvino_hold_per_layer_ffn_widths_fewer_heads_and_blocks(tmp_path):
+    """The traced graphs bake each layer's own FFN width in (what `scope: global` leaves); logits match the
+    pruned model in onnxruntime and OpenVINO."""
+    from compress.export.onnx import export_onnx
+    from compress.export.openvino import export_openvino
+    from helpers import ort_logits, rel_err
+
+    model, a = dead_units()
+    s0 = ModelSpec.of(a)
+    s0.keeping(blocks=[0, 2], ffn={0: list(range(32, 128)), 2: list(range(64, 128))}, kv_heads={0: [0], 2: [1]}) \
+        .restore(a, s0)
+    assert [a.role(i, "mlp_up").out_features for i in range(2)] == [96, 64]
+    ids = TOKENS[:1]
+    ref = logits(model, ids).numpy()
+    res = export_onnx(model, {}, tmp_path / "onnx")
+    assert rel_err(ort_logits(res["path"], ids), ref) < 1e-4
+    import openvino as ov
+
+    xml = export_openvino(model, {}, tmp_path / "ov")["path"]
+    compiled = ov.Core().compile_model(xml, "CPU")
+    assert rel_err(compiled({"input_ids": ids.numpy()})[compiled.output("logits")], ref) < 1e-3

@@ -34,8 +34,10 @@ import yaml
 
 from compress.eval.bench import quality as bq
 
-METHODS = ("uniform", "local", "greedy", "gemq", "gemq+ft")
-SOLVE = {"uniform": "uniform", "local": "local", "greedy": "greedy", "gemq": "global", "gemq+ft": "global"}
+METHODS = ("uniform", "local", "greedy", "gemq", "gemq+ft", "gemq+ft-lm")
+SOLVE = {"uniform": "uniform", "local": "local", "greedy": "greedy", "gemq": "global", "gemq+ft": "global",
+         "gemq+ft-lm": "global"}
+FT = {"gemq+ft": "kl", "gemq+ft-lm": "lm"}  # router fine-tuning loss of each row
 METRICS = ("ppl", "kl", "top1", "effective_bits", "alloc_seconds")
 
 
@@ -48,8 +50,8 @@ class MoESettings:
     stat_samples: int = 32
     stat_seqlen: int = 256
     ft_samples: int = 64
-    ft_lr: float = 1e-3
-    ft_loss: str = "kl"
+    ft_lr: float = 1e-3  # loss kl
+    ft_lr_lm: float = 1e-4  # loss lm (the published objective and learning rate)
 
 
 FULL = MoESettings()
@@ -63,16 +65,29 @@ def group_for(budget: float, narrowest: int) -> int | None:
     return next((g for g in GROUPS if g <= narrowest and 2 + 18 / g <= budget - 0.1), None)
 
 
+def top_widths_for(budget: float, group: int, experts: int, bits=(2, 3, 4)) -> int:
+    """The most widths (<= 2, the published rule) every layer can be required to hold at least one expert of,
+    with the cheapest plan within `budget`: a b-bit asymmetric expert costs b + (16 + b) / group bits per
+    parameter (fp16 scale, b-bit zero point per group), so the rule's price grows with the overhead."""
+    cost = {b: b + (16 + b) / group for b in bits}
+    top = sorted(bits, reverse=True)
+    for t in (2, 1, 0):
+        if ((experts - t) * cost[min(bits)] + sum(cost[b] for b in top[:t])) / experts <= budget:
+            return t
+    return 0
+
+
 def recipe(path: str, calib: str, text: str, method: str, quantizer: str, budget: float, group: int, seed: int,
-           s: MoESettings) -> dict:
+           s: MoESettings, top_widths: int = 2) -> dict:
     base = replace(s.base, seed=seed)
     q = {"stage": "quantize", "method": quantizer, "bits": 4, "group_size": group, "sym": False}
     if quantizer == "autoround":
         q.update(iters=base.iters, batch_size=base.ar_batch_size)
-    stages = [{"stage": "allocate", "method": "moe", "budget": budget, "solve": SOLVE[method],
+    stages = [{"stage": "allocate", "method": "moe", "budget": budget, "solve": SOLVE[method], "top_widths": top_widths,
                "samples": s.stat_samples, "seqlen": min(s.stat_seqlen, base.seqlen)}, q]
-    if method.endswith("+ft"):
-        stages.append({"stage": "finetune", "method": "router", "loss": s.ft_loss, "lr": s.ft_lr,
+    if method in FT:
+        stages.append({"stage": "finetune", "method": "router", "loss": FT[method],
+                       "lr": s.ft_lr if FT[method] == "kl" else s.ft_lr_lm,
                        "samples": min(s.ft_samples, base.nsamples), "seqlen": base.seqlen})
     ev = {"data": [text], "window": base.window, "generation": {"prompts": 0}}
     if text.endswith("tinystories_val.txt"):
@@ -99,11 +114,13 @@ def run(rec: dict, tmp: Path, out: Path, resume: bool = False) -> tuple[dict, di
 
 
 def cell(path, calib, text, method, quantizer, budget, group, seed, s: MoESettings, tmp: Path,
-         out: Path, resume: bool = False) -> tuple[dict, dict]:
-    report, stats = run(recipe(path, calib, text, method, quantizer, budget, group, seed, s), tmp, out, resume)
+         out: Path, resume: bool = False, top_widths: int = 2) -> tuple[dict, dict]:
+    report, stats = run(recipe(path, calib, text, method, quantizer, budget, group, seed, s, top_widths), tmp, out,
+                        resume)
     ev = next(iter(report["eval"].values()))
     alloc = next(st for st in report["stages"] if st["name"] == "allocate")
     row = {"method": method, "quantizer": quantizer, "budget": budget, "group_size": group, "seed": seed,
+           "top_widths": top_widths,
            "fp_ppl": ev["fp_ppl"], "ppl": ev["ppl"], "kl": ev["kl"], "top1": ev["top1"],
            "effective_bits": report["allocation"]["effective_bits"], "alloc_seconds": alloc["seconds"],
            "expert_bits": report["allocation"]["expert_bits"]}
@@ -134,18 +151,19 @@ def targets(rows: list[dict], cells: list[dict]) -> list[dict]:
     out = []
     for (qz, budget, method), r in by.items():
         where = f"{qz} @ {budget}"
-        if method == "gemq+ft" and budget == 2.5 and (u := by.get((qz, budget, "uniform"))):
-            out.append({"target": f"{where}: GEMQ + router FT ppl <= 0.85 x uniform",
+        if method in FT and budget == 2.5 and (u := by.get((qz, budget, "uniform"))):
+            out.append({"target": f"{where}: GEMQ + router FT ({FT[method]}) ppl <= 0.85 x uniform",
                         "met": r["ppl"] <= 0.85 * u["ppl"],
-                        "value": f"{r['ppl']:.4f} vs {u['ppl']:.4f} (x{r['ppl'] / u['ppl']:.4f})"})
+                        "value": f"{r['ppl']:.4f} vs {u['ppl']:.4f} (x{r['ppl'] / u['ppl']:.4f}; full precision "
+                                 f"is x{r['fp_ppl'] / u['ppl']:.4f})"})
         if method == "gemq" and (qz, budget, "local") in by:
             seeds = [k[3] for k in ppl if k[:3] == (qz, budget, "gemq") and (qz, budget, "local", k[3]) in ppl]
             n = sum(ppl[(qz, budget, "gemq", s)] <= ppl[(qz, budget, "local", s)] for s in seeds)
             out.append({"target": f"{where}: global <= local ppl in >= 2 of 3 seeds", "met": n >= min(2, len(seeds)),
                         "value": f"{n} of {len(seeds)}"})
-        if method == "gemq+ft" and "router_kl_before" in r:
+        if method in FT and "router_kl_before" in r:
             drop = 1 - r["router_kl_after"] / r["router_kl_before"]
-            out.append({"target": f"{where}: router FT lowers router KL >= 10% and raises top-k match",
+            out.append({"target": f"{where}: router FT ({FT[method]}) lowers router KL >= 10% and raises top-k match",
                         "met": drop >= 0.10 and r["topk_match_after"] > r["topk_match_before"],
                         "value": f"KL -{100 * drop:.1f}%, match {r['topk_match_before']:.4f} -> "
                                  f"{r['topk_match_after']:.4f}"})
@@ -213,6 +231,9 @@ def run_moe(quick: bool = False, budgets=None, seeds=None, methods=None, quantiz
             path = str(moe_model.build(bq.log.info))
             narrowest = 128
             model = {"name": "stories-moe", **json.loads((Path(path) / "build.json").read_text())}
+        from compress.models.loading import load_config
+
+        experts = load_config(path, None).num_local_experts
         for r in earlier:
             if r["model"].get("sha256") != model.get("sha256"):
                 raise BadInput(f"--merge: a result measured on another model (sha256 {r['model'].get('sha256')}, "
@@ -228,13 +249,15 @@ def run_moe(quick: bool = False, budgets=None, seeds=None, methods=None, quantiz
             for qz in s.quantizers:
                 for seed in s.seeds:
                     for method in chosen:
-                        # gemq+ft continues gemq's run: the same allocation and quantization, then the router stage
+                        # gemq+ft(-lm) continue gemq's run: the same allocation and quantization, then routers
                         out = tmp / f"cell-{method.split('+')[0]}"
                         try:
                             row, st = cell(path, calib, text, method, qz, budget, group, seed, s, tmp, out,
-                                           resume=method == "gemq+ft" and out.exists())
+                                           resume=method in FT and out.exists(),
+                                           top_widths=top_widths_for(budget, group, experts))
                         finally:
-                            if method != "gemq" or "gemq+ft" not in chosen:
+                            if not (method.startswith("gemq") and any(m in FT for m in chosen[chosen.index(method)
+                                                                                              + 1:])):
                                 shutil.rmtree(out, ignore_errors=True)
                         stats = stats or st
                         cells = [c for c in cells if key(c) != key(row)] + [row]
@@ -285,8 +308,13 @@ def markdown(result: dict) -> str:
              + (f"; expert sensitivity (2-bit coefficient) max/min x{md['sensitivity_spread']:.3g}"
                 if "sensitivity_spread" in md else ""),
              f"- calibration {s['nsamples']} x {s['seqlen']} tokens (first 80% of TinyStories val), statistics on "
-             f"{s['stat_samples']} x {s['stat_seqlen']}; router fine-tuning `{s['ft_loss']}`, lr {s['ft_lr']}, "
+             f"{s['stat_samples']} x {s['stat_seqlen']}; router fine-tuning `kl` lr {s['ft_lr']} (gemq+ft), `lm` lr "
+             f"{s['ft_lr_lm']} (gemq+ft-lm), "
              f"{s['ft_samples']} sequences; attention at 4 bits; seeds {list(s['seeds'])}",
+             "- per-layer rule (`top_widths`: every layer keeps an expert at each of the top t widths; published: 2), "
+             "the most that fits each budget once scales and zero points are counted: " + ", ".join(
+                 f"{b} bits -> {t}" for b, t in sorted({(c["budget"], c.get("top_widths", 2))
+                                                        for c in result["cells"]})),
              "- values: mean ± sample standard deviation over seeds\n",
              "| quantizer | budget | method | ppl | KL | top-1 | bits/expert param | alloc s | top-k match (FT) |",
              "|---|---|---|---|---|---|---|---|---|"]
