@@ -78,6 +78,7 @@ class PrunePathMLP(nn.Module):
         self.router, self.expert_size, self.tau, self.k_min = router, expert_size, tau, k_min
         self.last_active = 1.0
         self.active = [0.0, 0]  # sum of active fractions over tokens, tokens seen (`mean_active`)
+        self.parts: nn.ModuleList | None = None  # packed models: per-expert (gate, up, down) slices (gather)
 
     @property
     def experts(self) -> int:
@@ -87,6 +88,9 @@ class PrunePathMLP(nn.Module):
         return top_p_mask(torch.softmax(self.router(x).float(), -1), self.tau, self.k_min)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tau < 1 and x[..., 0].numel() == 1 and (self.parts is not None or isinstance(self.down_proj,
+                                                                                           nn.Linear)):
+            return self.gather(x)  # decode: compute only the active experts
         h = self.act_fn(self.gate_proj(x)) * self.up_proj(x)
         tokens = h[..., 0].numel()
         if self.tau < 1:
@@ -98,6 +102,46 @@ class PrunePathMLP(nn.Module):
         self.active[0] += self.last_active * tokens
         self.active[1] += tokens
         return self.down_proj(h)
+
+
+    def runs(self, x: torch.Tensor) -> list[tuple[int, int]]:
+        """The active experts of the one token `x`, merged into runs [a, b) of consecutive experts."""
+        active = torch.nonzero(self.mask(x).reshape(-1)).flatten().tolist()
+        out: list[list[int]] = []
+        for e in active:
+            if out and out[-1][1] == e:
+                out[-1][1] = e + 1
+            else:
+                out.append([e, e + 1])
+        return [(a, b) for a, b in out]
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """The FFN of one token from its active experts only: per run of consecutive experts, the rows of
+        gate/up and the columns of down (views of the dense weights), or, for a packed model, each active
+        expert's own packed slices (`prepare_gather`). Equal to the masked path up to float rounding."""
+        runs = self.runs(x)
+        used = sum(b - a for a, b in runs)
+        self.last_active = used / self.experts
+        self.active[0] += self.last_active
+        self.active[1] += 1
+        y = None
+        if self.parts is not None:  # packed: one (gate, up, down) per expert
+            for a, b in runs:
+                for e in range(a, b):
+                    g, u, d = self.parts[e]
+                    part = d(self.act_fn(g(x)) * u(x))
+                    y = part if y is None else y + part
+        else:
+            s = self.expert_size
+            wg, wu, wd = self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight
+            for a, b in runs:
+                r = slice(a * s, b * s)
+                h = self.act_fn(F.linear(x, wg[r], None if self.gate_proj.bias is None else self.gate_proj.bias[r]))
+                h = h * F.linear(x, wu[r], None if self.up_proj.bias is None else self.up_proj.bias[r])
+                part = F.linear(h, wd[:, r])
+                y = part if y is None else y + part
+        bias = getattr(self.down_proj, "bias", None)
+        return y + bias.to(y.dtype) if bias is not None else y
 
 
 def expert_norms(mlp: nn.Module, x: torch.Tensor, expert_size: int) -> torch.Tensor:
@@ -222,3 +266,45 @@ def attach(model: nn.Module, tensors: dict | None = None) -> int:
             w = torch.zeros(up.out_features // info["expert_size"], up.in_features)
         wrap(a, i, w, info["expert_size"], info["tau"], info["k_min"])
     return len(info["blocks"])
+
+
+def expert_slices(qw, rows: slice | None = None, cols: slice | None = None):
+    """The QuantizedWeight of output rows `rows` or input columns `cols` (whole groups) of `qw`, or None."""
+    from compress.qweight import QuantizedWeight
+
+    if qw.mixed or qw.kept is not None:
+        return None
+    if rows is not None:
+        return QuantizedWeight(qw.codes[rows], qw.scales[rows], qw.zeros[rows], qw.bits, qw.group_size, qw.sym)
+    g = qw.group_size
+    if g == -1 or cols.start % g or (cols.stop % g and cols.stop != qw.in_features):
+        return None
+    groups = slice(cols.start // g, -(-cols.stop // g))
+    return QuantizedWeight(qw.codes[:, cols], qw.scales[:, groups], qw.zeros[:, groups], qw.bits, g, qw.sym)
+
+
+def prepare_gather(model: nn.Module, qweights: dict, backend: str = "auto") -> int:
+    """Give every PrunePath FFN of a packed model its per-expert packed slices (rows of gate/up, the columns
+    of down: each expert must be whole groups of down's input); returns how many FFNs got them (the others
+    keep the masked path at decode)."""
+    from compress.kernels.backends import QuantLinear
+
+    done = 0
+    for name, mlp in model.named_modules():
+        if not isinstance(mlp, PrunePathMLP):
+            continue
+        q = {r: qweights.get(f"{name}.{r}") for r in ("gate_proj", "up_proj", "down_proj")}
+        if any(v is None for v in q.values()):
+            continue
+        s, parts = mlp.expert_size, []
+        for e in range(mlp.experts):
+            r = slice(e * s, (e + 1) * s)
+            sl = (expert_slices(q["gate_proj"], rows=r), expert_slices(q["up_proj"], rows=r),
+                  expert_slices(q["down_proj"], cols=r))
+            if any(v is None for v in sl):
+                break
+            parts.append(nn.ModuleList([QuantLinear(v, None, backend) for v in sl]))
+        else:
+            mlp.parts = nn.ModuleList(parts)
+            done += 1
+    return done

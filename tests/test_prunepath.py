@@ -3,6 +3,8 @@ and the stage in a recipe."""
 
 import json
 
+import pytest
+
 import torch
 import yaml
 
@@ -136,3 +138,31 @@ def test_plan_time_refusals(tmp_path):
         path = write(tmp_path, [{"stage": "prune", "method": "prunepath", **opts}, *more], formats=())
         rc, _, err = invoke("run", path, "--dry-run")
         assert rc == 1 and msg in err, (what, err)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_the_gather_path_equals_the_masked_ffn_for_one_token(packed):
+    """Decode (one token) computes only the active experts: rows of gate/up and columns of down as views, or
+    per-expert packed slices on the cpu kernel; the masked path (two tokens) is the oracle."""
+    from compress.kernels.backends import quantize_model
+    from compress.primitives import rtn
+
+    model = tiny_causal("llama")
+    mlp = model.model.layers[0].mlp
+    router = 0.1 * torch.randn(4, 64, generator=torch.Generator().manual_seed(4))  # flat enough to vary k
+    if packed:
+        qweights = {f"model.layers.0.mlp.{r}": rtn(getattr(mlp, r).weight.data, 4, 32, False)
+                    for r in ("gate_proj", "up_proj", "down_proj")}
+        quantize_model(model, qweights, "cpu")
+    wrapped = pp.PrunePathMLP(model.model.layers[0].mlp, pp.PathRouter(router), 32, tau=0.6)
+    model.model.layers[0].mlp = wrapped
+    if packed:
+        assert pp.prepare_gather(model, qweights, "cpu") == 1 and len(wrapped.parts) == 4
+    seen = set()
+    for i in range(16):
+        x = X[i:i + 1].unsqueeze(0)  # (1, 1, hidden): one decode step
+        fast = mlp_out(wrapped, x)
+        seen.add(wrapped.last_active)
+        slow = mlp_out(wrapped, torch.cat([x, x], 1))[:, :1]  # two tokens: the masked path
+        torch.testing.assert_close(fast, slow, atol=1e-5, rtol=1e-4)
+    assert len(seen) > 1 and max(seen) < 1

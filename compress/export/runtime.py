@@ -56,6 +56,7 @@ def load_packed(directory, backend: str = "auto"):
         quantize_model(model, qweights, backend)
     except ValueError as e:
         raise BadInput(f"backend `{backend}`: {e}") from e
+    prunepath.prepare_gather(model, qweights, backend)  # decode computes only a token's active experts
     used = Counter(m.backend.name for m in model.modules() if isinstance(m, QuantLinear))
     logger.info("%s: %d packed layers on backends %s", directory, len(qweights), dict(used))
     return model.eval(), {"backend": dict(used), "quantized_layers": len(qweights)}
