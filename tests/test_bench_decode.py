@@ -23,3 +23,18 @@ def test_bench_decode_quick(tmp_path):
 def test_bench_decode_rejects_unknown_size():
     rc, _, err = invoke("bench", "decode", "--size", "7b")
     assert rc == 1 and "unknown --size `7b`" in err
+
+
+def test_bench_decode_ffn_mass_rows(tmp_path):
+    """--ffn-mass: the PrunePath rows, fp32 and int4, at each tau; fewer experts active at a lower tau."""
+    js = tmp_path / "d.json"
+    rc, stdout, err = invoke("bench", "decode", "--quick", "--threads", "1", "--no-openvino", "--ffn-mass", 0.4,
+                             "--ffn-mass", 1.0, "--json", js)
+    assert rc == 0, err
+    rows = json.loads(js.read_text())["prunepath"]
+    assert [(r["backend"], r["tau"]) for r in rows] == [("torch-fp32 prunepath", 0.4), ("torch-fp32 prunepath", 1.0),
+                                                        ("ours-cpu prunepath", 0.4), ("ours-cpu prunepath", 1.0)]
+    assert rows[0]["ffn_active"] < 1 and rows[1]["ffn_active"] == 1.0 and all(r["tokens_per_s"] > 0 for r in rows)
+    assert "| torch-fp32 prunepath | 0.4 |" in stdout
+    rc, _, err = invoke("bench", "decode", "--quick", "--ffn-mass", 1.5)
+    assert rc == 1 and "(0, 1]" in err

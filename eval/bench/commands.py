@@ -158,12 +158,15 @@ def bench_kernels(
 def bench_decode(
     json_out: Optional[Path] = JSON_OUT,
     md_out: Optional[Path] = MARKDOWN_OUT,
-    size: str = typer.Option("0.5b", "--size", help="model size: 0.5b (0.49B parameters) or tiny"),
+    size: str = typer.Option("0.5b", "--size", help="model size: 0.5b (0.49B parameters), ref-7m (ref-llama-7m's "
+                                               "shapes) or tiny"),
     quick: bool = typer.Option(False, "--quick", help="tiny model, 8 new tokens, 1 repeat: a smoke test"),
     new_tokens: int = typer.Option(64, "--new-tokens", help="greedy tokens per run"),
     repeats: int = typer.Option(3, "--repeats", help="runs per backend (the fastest is reported)"),
     threads: Optional[int] = typer.Option(None, "--threads", help="threads for every backend (default: torch's)"),
     openvino: bool = typer.Option(True, "--openvino/--no-openvino", help="also run the OpenVINO int4 export"),
+    ffn_mass: Optional[List[float]] = typer.Option(None, "--ffn-mass", help="also decode with every FFN as PrunePath "
+                                                   "experts at this tau (repeatable), fp32 and int4"),
 ):
     """Greedy decoding tokens/s of a random Llama (speed only): torch fp32 vs our int4 CPU kernel vs OpenVINO int4.
 
@@ -179,7 +182,10 @@ def bench_decode(
         raise BadInput(f"unknown --size `{size}` (known: {', '.join(SIZES)})")
     if new_tokens < 2:
         raise BadInput("--new-tokens must be at least 2 (tokens/s counts the steps after the first)")
-    result = run_decode(size, new_tokens=new_tokens, repeats=repeats, threads=threads, openvino=openvino)
+    if any(not 0 < t <= 1 for t in ffn_mass or ()):
+        raise BadInput("--ffn-mass values are cumulative router masses in (0, 1]")
+    result = run_decode(size, new_tokens=new_tokens, repeats=repeats, threads=threads, openvino=openvino,
+                        ffn_mass=ffn_mass or ())
     _emit_bench(result, markdown(result), json_out, md_out)
 
 

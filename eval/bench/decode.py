@@ -31,9 +31,12 @@ logger = logging.getLogger(__name__)
 SIZES = {
     "0.5b": dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=28, num_attention_heads=16,
                  num_key_value_heads=4, vocab_size=32000),
+    "ref-7m": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=6, num_attention_heads=8,
+                   num_key_value_heads=4, vocab_size=4096),  # ref-llama-7m's shapes
     "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=512),
 }
+EXPERT_SIZE = {"0.5b": 128, "ref-7m": 32, "tiny": 32}  # PrunePath rows (--ffn-mass): neurons per expert
 BITS, GROUP = 4, 128
 
 
@@ -108,8 +111,41 @@ def openvino_step(path, config, threads: int):
     return step
 
 
+def prunepath_rows(size: str, masses, prompt, new_tokens: int, repeats: int, kernel: str) -> list[dict]:
+    """Decode speed of the same random model with every FFN as PrunePath experts (random routers, scaled so
+    the active fraction spans the masses; speed only), fp32 and int4, at each `--ffn-mass` tau: the gather
+    path computes only a token's active experts."""
+    from compress import prunepath as pp
+    from compress.kernels.backends import quantize_model
+
+    rows = []
+    for dtype in ("fp32", "int4"):
+        model = build(size)
+        gen = torch.Generator().manual_seed(1)
+        hidden, s = model.config.hidden_size, EXPERT_SIZE[size]
+        for layer in model.model.layers:
+            router = torch.randn(model.config.intermediate_size // s, hidden, generator=gen) / hidden ** 0.5
+            layer.mlp = pp.PrunePathMLP(layer.mlp, pp.PathRouter(router), s)
+        if dtype == "int4":
+            qweights = quantize_int4(model)
+            quantize_model(model, qweights, kernel)
+            pp.prepare_gather(model, qweights, kernel)
+        for tau in masses:
+            pp.set_tau(model, tau)
+            for m in model.modules():
+                if isinstance(m, pp.PrunePathMLP):
+                    m.active = [0.0, 0]
+            r = decode(torch_step(model), prompt, new_tokens, repeats)
+            r.pop("tokens")
+            rows.append({"backend": f"{'torch-fp32' if dtype == 'fp32' else 'ours-' + kernel} prunepath",
+                         "tau": tau, "ffn_active": round(pp.mean_active(model), 4), **r})
+            logger.info("prunepath %s tau %.2f: %.2f tokens/s, %.1f%% of FFN experts active", dtype, tau,
+                        r["tokens_per_s"], 100 * rows[-1]["ffn_active"])
+    return rows
+
+
 def run(size: str = "0.5b", new_tokens: int = 64, prompt_tokens: int = 32, repeats: int = 3,
-        threads: int | None = None, openvino: bool = True) -> dict:
+        threads: int | None = None, openvino: bool = True, ffn_mass=()) -> dict:
     from compress.kernels import cpu
     from compress.kernels.backends import quantize_model
 
@@ -144,9 +180,14 @@ def run(size: str = "0.5b", new_tokens: int = 64, prompt_tokens: int = 32, repea
             r["agree"] = round(float((r.pop("tokens") == ref["tokens"]).double().mean()), 3)
         from compress.eval.bench.quality import machine
 
-        return {"machine": machine(), "size": size, "parameters": n_params, "format": f"int{BITS}-g{GROUP} sym, lm_head included",
-                "new_tokens": new_tokens, "prompt_tokens": prompt_tokens, "repeats": repeats,
-                "threads": torch.get_num_threads(), "rows": rows}
+        out = {"machine": machine(), "size": size, "parameters": n_params,
+               "format": f"int{BITS}-g{GROUP} sym, lm_head included", "new_tokens": new_tokens,
+               "prompt_tokens": prompt_tokens, "repeats": repeats, "threads": torch.get_num_threads(), "rows": rows}
+        if ffn_mass:
+            del model
+            out["prunepath"] = prunepath_rows(size, ffn_mass, prompt, new_tokens, repeats, kernel)
+            out["expert_size"] = EXPERT_SIZE[size]
+        return out
     finally:
         torch.set_num_threads(previous)
 
@@ -162,4 +203,14 @@ def markdown(result: dict) -> str:
     for r in result["rows"]:
         lines.append(f"| {r['backend']} | {r['tokens_per_s']:.2f} | {r['ms_per_token']:.1f} | {r['prefill_s']:.3f} | "
                      f"{r['speedup_vs_fp32']:.2f}x | {r['agree']:.2f} |")
+    if result.get("prunepath"):
+        lines += ["", f"PrunePath (every FFN as experts of {result['expert_size']} neurons, random routers: speed "
+                      "only), `--ffn-mass` tau; the gather path computes a token's active experts only:", "",
+                  "| backend | tau | FFN experts active | tokens/s | ms/token | vs the same backend dense |",
+                  "|---|---:|---:|---:|---:|---:|"]
+        for r in result["prunepath"]:
+            base = next(x["tokens_per_s"] for x in result["rows"]
+                        if x["backend"] == ("torch-fp32" if "fp32" in r["backend"] else "ours-int4"))
+            lines.append(f"| {r['backend']} | {r['tau']} | {r['ffn_active']:.3f} | {r['tokens_per_s']:.2f} | "
+                         f"{r['ms_per_token']:.1f} | {r['tokens_per_s'] / base:.2f}x |")
     return "\n".join(lines) + "\n"
