@@ -166,3 +166,27 @@ def test_the_gather_path_equals_the_masked_ffn_for_one_token(packed):
         slow = mlp_out(wrapped, torch.cat([x, x], 1))[:, :1]  # two tokens: the masked path
         torch.testing.assert_close(fast, slow, atol=1e-5, rtol=1e-4)
     assert len(seen) > 1 and max(seen) < 1
+
+
+def test_onnx_and_openvino_route_the_ffn_like_the_model(tmp_path):
+    """The graphs compute the routed FFN at the checkpoint's tau (mask in the graph): logits equal the model's."""
+    import openvino as ov
+
+    from compress.export.onnx import export_onnx
+    from compress.export.openvino import export_openvino
+    from helpers import ort_logits, rel_err
+
+    model = tiny_causal("llama")
+    a = ModelAdapter(model)
+    gen = torch.Generator().manual_seed(5)
+    for i in range(2):
+        pp.wrap(a, i, 0.1 * torch.randn(4, 64, generator=gen), 32, 0.6, 1)
+    ids = torch.randint(0, 128, (1, 12), generator=gen)
+    with torch.no_grad():
+        ref = model(input_ids=ids, use_cache=False).logits.numpy()
+        dense = model(input_ids=ids, use_cache=False).logits.numpy() if pp.set_tau(model, 1.0) else None
+    pp.set_tau(model, 0.6)
+    assert rel_err(dense, ref) > 1e-3  # the routing changes the output
+    assert rel_err(ort_logits(export_onnx(model, {}, tmp_path / "onnx")["path"], ids), ref) < 1e-5
+    compiled = ov.Core().compile_model(export_openvino(model, {}, tmp_path / "ov")["path"], "CPU")
+    assert rel_err(compiled({"input_ids": ids.numpy()})[compiled.output("logits")], ref) < 1e-3

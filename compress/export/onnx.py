@@ -213,6 +213,32 @@ class LlamaOnnx:
         act = g.op("Mul", gate, g.op("Sigmoid", gate))
         return self.linear(g.op("Mul", act, self.linear(x, prefix + ".up_proj")), prefix + ".down_proj")
 
+    def routed_mlp(self, x: str, prefix: str, mlp) -> str:
+        """A PrunePath FFN (compress/prunepath.py) at its checkpoint's tau: router softmax, experts sorted by
+        probability (TopK over all of them), active while the mass ranked above them is below tau (at least
+        k_min), the mask scattered back and repeated over each expert's neurons; the FFN's hidden activations
+        are multiplied by it (every neuron is computed: the graph has no gather)."""
+        g = self.g
+        e, s = mlp.experts, mlp.expert_size
+        if mlp.tau >= 1:
+            return self.mlp(x, prefix)
+        logits = g.op("MatMul", x, g.const(_f32(mlp.router.weight).T.copy(), prefix + ".router.weight_t"))
+        probs = g.op("Softmax", logits, axis=-1)
+        top, idx = g.op("TopK", probs, g.const(np.array([e], np.int64)), axis=-1, outputs=2)
+        above = g.op("Sub", g.op("CumSum", top, g.const(np.array(-1, np.int64))), top)
+        keep = g.op("Less", above, g.const(np.array(mlp.tau, np.float32)))
+        first = np.zeros(e, bool)
+        first[:mlp.k_min] = True
+        keep = g.op("Cast", g.op("Or", keep, g.const(first)), to=1)
+        mask = g.op("ScatterElements", g.op("Mul", probs, g.const(np.array(0, np.float32))), idx, keep, axis=-1)
+        mask = g.op("Expand", g.op("Unsqueeze", mask, g.const(np.array([-1], np.int64))),
+                    g.op("Concat", g.op("Shape", mask), g.const(np.array([s], np.int64)), axis=0))
+        mask = g.op("Reshape", mask, g.const(np.array([0, 0, -1], np.int64)))
+        gate = self.linear(x, prefix + ".gate_proj")
+        act = g.op("Mul", gate, g.op("Sigmoid", gate))
+        h = g.op("Mul", g.op("Mul", act, self.linear(x, prefix + ".up_proj")), mask)
+        return self.linear(h, prefix + ".down_proj")
+
     def moe(self, x: str, prefix: str, block) -> str:
         """A sparse MoE block (mixtral, qwen2_moe): softmax router, top-k with the model's renormalisation, every
         expert at its own width weighted by its routing weight (zero where it is not among the top k), plus the
@@ -280,8 +306,13 @@ class LlamaOnnx:
             h = g.op("Add", h, self.attention(self.rmsnorm(h, layer.input_layernorm), p + ".self_attn",
                                               layer.self_attn, cos, sin, mask, i))
             x = self.rmsnorm(h, layer.post_attention_layernorm)
-            moe = getattr(layer.mlp, "experts", None) is not None
-            h = g.op("Add", h, self.moe(x, p + ".mlp", layer.mlp) if moe else self.mlp(x, p + ".mlp"))
+            if isinstance(getattr(layer.mlp, "experts", None), int):  # a PrunePath FFN (experts: how many)
+                y = self.routed_mlp(x, p + ".mlp", layer.mlp)
+            elif getattr(layer.mlp, "experts", None) is not None:
+                y = self.moe(x, p + ".mlp", layer.mlp)
+            else:
+                y = self.mlp(x, p + ".mlp")
+            h = g.op("Add", h, y)
         logits = self.linear(self.rmsnorm(h, inner.norm), "lm_head")
         inputs = [helper.make_tensor_value_info(ids, TensorProto.INT64, ["batch", "seq"])]
         outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", "seq", self.cfg.vocab_size])]

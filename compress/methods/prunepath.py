@@ -98,8 +98,6 @@ def check(adapter, cfg: PrunePathConfig, facts):
             facts.rounding[1] % cfg.expert_size:
         raise BadInput(f"`expert_size: {cfg.expert_size}` and the quantize stage's group size {facts.rounding[1]} "
                        "do not nest: an expert must be whole groups (or a group whole experts)")
-    if any(f in ("onnx", "openvino") for f in facts.exports):
-        raise BadInput("`prune: prunepath` exports to hf only for now (the onnx/openvino graphs have no routed FFN)")
     return cfg
 
 
