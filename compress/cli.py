@@ -259,6 +259,10 @@ def inspect(directory: Path = typer.Argument(..., help="an `hf` export directory
     from compress.handoff import ModelSpec
 
     typer.echo(ModelSpec.from_json(info["structure"]).text())
+    if info.get("prunepath"):
+        pp = info["prunepath"]
+        typer.echo(f"  prunepath: blocks {pp['blocks']} as routed experts of {pp['expert_size']} neurons, tau "
+                   f"{pp['tau']:.4f} (--ffn-mass overrides it), k_min {pp['k_min']}")
 
 
 @app.command()

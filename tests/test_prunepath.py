@@ -123,6 +123,8 @@ def test_the_stage_sets_tau_for_the_target_quantizes_dense_and_resumes(tmp_path)
     for backend in ("cpu", "transformers"):
         assert runs[backend, 1.0]["ffn_active"] == 1.0 and runs[backend, 0.3]["ffn_active"] < 0.5
         assert runs[backend, 1.0]["ppl"] < runs[backend, None]["ppl"] < runs[backend, 0.3]["ppl"]
+    rc, text, err = invoke("inspect", out / "hf")
+    assert rc == 0 and "prunepath: blocks [0, 1, 2, 3] as routed experts of 32 neurons" in text, err
     rc, text, err = invoke("generate", out / "hf", "--prompt", "Once upon a time", "--max-new-tokens", 8,
                            "--ffn-mass", 0.7, "--json")
     assert rc == 0, err

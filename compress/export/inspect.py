@@ -27,7 +27,7 @@ def inspect_checkpoint(directory: Path) -> dict:
     return {"directory": str(directory), "quantization_config": config.get("quantization_config"),
             "layers": rows, "quantized_layers": len(rows), "experts": expert_bits(qweights),
             "effective_bits": round(bits / numel, 4) if numel else None, "bytes": size,
-            "structure": structure(directory).to_json()}
+            "structure": structure(directory).to_json(), "prunepath": config.get("prunepath")}
 
 
 def expert_bits(qweights: dict) -> dict[str, dict[str, int | str]]:

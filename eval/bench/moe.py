@@ -165,7 +165,7 @@ def targets(rows: list[dict], cells: list[dict]) -> list[dict]:
             drop = 1 - r["router_kl_after"] / r["router_kl_before"]
             out.append({"target": f"{where}: router FT ({FT[method]}) lowers router KL >= 10% and raises top-k match",
                         "met": drop >= 0.10 and r["topk_match_after"] > r["topk_match_before"],
-                        "value": f"KL -{100 * drop:.1f}%, match {r['topk_match_before']:.4f} -> "
+                        "value": f"router KL {-100 * drop:+.1f}%, match {r['topk_match_before']:.4f} -> "
                                  f"{r['topk_match_after']:.4f}"})
     slow = max((c["alloc_seconds"] for c in cells), default=0.0)
     out.append({"target": "statistics + allocation < 10 min", "met": slow < 600, "value": f"{slow:.1f} s at most"})

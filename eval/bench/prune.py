@@ -39,9 +39,10 @@ class PruneSettings:
     depths: tuple[int, ...] = (1, 2)
     group: int = 32  # FFN widths kept as multiples of it (25% of 384 -> 288, 50% -> 192)
     score_samples: int = 32
-    heal_steps: int = 300
+    heal_steps: int = 100  # a short heal: 100 x 4 x 128 tokens (a 2-core budget; ~1 min per cell)
     heal_lr: float = 1e-3
-    heal_batch: int = 8
+    heal_batch: int = 4
+    heal_seqlen: int = 128
     expert_size: int = 32
     taus: tuple[float, ...] = (0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 
@@ -85,7 +86,7 @@ def recipe(row: dict, path: str, calib: str, text: str, seed: int, s: PruneSetti
         stages.append(p)
     if row["heal"]:
         stages.append({"stage": "heal", "method": "distill", "steps": s.heal_steps, "lr": s.heal_lr,
-                       "batch_size": s.heal_batch, "seqlen": base.seqlen})
+                       "batch_size": s.heal_batch, "seqlen": min(s.heal_seqlen, base.seqlen)})
     if row["quant"]:
         stages.append({"stage": "quantize", "method": "autoround", "bits": int(row["quant"][1:]),
                        "group_size": s.group, "sym": False, "iters": base.iters, "batch_size": base.ar_batch_size})
@@ -275,7 +276,7 @@ def markdown(result: dict) -> str:
              bq.suite_header(m),
              f"- model: {result['model']}; calibration {s['nsamples']} x {s['seqlen']} tokens (first 80% of "
              f"TinyStories val), scores on {s['score_samples']} sequences; heal {s['heal_steps']} steps, lr "
-             f"{s['heal_lr']}, batch {s['heal_batch']}; AutoRound {s['iters']} iterations, group {s['group']}, "
+             f"{s['heal_lr']}, batch {s['heal_batch']} x {s['heal_seqlen']} tokens; AutoRound {s['iters']} iterations, group {s['group']}, "
              f"asymmetric; evaluation: {s['window']}-token windows over the first {s['eval_tokens']} tokens of "
              "the last 20%",
              "- values: mean ± sample standard deviation over seeds (magnitude and last without heal read no data: "
