@@ -42,6 +42,7 @@ class Facts:
     widths: set = field(default_factory=set)  # exports: every bit width a layer may end up with
     stream: bool = False  # the model is streamed block by block
     after_quantize: bool = False  # a quantize stage runs before this one
+    earlier: list = field(default_factory=list)  # `stage/method` of every stage before this one
 
 
 @dataclass
@@ -78,7 +79,8 @@ def bind(recipe, adapter) -> Binding:
     bound = []
     for i, (cfg, entry) in enumerate(zip(cfgs, entries)):
         facts = Facts(i, stage_key(i, cfg), exports=formats, spec=spec, stream=recipe.model.stream,
-                      after_quantize=any(c.stage == "quantize" for c in cfgs[:i]))
+                      after_quantize=any(c.stage == "quantize" for c in cfgs[:i]),
+                      earlier=[f"{c.stage}/{c.method}" for c in cfgs[:i]])
         q = _next(cfgs, i, "quantize")
         if q is not None:
             facts.rounding, facts.consumer = (cfgs[q].bits, cfgs[q].group_size, cfgs[q].sym), cfgs[q].method

@@ -134,6 +134,8 @@ def test_the_stage_sets_tau_for_the_target_quantizes_dense_and_resumes(tmp_path)
 
 def test_plan_time_refusals(tmp_path):
     bad = {"odd experts": ({"expert_size": 100}, (), "does not divide"),
+           "prune after": ({}, ({"stage": "prune", "method": "ffn", "ratio": 0.25},), "prune first"),
+           "twice": ({}, ({"stage": "prune", "method": "prunepath"},), "split once"),
            "groups": ({"expert_size": 32}, ({"stage": "quantize", "method": "rtn", "bits": 4, "group_size": 48},),
                       "do not nest")}
     for what, (opts, more, msg) in bad.items():

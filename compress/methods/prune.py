@@ -72,6 +72,9 @@ def check(adapter, cfg, facts):
     if facts.after_quantize:
         raise BadInput(f"stage {facts.index} (`prune`/{cfg.method}) comes after a `quantize` stage; prune before "
                        "quantizing (the rounded layers would no longer match the model's shapes)")
+    if "prune/prunepath" in facts.earlier:
+        raise BadInput(f"stage {facts.index} (`prune`/{cfg.method}) comes after `prune: prunepath`; prune first, then "
+                       "split the FFNs (the routers are trained on the experts as they are)")
     spec = facts.spec
     if cfg.method == "ffn":
         if not _dense(spec):

@@ -90,6 +90,8 @@ def check(adapter, cfg: PrunePathConfig, facts):
     if facts.after_quantize:
         raise BadInput(f"stage {facts.index} (`prune`/prunepath) comes after a `quantize` stage; split the FFNs "
                        "before quantizing")
+    if "prune/prunepath" in facts.earlier:
+        raise BadInput(f"stage {facts.index}: a second `prune: prunepath`; the FFNs are split once")
     for p in _dense_blocks(facts.spec):
         n = facts.spec.blocks[p].ffn
         if n % cfg.expert_size:
