@@ -92,16 +92,18 @@ class PrunePathMLP(nn.Module):
                                                                                            nn.Linear)):
             return self.gather(x)  # decode: compute only the active experts
         h = self.act_fn(self.gate_proj(x)) * self.up_proj(x)
-        tokens = h[..., 0].numel()
         if self.tau < 1:
             m = self.mask(x)
-            self.last_active = float(m.float().mean())
+            self._count(float(m.float().mean()), h[..., 0].numel())
             h = h * m.to(h.dtype).repeat_interleave(self.expert_size, -1)
         else:
-            self.last_active = 1.0
-        self.active[0] += self.last_active * tokens
-        self.active[1] += tokens
+            self._count(1.0, h[..., 0].numel())
         return self.down_proj(h)
+
+    def _count(self, fraction: float, tokens: int) -> None:
+        self.last_active = fraction
+        self.active[0] += fraction * tokens
+        self.active[1] += tokens
 
 
     def runs(self, x: torch.Tensor) -> list[tuple[int, int]]:
@@ -120,10 +122,7 @@ class PrunePathMLP(nn.Module):
         gate/up and the columns of down (views of the dense weights), or, for a packed model, each active
         expert's own packed slices (`prepare_gather`). Equal to the masked path up to float rounding."""
         runs = self.runs(x)
-        used = sum(b - a for a, b in runs)
-        self.last_active = used / self.experts
-        self.active[0] += self.last_active
-        self.active[1] += 1
+        self._count(sum(b - a for a, b in runs) / self.experts, 1)
         y = None
         if self.parts is not None:  # packed: one (gate, up, down) per expert
             for a, b in runs:
@@ -194,14 +193,9 @@ def tau_for(probs: list[torch.Tensor], target: float, k_min: int = 1, steps: int
     return hi
 
 
-def wrapped(adapter) -> dict[int, PrunePathMLP]:
-    """The PrunePath FFNs of the model, by block."""
-    out = {}
-    for i in range(len(adapter.blocks)):
-        mlp = getattr(adapter.blocks[i], "mlp", None)
-        if isinstance(mlp, PrunePathMLP):
-            out[i] = mlp
-    return out
+def mlps(model: nn.Module) -> list[PrunePathMLP]:
+    """Every PrunePath FFN of `model`."""
+    return [m for m in model.modules() if isinstance(m, PrunePathMLP)]
 
 
 def wrap(adapter, i: int, router: torch.Tensor, expert_size: int, tau: float, k_min: int) -> PrunePathMLP:
@@ -215,7 +209,7 @@ class dense:
     """Context: every PrunePath FFN of `model` runs dense (tau = 1), e.g. while a later stage calibrates."""
 
     def __init__(self, model: nn.Module, active: bool = True):
-        self.mlps = [m for m in model.modules() if isinstance(m, PrunePathMLP)] if active else []
+        self.mlps = mlps(model) if active else []
 
     def __enter__(self):
         self.saved = [m.tau for m in self.mlps]
@@ -230,16 +224,16 @@ class dense:
 
 def mean_active(model: nn.Module) -> float | None:
     """Mean fraction of experts active over every token every PrunePath FFN has seen (None: there are none)."""
-    mlps = [m for m in model.modules() if isinstance(m, PrunePathMLP) and m.active[1]]
-    return sum(m.active[0] for m in mlps) / sum(m.active[1] for m in mlps) if mlps else None
+    seen = [m for m in mlps(model) if m.active[1]]
+    return sum(m.active[0] for m in seen) / sum(m.active[1] for m in seen) if seen else None
 
 
 def set_tau(model: nn.Module, tau: float) -> int:
     """Set the mass threshold of every PrunePath FFN; returns how many there are."""
-    mlps = [m for m in model.modules() if isinstance(m, PrunePathMLP)]
-    for m in mlps:
+    found = mlps(model)
+    for m in found:
         m.tau = tau
-    return len(mlps)
+    return len(found)
 
 
 def describe(model: nn.Module, expert_size: int, k_min: int, tau: float, blocks: list[int]) -> None:

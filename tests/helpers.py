@@ -142,3 +142,16 @@ def tensor_hashes(out: Path) -> dict[str, str]:
             t = f.get_tensor(name).contiguous().reshape(-1)
             hashes[name] = hashlib.sha256(t.view(torch.uint8).numpy().tobytes()).hexdigest()
     return hashes
+
+
+def quick_suite(tmp_path: Path, suite: str, *args) -> tuple[dict, Path]:
+    """`compress bench quality --suite SUITE --quick`: its JSON result and the path of its markdown (the
+    figures go beside it)."""
+    import json
+
+    from conftest import invoke
+
+    js, md = tmp_path / f"{suite}.json", tmp_path / f"{suite}.md"
+    rc, _, err = invoke("bench", "quality", "--suite", suite, "--quick", "--json", js, "--markdown", md, *args)
+    assert rc == 0, err
+    return json.loads(js.read_text()), md

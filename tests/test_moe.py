@@ -12,6 +12,7 @@ from compress.models.adapters import ModelAdapter
 from compress.primitives import rtn
 from compress.workspace import Workspace
 from conftest import TEXT, invoke, plan_path
+from helpers import quick_suite
 from tiny import save_tiny, tiny_causal
 
 MOE = ["mixtral", "qwen2_moe", "qwen3_moe"]
@@ -285,10 +286,7 @@ def test_the_bundled_gemq_recipe_runs_on_tiny_moe_models(tmp_path, model_type):
 @pytest.mark.e2e
 def test_the_moe_suite_runs_quick(tmp_path):
     """`compress bench quality --suite moe --quick`: every row on a tiny random Mixtral (plumbing, no claim)."""
-    js, md = tmp_path / "m.json", tmp_path / "m.md"
-    rc, _, err = invoke("bench", "quality", "--suite", "moe", "--quick", "--json", js, "--markdown", md)
-    assert rc == 0, err
-    result = json.loads(js.read_text())
+    result, md = quick_suite(tmp_path, "moe")
     assert [r["method"] for r in result["summary"]] == ["uniform", "local", "greedy", "gemq", "gemq+ft", "gemq+ft-lm"]
     assert all(c["effective_bits"] <= c["budget"] for c in result["cells"])
     assert "rtn_w2_ratio" in result["model"] and "loads" in result["model"]

@@ -12,6 +12,7 @@ from compress.models.adapters import ModelAdapter
 from compress.prune import block_scores, ffn_scores, global_counts, head_scores, kept_count, top
 from compress.structure import keep_blocks, keep_ffn, keep_kv_groups, sync_config
 from conftest import CAL, MODELS, invoke
+from helpers import quick_suite
 from tiny import tiny_causal
 
 TOKENS = torch.randint(0, 128, (4, 24), generator=torch.Generator().manual_seed(0))
@@ -205,20 +206,17 @@ def test_heads_and_depth_prune_an_moe_model_too():
 @pytest.mark.e2e
 def test_the_prune_suite_runs_quick(tmp_path):
     """`compress bench quality --suite prune --quick`: every row on stories260K with tiny sizes (plumbing)."""
-    js, md = tmp_path / "p.json", tmp_path / "p.md"
-    rc, _, err = invoke("bench", "quality", "--suite", "prune", "--quick", "--json", js, "--markdown", md)
-    assert rc == 0, err
-    result = json.loads(js.read_text())
+    result, md = quick_suite(tmp_path, "prune")
     fams = [(r["family"], r["importance"], r["heal"], r["quant"]) for r in result["summary"]]
     assert ("ffn", "calibrated", True, None) in fams and ("depth", "last", False, None) in fams
     assert ("dense", "-", False, "w2") in fams and ("ffn", "calibrated", True, "w4") in fams
     dense4 = next(r for r in result["summary"] if r["quant"] == "w4" and r["family"] == "dense")
     pruned4 = next(r for r in result["summary"] if r["quant"] == "w4" and r["family"] == "ffn")
     assert pruned4["bytes"] < dense4["bytes"] < result["cells"][0]["fp_bytes"]
-    assert (tmp_path / "p-pareto.png").stat().st_size > 0 and "## Expected outcomes" in md.read_text()
+    assert (tmp_path / "prune-pareto.png").stat().st_size > 0 and "## Expected outcomes" in md.read_text()
     path = next(r for r in result["summary"] if r["family"] == "prunepath")
     assert [p["tau"] for p in path["curve"]] == [0.5, 1.0] and path["curve"][-1]["active"] == 1.0
-    assert path["curve"][0]["active"] < 1 and (tmp_path / "p-prunepath.png").stat().st_size > 0
+    assert path["curve"][0]["active"] < 1 and (tmp_path / "prune-prunepath.png").stat().st_size > 0
     assert any(t["target"].startswith("PrunePath") for t in result["targets"])
 
 

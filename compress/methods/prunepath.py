@@ -155,10 +155,10 @@ def apply(ctx, cfg: PrunePathConfig) -> dict:
     active = pp.active_fraction(probs, tau, cfg.k_min)
     log.info("prunepath: %d FFNs in experts of %d, tau %.4f, %.1f%% of experts active on the calibration tokens",
              len(blocks), cfg.expert_size, tau, 100 * active)
+    params = sum(p.numel() for p in adapter.model.parameters())
     return {"structure": {"stage": "prune", "method": "prunepath", "importance": "router",
-                          "parameters_before": sum(p.numel() for p in adapter.model.parameters()) - sum(
-                              r.numel() for r in routers.values()),
-                          "parameters_after": sum(p.numel() for p in adapter.model.parameters()),
+                          "parameters_before": params - sum(r.numel() for r in routers.values()),
+                          "parameters_after": params,
                           "changes": [f"{len(blocks)} FFNs split into experts of {cfg.expert_size}; tau {tau:.4f}: "
                                       f"{100 * active:.1f}% of experts active"],
                           "tau": tau, "active_fraction": active, "router_fit": fit}}

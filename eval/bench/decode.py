@@ -132,9 +132,8 @@ def prunepath_rows(size: str, masses, prompt, new_tokens: int, repeats: int, ker
             pp.prepare_gather(model, qweights, kernel)
         for tau in masses:
             pp.set_tau(model, tau)
-            for m in model.modules():
-                if isinstance(m, pp.PrunePathMLP):
-                    m.active = [0.0, 0]
+            for m in pp.mlps(model):
+                m.active = [0.0, 0]
             r = decode(torch_step(model), prompt, new_tokens, repeats)
             r.pop("tokens")
             rows.append({"backend": f"{'torch-fp32' if dtype == 'fp32' else 'ours-' + kernel} prunepath",
