@@ -7,8 +7,8 @@
   Stage keys hash these, not the paths: a file replaced under the same name recomputes the stages.
 - `changes(old, new)`: what differs between two fingerprints, in words, for the resume log.
 
-A stage config may name a file of its own in a field called `path` (allocate's `file` method): it is
-an input too, checked by its stage's plan-time check and hashed into that stage's key (`stage_files`).
+A stage config may name a file of its own in a field called `path` (allocate's `file` method), or several
+through a `files()` method (select's task files): they are inputs too, checked by its stage's plan-time check and hashed into that stage's key (`stage_files`).
 """
 
 from __future__ import annotations
@@ -45,6 +45,9 @@ def local_paths(loaded) -> list[tuple[str, Path]]:
 
 
 def _stage_paths(cfg) -> list[str]:
+    """The files a stage config names: its `files()` when it has one (several files), else a `path` field."""
+    if callable(getattr(cfg, "files", None)):
+        return list(cfg.files())
     path = getattr(cfg, "path", None)
     return [path] if isinstance(path, str) else []
 

@@ -213,7 +213,7 @@ def _run(loaded, binding: Binding, ws: Workspace, quiet: bool) -> dict:
     figures = {t: p for st in ws.manifest["stages"].values() for t, p in (st.get("metrics") or {}).get("figures", {}).items()}
     if figures:
         report["figures"] = figures
-    for section in ("allocation", "routers"):  # a stage's report section (the last stage's wins)
+    for section in ("allocation", "routers", "selection"):  # a stage's report section (the last stage's wins)
         found = [st["metrics"][section] for st in ws.manifest["stages"].values() if section in (st.get("metrics") or {})]
         if found:
             report[section] = found[-1]

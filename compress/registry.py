@@ -33,6 +33,7 @@ METHOD_MODULES = (
     "compress.methods.prune",
     "compress.methods.heal",
     "compress.methods.prunepath",
+    "compress.methods.select",
     "compress.rotation.walsh",
     "compress.rotation.autoround_hadamard",
     "compress.export.stage",

@@ -60,6 +60,30 @@ def read_labeled_tsv(path: str | Path) -> tuple[list[str], list[int]]:
     return sentences, _label_ids(raw_labels)
 
 
+def read_labeled(path: str | Path) -> tuple[list[str], list[int]]:
+    """Labelled rows of a `.tsv` (`read_labeled_tsv`) or a `.jsonl` file (one object per line with a string
+    `text` or `sentence` and a `label`, integer or string; string labels map to ids in sorted order)."""
+    path = Path(path)
+    if path.suffix.lower() != ".jsonl":
+        return read_labeled_tsv(path)
+    texts, labels = [], []
+    for lineno, line in enumerate(_read_utf8(path).split("\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise BadInput(f"{path}:{lineno}: not valid JSON ({exc.msg})") from exc
+        text = record.get("text", record.get("sentence")) if isinstance(record, dict) else None
+        if not isinstance(text, str) or "label" not in record:
+            raise BadInput(f"{path}:{lineno}: expected an object with a string `text` (or `sentence`) and a `label`")
+        texts.append(text)
+        labels.append(str(record["label"]).strip())
+    if not texts:
+        raise BadInput(f"{path}: no labeled rows found")
+    return texts, _label_ids(labels)
+
+
 def text_slice(text: str, start: float, end: float) -> str:
     """The characters of `text` between fractions `start` and `end` (0 <= start < end <= 1).
 

