@@ -187,19 +187,30 @@ def eval_(
     ffn_mass: Optional[float] = typer.Option(None, "--ffn-mass", help="PrunePath models: cumulative router mass "
                                              "of the active FFN experts per token (1 = dense; the checkpoint's own "
                                              "tau when not given)"),
+    task: Optional[List[str]] = typer.Option(None, "--task", help="task probe (repeatable): `sst2`, `ag_news` "
+                                             "(files under --task-data) or NAME=TRAIN,TEST (labelled .tsv/.jsonl): "
+                                             "test accuracy of a logistic probe on the pooled output"),
+    task_data: str = typer.Option("../shared/data/text", "--task-data", help="directory of the named tasks' files"),
+    pooling: str = typer.Option("mean", "--pooling", help="--task features: mean over tokens, or the last token"),
     as_json: bool = typer.Option(False, "--json", help="print JSON on stdout"),
 ):
     """Perplexity and logit fidelity (KL, top-1 vs --reference) of any checkpoint, and how long its
-    greedy continuations stay with the reference's.
+    greedy continuations stay with the reference's; task probes (`--task`) for encoders and decoders.
 
     Example: compress eval out/hf --reference ../shared/data/models/ref-llama-7m --data ../shared/data/text/wikitext-2-raw/wiki.test.raw
+    Example: compress eval out/hf --task sst2 --task ag_news
     """
-    from compress.eval.cli import evaluate_checkpoint
+    from compress.eval.cli import evaluate_checkpoint, task_probes
 
     _setup_logging(as_json)
-    res = evaluate_checkpoint(model, reference=reference, data=data or [], window=window, max_tokens=max_tokens,
-                              gen_prompts=gen_prompts, prompt_tokens=prompt_tokens, new_tokens=new_tokens,
-                              backend=backend, ffn_mass=ffn_mass)
+    res = {}
+    if data or not task:
+        res = evaluate_checkpoint(model, reference=reference, data=data or [], window=window, max_tokens=max_tokens,
+                                  gen_prompts=gen_prompts, prompt_tokens=prompt_tokens, new_tokens=new_tokens,
+                                  backend=backend, ffn_mass=ffn_mass)
+    if task:
+        res.update({f"task {k}": v for k, v in task_probes(model, task, data_dir=task_data, pooling=pooling,
+                                                            backend=backend).items()})
     if as_json:
         _emit_json(res)
     else:

@@ -219,20 +219,23 @@ def relevance(acc: dict[str, list[float]], chance: dict[str, float], weights: di
 
 def knapsack(values: Sequence[float], costs: Sequence[int], budget: float) -> list[int]:
     """The subset (sorted indices) maximising the sum of `values` with total cost <= `budget`: exact 0/1
-    knapsack by mixed-integer linear programming (scipy's HiGHS). Among equal values it fills the budget with
-    the layers of higher value first (a tie-breaking term 1e-9 x cost share)."""
+    knapsack by mixed-integer linear programming (scipy's HiGHS). A second solve picks, among the subsets of
+    that best value, one that uses the most budget (layers of relevance 0 are kept rather than left out)."""
     from scipy.optimize import Bounds, LinearConstraint, milp
 
     n = len(values)
     if n == 0 or budget < min(costs):
         return []
-    c = np.asarray(costs, dtype=float)
-    v = np.asarray(values, dtype=float) + 1e-9 * c / c.sum()
-    res = milp(-v, constraints=LinearConstraint(c[None, :], -np.inf, float(budget)), integrality=np.ones(n),
-               bounds=Bounds(0, 1), options={"mip_rel_gap": 0.0})
-    if not res.success:
-        raise RuntimeError(f"knapsack solver failed: {res.message}")
-    return [i for i in range(n) if res.x[i] > 0.5]
+    c, v = np.asarray(costs, dtype=float), np.asarray(values, dtype=float)
+    fits = LinearConstraint(c[None, :], -np.inf, float(budget))
+    opts = dict(integrality=np.ones(n), bounds=Bounds(0, 1), options={"mip_rel_gap": 0.0})
+    best = milp(-v, constraints=fits, **opts)
+    if not best.success:
+        raise RuntimeError(f"knapsack solver failed: {best.message}")
+    target = float(v @ np.round(best.x)) - 1e-9 * max(1.0, float(np.abs(v).sum()))
+    fill = milp(-c, constraints=[fits, LinearConstraint(v[None, :], target, np.inf)], **opts)
+    x = fill.x if fill.success else best.x
+    return [i for i in range(n) if x[i] > 0.5]
 
 
 def brute_force(values: Sequence[float], costs: Sequence[int], budget: float) -> float:

@@ -29,9 +29,10 @@ def _load(path: str, backend: str = "auto"):
     reference; compress/export/runtime.py) unless `backend` is `transformers` (auto-round's loader);
     any other checkpoint loads through transformers."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
 
     from compress.export.runtime import is_packed, load_packed
+    from compress.models.adapters import ARCHS
     from compress.models.loading import check_finite, resolve_source
 
     if backend not in BACKENDS:
@@ -43,7 +44,9 @@ def _load(path: str, backend: str = "auto"):
         if backend != "transformers" and not gguf and is_packed(src):
             model, _ = load_packed(src, backend)
         else:
-            model = AutoModelForCausalLM.from_pretrained(src, dtype="auto", **kw)
+            config = AutoConfig.from_pretrained(src, **kw)
+            encoder = getattr(ARCHS.get(config.model_type), "kind", None) == "encoder"
+            model = (AutoModel if encoder else AutoModelForCausalLM).from_pretrained(src, dtype="auto", **kw)
             # auto-round casts a packed model to fp16 on CPU and its `.float()` refuses quantized models;
             # nn.Module.float restores fp32 compute (see compress/export/hf.py).
             model = torch.nn.Module.float(model).eval()
@@ -101,6 +104,60 @@ def evaluate_checkpoint(model_path: str, *, reference: str | None, data: list[st
     if bad:
         raise RunFailure(f"`{model_path}` computes non-finite values ({', '.join(bad[:4])}): NaN or overflow in "
                          "its weights or activations")
+    return out
+
+
+# Tasks `compress eval --task NAME` knows by name: (train file, train rows, test file, test rows) under --task-data.
+KNOWN_TASKS = {"sst2": ("sst2/train_heldout_6735.tsv", None, "sst2/dev.tsv", None),
+               "ag_news": ("ag_news/test.tsv", (0, 6000), "ag_news/test.tsv", (6000, 7600))}
+
+
+def parse_task(spec: str, data_dir: str | Path) -> tuple[str, str, tuple | None, str, tuple | None]:
+    """`sst2` / `ag_news` (files under `data_dir`), or `NAME=TRAIN,TEST` (labelled TSV or JSONL files)."""
+    if "=" in spec:
+        name, _, files = spec.partition("=")
+        parts = files.split(",")
+        if len(parts) != 2 or not name or not all(parts):
+            raise BadInput(f"--task `{spec}`: write NAME=TRAIN_FILE,TEST_FILE (labelled .tsv or .jsonl)")
+        return name, parts[0], None, parts[1], None
+    if spec not in KNOWN_TASKS:
+        raise BadInput(f"--task `{spec}`: known tasks are {', '.join(KNOWN_TASKS)}; or give NAME=TRAIN,TEST files")
+    train, rows, test, test_rows = KNOWN_TASKS[spec]
+    return spec, str(Path(data_dir) / train), rows, str(Path(data_dir) / test), test_rows
+
+
+def task_probes(model_path: str, tasks: list[str], *, data_dir: str | Path, pooling: str = "mean",
+                max_examples: int = 4000, max_length: int = 128, seed: int = 0, backend: str = "auto") -> dict:
+    """Per task: test accuracy of a logistic-regression probe on the checkpoint's pooled output (the last block's
+    hidden states; C picked on a quarter of the training rows), with the majority-class rate beside it."""
+    from compress import probscale as ps
+    from compress.eval.data import read_labeled
+    from compress.models.adapters import ModelAdapter
+
+    ps.require_sklearn()
+    if pooling not in ("mean", "last"):
+        raise BadInput(f"--pooling {pooling}: mean or last")
+    model, tok = _load(model_path, backend)
+    if tok is None:
+        raise BadInput(f"no tokenizer found in `{model_path}`")
+    adapter, pad = ModelAdapter(model), ps._pad_id(tok)
+    out = {}
+    for spec in tasks:
+        name, train, rows, test, test_rows = parse_task(spec, data_dir)
+
+        def cut(path, span):
+            x, y = read_labeled(path)
+            return (x[span[0]:span[1]], y[span[0]:span[1]]) if span else (x, y)
+
+        fit, dev = ps.split(*cut(train, rows), dev_fraction=0.25, limit=max_examples, seed=seed)
+        tx, ty = cut(test, test_rows)
+        ids = ps.encode(tok, fit[0] + dev[0] + tx, max_length)
+        X = ps.features(adapter, ids, pad, pooling=pooling, every=False)[0]
+        n, m = len(fit[0]), len(fit[0]) + len(dev[0])
+        dev_acc, C, clf = ps.probe(X[:n], fit[1], X[n:m], dev[1], seed=seed)
+        out[name] = {"accuracy": round(ps.accuracy(clf, X[m:], ty), 4), "dev_accuracy": round(dev_acc, 4),
+                     "chance": round(max(ty.count(c) for c in set(ty)) / len(ty), 4), "C": C,
+                     "train": len(fit[0]), "test": len(ty)}
     return out
 
 
