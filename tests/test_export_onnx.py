@@ -130,3 +130,44 @@ def test_onnx_kv_cache_decodes_incrementally(name, bits, group, tmp_path):
     with torch.no_grad():
         short = model(ids[1:, :10]).logits.numpy()
     assert rel_err(padded[1:, :10], short) < 1e-4 and rel_err(padded[:1], full[:1]) < 1e-4
+
+
+@pytest.mark.parametrize("positions,rope", [(32768, None), (131072, None),
+                                            (131072, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                      "high_freq_factor": 4.0,
+                                                      "original_max_position_embeddings": 8192, "rope_theta": 5e5})])
+def test_long_context_models_export_without_position_tables(positions, rope, tmp_path):
+    """The causal mask and the rotary angles are computed in the graph: the file holds the weights, not a
+    positions x positions mask (64 GiB at 128k positions) or a positions x head_dim table, and positions far
+    past the first ones still match transformers."""
+    cfg = {"max_position_embeddings": positions, **({"rope_parameters": rope} if rope else {})}
+    model = tiny_causal("llama", **cfg)
+    weights = sum(p.numel() * 4 for p in model.parameters())
+    qweights = quantized(model, 4, 32, True)
+    res = export_onnx(model, qweights, tmp_path)
+    assert res["bytes"] < weights  # packed int4 block linears, fp32 embeddings, head and norms
+    ids = torch.randint(0, 128, (1, 9))
+    with torch.no_grad():
+        quantize_model(model, qweights)
+        ref = model(ids).logits.numpy()
+    assert rel_err(ort_logits(res["path"], ids), ref) < 1e-3
+    kv = export_onnx(model, qweights, tmp_path / "kv", kv_cache=True)
+    sess = ort.InferenceSession(kv["path"], providers=["CPUExecutionProvider"])
+    past = positions - 4  # the last positions the model has: rotary angles of large positions
+    n_kv, hd = model.config.num_key_value_heads, model.config.hidden_size // model.config.num_attention_heads
+    feeds = {"input_ids": ids[:, :2].numpy(), "attention_mask": np.ones((1, past + 2), np.int64)}
+    for i in range(model.config.num_hidden_layers):
+        for k in ("key", "value"):
+            feeds[f"past_key_values.{i}.{k}"] = np.zeros((1, n_kv, past, hd), np.float32)
+    names = [o.name for o in sess.get_outputs()]
+    out = dict(zip(names, sess.run(None, feeds)))
+    assert out["present.0.key"].shape[2] == past + 2
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    for i in range(model.config.num_hidden_layers):
+        cache.update(torch.zeros(1, n_kv, past, hd), torch.zeros(1, n_kv, past, hd), i)
+    with torch.no_grad():
+        ref = model(ids[:, :2], past_key_values=cache, attention_mask=torch.ones(1, past + 2, dtype=torch.long),
+                    position_ids=torch.tensor([[past, past + 1]])).logits.numpy()
+    assert rel_err(out["logits"], ref) < 1e-3

@@ -265,25 +265,41 @@ class LlamaOnnx:
             y = g.op("Add", y, g.op("Mul", self.mlp(x, prefix + ".shared_expert"), gate))
         return y
 
+    # rotary types whose frequencies do not depend on the sequence length: computed in the graph from inv_freq
+    STATIC_ROPE = ("default", "linear", "llama3", "yarn")
+
     def positions(self, ids: str) -> tuple[str, str, str]:
         """cos, sin (S, D) and the additive mask (S, T) or (B, 1, S, T) for positions past .. past+S-1
-        attending to keys 0 .. T-1 (T = past + S; past = 0 without a KV cache)."""
+        attending to keys 0 .. T-1 (T = past + S; past = 0 without a KV cache). Both are computed in the graph
+        from the positions (no table of max_position_embeddings rows: a 128k-position model's mask alone would
+        be 64 GiB); a rotary type whose frequencies change with the length (dynamic NTK, longrope) falls back
+        to a cos/sin table, which is linear in the positions."""
         g, inner = self.g, self.model.model
-        n_pos = self.cfg.max_position_embeddings
-        with torch.no_grad():
-            dummy = torch.zeros(1, 1, self.hd)
-            cos, sin = inner.rotary_emb(dummy, torch.arange(n_pos).unsqueeze(0))
+        rope = inner.rotary_emb
         neg = np.finfo(np.float32).min
-        mask = np.triu(np.full((n_pos, n_pos), neg, np.float32), k=1)
         one, two, zero = (g.const(np.array([v], np.int64)) for v in (1, 2, 0))
         seq = g.op("Slice", g.op("Shape", ids), one, two, zero)
         past = g.op("Slice", g.op("Shape", self.past(0, "key")), two, g.const(np.array([3], np.int64)), zero) \
             if self.kv_cache else zero
         total = g.op("Add", past, seq)
-        cos_s = g.op("Slice", g.const(_f32(cos[0]), "rope_cos"), past, total, zero)
-        sin_s = g.op("Slice", g.const(_f32(sin[0]), "rope_sin"), past, total, zero)
-        mask_s = g.op("Slice", g.const(mask, "causal_mask"), g.op("Concat", past, zero, axis=0),
-                      g.op("Concat", total, total, axis=0), g.const(np.array([0, 1], np.int64)))
+        scalar = lambda t: g.op("Squeeze", t, g.const(np.array([0], np.int64)))  # noqa: E731
+        step = g.const(np.array(1, np.int64))
+        rows = g.op("Range", scalar(past), scalar(total), step)  # (S,) query positions
+        cols = g.op("Range", g.const(np.array(0, np.int64)), scalar(total), step)  # (T,) key positions
+        if getattr(rope, "rope_type", "default") in self.STATIC_ROPE:
+            freqs = g.op("Mul", g.op("Unsqueeze", g.op("Cast", rows, to=1), g.const(np.array([1], np.int64))),
+                         g.const(_f32(rope.inv_freq)[None, :], "rope_inv_freq"))
+            emb = g.op("Concat", freqs, freqs, axis=-1)
+            scale = g.const(np.array(float(getattr(rope, "attention_scaling", 1.0)), np.float32))
+            cos_s, sin_s = g.op("Mul", g.op("Cos", emb), scale), g.op("Mul", g.op("Sin", emb), scale)
+        else:
+            n_pos = self.cfg.max_position_embeddings
+            with torch.no_grad():
+                cos, sin = rope(torch.zeros(1, 1, self.hd), torch.arange(n_pos).unsqueeze(0))
+            cos_s = g.op("Slice", g.const(_f32(cos[0]), "rope_cos"), past, total, zero)
+            sin_s = g.op("Slice", g.const(_f32(sin[0]), "rope_sin"), past, total, zero)
+        later = g.op("Greater", g.op("Unsqueeze", cols, zero), g.op("Unsqueeze", rows, one))  # key after query
+        mask_s = g.op("Where", later, g.const(np.array(neg, np.float32)), g.const(np.array(0, np.float32)))
         if self.kv_cache:  # padding: (1 - attention_mask) * min on the key axis, clamped so sums stay finite
             keep = g.op("Cast", "attention_mask", to=1)
             pad = g.op("Mul", g.op("Sub", g.const(np.array(1, np.float32)), keep), g.const(np.array(neg, np.float32)))
