@@ -108,6 +108,15 @@ def versions() -> dict:
 
 
 # -- planning (no model weights are read) ---------------------------------------------------------
+_LIBRARIES_MB = 250  # auto-round, safetensors, the kernels and each graph exporter, imported during a run (measured)
+
+
+def current_rss() -> int:
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
 def plan(loaded) -> dict:
     """Stages, layers touched and an estimate of peak memory, from the config alone."""
     return _plan(loaded)[0]
@@ -149,6 +158,11 @@ def _plan(loaded) -> tuple[dict, Binding]:
         est = (rest + per_block) * bytes_per + 3 * act  # non-block weights + one block + activations
     else:
         est = 2 * n_params * bytes_per + 3 * act  # model + FP reference for eval, three activation streams
+    if r.eval.enabled and r.eval.data and kind == "causal":  # FP and compressed logits of a window, log-softmaxed
+        est += 4 * r.eval.window * getattr(config, "vocab_size", 0) * 4
+    # the process as it stands (Python, torch, transformers) plus what the run imports later: the libraries
+    # are most of a small model's peak (a 0.9M-parameter run peaks near 1 GB)
+    est += current_rss() + _LIBRARIES_MB * 2**20 * (1 + sum(f in ("onnx", "openvino") for f in r.export.names()))
     out = {"model": r.model.path, "model_type": config.model_type, "blocks": len(adapter.blocks),
            "parameters": n_params, "stages": stages, "export": r.export.names(),
            "estimated_peak_memory_mb": round(est / 2**20, 1)}
