@@ -116,7 +116,7 @@ def bench_quality(
         from compress.eval.bench.select import run_select
 
         rows, md = run_select(quick=quick, seeds=seed or None, models=only or None, variants=variant or None,
-                              merge=merge or ())
+                              merge=merge or (), checkpoint=json_out)
     elif suite == "flipguard":
         from compress.eval.bench.flipguard import run_flipguard
 

@@ -40,13 +40,15 @@ class SelectSettings:
     models: tuple[str, ...] = MODELS
     seeds: tuple[int, ...] = (0, 1, 2)
     budgets: tuple[float, ...] = (1 / 2, 1 / 3, 1 / 6)
-    max_examples: int = 2000
-    max_length: int = 128
+    max_examples: int = 1500
+    max_length: int = 64  # SST-2 sentences are shorter; AG News averages ~50 tokens
+    cs: tuple[float, ...] = (0.01, 0.1, 1.0)  # C = 10 was never picked on MiniLM's 384 features
     heal_steps: int = 100
     heal_lr: float = 1e-4
     heal_head_lr: float = 2e-3
     heal_batch: int = 16
     heal_weightings: tuple[str, ...] = ("both",)  # the heal cells (a fine-tune each) run for these weightings
+    reprobe_weightings: tuple[str, ...] = ("both",)  # probscale+reprobe (a subnetwork probe per swap) for these
     variants: tuple[str, ...] = ("probe", "heal")
 
 
@@ -107,7 +109,7 @@ class Scorer:
         for name, t in self.tasks.items():
             n, m = len(t.fit[0]), len(t.fit[0]) + len(t.dev[0])
             feats = ps.features(self.adapter, self.ids[name][:m], self.pad)
-            out[name] = [ps.probe(X[:n], t.fit[1], X[n:], t.dev[1], seed=self.seed)[0] for X in feats]
+            out[name] = [ps.probe(X[:n], t.fit[1], X[n:], t.dev[1], cs=self.s.cs, seed=self.seed)[0] for X in feats]
         return out
 
     def probe(self, blocks, task: str, part: str = "test") -> float:
@@ -116,7 +118,7 @@ class Scorer:
             t = self.tasks[task]
             n, m = len(t.fit[0]), len(t.fit[0]) + len(t.dev[0])
             X = ps.features(self.adapter, self.ids[task], self.pad, blocks=blocks, every=False)[0]
-            dev, _, clf = ps.probe(X[:n], t.fit[1], X[n:m], t.dev[1], seed=self.seed)
+            dev, _, clf = ps.probe(X[:n], t.fit[1], X[n:m], t.dev[1], cs=self.s.cs, seed=self.seed)
             self.probe_cache[key] = {"dev": dev, "test": ps.accuracy(clf, X[m:], t.test[1])}
         return self.probe_cache[key][part]
 
@@ -138,9 +140,13 @@ class Scorer:
         return self.heal_cache[key]
 
 
-def subsets(acc, chance, names, costs, budget, seed, scorer) -> dict[str, list[int]]:
+def subsets(acc, chance, names, costs, budget, seed, scorer, reprobe: bool) -> dict[str, list[int]]:
     r = ps.relevance({n: acc[n] for n in names}, {n: chance[n] for n in names}, {n: 1.0 for n in names})
     out = {"probscale": ps.knapsack(r[1:], costs, budget)}
+    for b in ("bottom", "top", "every", "random"):
+        out[b] = ps.baseline(b, costs, budget, seed)
+    if not reprobe:
+        return out
     full = {n: scorer.probe(list(range(len(costs))), n, "dev") for n in names}
     keep, score = out["probscale"], None
 
@@ -161,12 +167,13 @@ def subsets(acc, chance, names, costs, budget, seed, scorer) -> dict[str, list[i
                     best = (v, cand)
         keep = best[1] if best else keep
     out["probscale+reprobe"] = keep
-    for b in ("bottom", "top", "every", "random"):
-        out[b] = ps.baseline(b, costs, budget, seed)
     return out
 
 
-def run_select(quick: bool = False, seeds=None, models=None, variants=None, merge=()) -> tuple[dict, str]:
+def run_select(quick: bool = False, seeds=None, models=None, variants=None, merge=(),
+               checkpoint: Path | None = None) -> tuple[dict, str]:
+    """The suite's result and markdown; `checkpoint`: a JSON file rewritten with the cells measured so far after
+    every (weighting, budget), which `--merge` folds in when a run is cut short."""
     from compress.errors import BadInput
     from compress.methods.select import costs as block_costs
 
@@ -201,8 +208,11 @@ def run_select(quick: bool = False, seeds=None, models=None, variants=None, merg
             for w, names in WEIGHTINGS.items():
                 for budget in s.budgets:
                     b = budget * sum(cost)
-                    picks = subsets(acc, chance, names, cost, b, seed, sc) if b >= min(cost) else {}
+                    fits = b >= min(cost)
+                    picks = subsets(acc, chance, names, cost, b, seed, sc, w in s.reprobe_weightings) if fits else {}
                     for method in METHODS:
+                        if fits and method not in picks:
+                            continue
                         keep = picks.get(method, [])
                         cell = {"model": name, "seed": seed, "weighting": w, "budget": round(budget, 4),
                                 "method": method, "kept": keep, "params": sum(cost[i] for i in keep)}
@@ -223,6 +233,9 @@ def run_select(quick: bool = False, seeds=None, models=None, variants=None, merg
                                           "retained": round(sum(acc_h[n] / full_heal[n] for n in names) / len(names), 4)})
                         bq.log.info("select %s seed %d %s budget %.3f %s: %s", name, seed, w, budget, method,
                                     [c["retained"] for c in cells[-2:]])
+                    if checkpoint:
+                        checkpoint.write_text(json.dumps({"suite": "select", "settings": asdict(s), "partial": True,
+                                                          "cells": cells, "layers": layers}) + "\n")
     result = {"suite": "select", "settings": asdict(s), "meta": bq.suite_meta(quick),
               "seconds": round(time.time() - t0, 1), "cells": cells, "layers": layers}
     return result, markdown(result)
