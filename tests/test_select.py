@@ -11,6 +11,7 @@ import yaml
 from compress import probscale as ps
 from compress.models.adapters import ModelAdapter
 from conftest import CAL, invoke, run
+from helpers import quick_suite
 from tiny import save_tiny, tiny_bert, tiny_llama
 
 WORDS = ["good", "great", "fine", "nice", "bad", "awful", "poor", "sad"] + [f"w{i}" for i in range(112)]
@@ -247,3 +248,19 @@ def test_bundled_select_recipe_runs_as_shipped_on_minilm(tmp_path):
     assert len(sel["kept_blocks"]) == 2 and set(sel["test_accuracy"]) == {"sst2", "ag_news"}
     m = T.AutoModel.from_pretrained(out / "hf")
     assert m.config.num_hidden_layers == 2 and m.config.hidden_size == 384
+
+
+@pytest.mark.e2e
+def test_the_select_suite_runs_quick_and_merges(tmp_path):
+    """`compress bench quality --suite select --quick`: every method on a tiny random BERT (plumbing, no claim);
+    `--merge` folds an earlier result in."""
+    result, md = quick_suite(tmp_path, "select")
+    methods = {c["method"] for c in result["cells"]}
+    assert methods == {"probscale", "probscale+reprobe", "bottom", "top", "every", "random"}
+    assert {c["variant"] for c in result["cells"]} == {"probe", "heal"}
+    assert all(0 < c["retained"] for c in result["cells"]) and "## tiny-bert, heal, tasks: both" in md.read_text()
+    (tmp_path / "m").mkdir()
+    again, _ = quick_suite(tmp_path / "m", "select", "--merge", tmp_path / "select.json", "--seed", "0")
+    assert len(again["cells"]) == len(result["cells"])  # the same model and seed measured again replaces them
+    merged, _ = quick_suite(tmp_path / "m", "select", "--merge", tmp_path / "select.json")  # only merges
+    assert merged["cells"] == result["cells"] and merged["settings"]["seeds"] == [0]

@@ -49,9 +49,10 @@ def bench_quality(
                                                "rows (repeatable), e.g. greedy-sens+refine, rl+refine; gemq, gemq+ft"),
     quantizer: Optional[List[str]] = typer.Option(None, "--quantizer", help="--suite moe: only these quantizers "
                                                   "(gptq, autoround; repeatable)"),
-    merge: Optional[List[Path]] = typer.Option(None, "--merge", help="--suite moe: fold in the cells of these "
-                                               "earlier --json results (same model and settings; a cell run now "
-                                               "replaces the same one there), to measure the matrix in parts"),
+    merge: Optional[List[Path]] = typer.Option(None, "--merge", help="--suite moe / select: fold in the cells of "
+                                               "these earlier --json results (same model and settings; a cell run "
+                                               "now replaces the same one there), to measure the matrix in parts; "
+                                               "select: with neither --seed nor --only, only merges"),
     refine: Optional[int] = typer.Option(None, "--refine", help="--suite mixed: pair moves of the +refine rows "
                                          "(default 2000)"),
     suite: str = typer.Option("ptq", "--suite", help="`ptq`: FP/RTN/GPTQ/AutoRound matrix; `lfq`: AutoRound "

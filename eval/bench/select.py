@@ -180,16 +180,21 @@ def run_select(quick: bool = False, seeds=None, models=None, variants=None, merg
     s = QUICK if quick else FULL
     s = replace(s, seeds=tuple(seeds or s.seeds), models=tuple(models or s.models),
                 variants=tuple(variants or s.variants))
+    if merge and not seeds and not models:  # only folding earlier results together: measure nothing new
+        s = replace(s, models=())
     bad = [v for v in s.variants if v not in ("probe", "heal")]
     if bad:
         raise BadInput(f"--variant of --suite select: probe, heal (not {bad})")
-    cells, layers = [], []
+    cells, layers, earlier, earlier_layers = [], [], [], []
     for f in merge:
-        r = json.loads(Path(f).read_text())
+        try:
+            r = json.loads(Path(f).read_text())
+        except (OSError, ValueError) as e:
+            raise BadInput(f"--merge {f}: {e}") from None
         if r.get("suite") != "select":
             raise BadInput(f"--merge {f}: not a result of --suite select")
-        cells += r["cells"]
-        layers += r["layers"]
+        earlier += r["cells"]
+        earlier_layers += r["layers"]
     t0 = time.time()
     for name in s.models:
         model, tok = load(name, Path("."))
@@ -236,6 +241,11 @@ def run_select(quick: bool = False, seeds=None, models=None, variants=None, merg
                     if checkpoint:
                         checkpoint.write_text(json.dumps({"suite": "select", "settings": asdict(s), "partial": True,
                                                           "cells": cells, "layers": layers}) + "\n")
+    now = {(c["model"], c["seed"]) for c in cells}  # a model and seed measured now replaces an earlier one
+    cells = [c for c in earlier if (c["model"], c["seed"]) not in now] + cells
+    layers = [x for x in earlier_layers if (x["model"], x["seed"]) not in now] + layers
+    s = replace(s, models=tuple(dict.fromkeys(c["model"] for c in cells)),
+                seeds=tuple(sorted({c["seed"] for c in cells})))
     result = {"suite": "select", "settings": asdict(s), "meta": bq.suite_meta(quick),
               "seconds": round(time.time() - t0, 1), "cells": cells, "layers": layers}
     return result, markdown(result)
