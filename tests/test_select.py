@@ -189,11 +189,23 @@ def test_select_without_heal_keeps_the_source_blocks_exactly(tmp_path, bert_dir)
             assert torch.equal(p, q), n
 
 
+def test_select_then_quantize_an_encoder(tmp_path, bert_dir):
+    r = select_recipe(tmp_path, bert_dir, bert_dir, extra={"pick": "bottom"},
+                      stages_after=[{"stage": "quantize", "method": "rtn", "bits": 4, "group_size": 32}])
+    out = tmp_path / "o"
+    rc, err = run(r, "-o", out)
+    assert rc == 0, err
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["selection"]["kept_blocks"] == [0, 1] and rep["size"]["quantized_layers"] == 2 * 6
+    rc, stdout, _ = invoke("inspect", out / "hf")
+    assert rc == 0 and "structure: 2 of 2 blocks" in stdout and "encoder.layer.1.output.dense" in stdout
+
+
 def test_select_then_quantize_then_every_export_on_a_decoder(tmp_path, bert_dir):
     model = save_tiny("llama", tmp_path / "llama", num_hidden_layers=4)
     r = select_recipe(tmp_path, model, bert_dir, extra={"budget": "auto", "pooling": "last"},
                       stages_after=[{"stage": "quantize", "method": "rtn", "bits": 4, "group_size": 32}],
-                      formats=("hf", "onnx"))
+                      formats=("hf", "onnx", "openvino"))
     out = tmp_path / "o"
     rc, err = run(r, "-o", out)
     assert rc == 0, err
@@ -206,6 +218,7 @@ def test_select_then_quantize_then_every_export_on_a_decoder(tmp_path, bert_dir)
 
     sess = ort.InferenceSession(str(out / "onnx" / "model.onnx"))
     assert sess.get_inputs()[0].name == "input_ids"
+    assert any((out / "openvino").glob("*.xml"))
     rc, stdout, _ = invoke("inspect", out / "hf")
     assert rc == 0 and f"structure: {n} of {n} blocks" in stdout
 
