@@ -278,6 +278,29 @@ def baseline(name: str, costs: Sequence[int], budget: float, seed: int = 0) -> l
     raise BadInput(f"unknown selection `{name}` (known: {', '.join(STRATEGIES)})")
 
 
+def reprobe(keep: list[int], costs: Sequence[int], budget: float, score: Callable[[list[int]], float],
+            rounds: int) -> tuple[list[int], list[dict]]:
+    """Up to `rounds` times, the best swap of a kept block for a removed one that fits the budget, by `score`
+    (the actual subnetwork's retained probe accuracy), taken when it improves by more than 1e-4."""
+    swaps, current = [], score(keep)
+    for _ in range(rounds):
+        best = None
+        used = sum(costs[i] for i in keep)
+        for out in keep:
+            for add in range(len(costs)):
+                if add in keep or used - costs[out] + costs[add] > budget:
+                    continue
+                cand = sorted([i for i in keep if i != out] + [add])
+                v = score(cand)
+                if v > current + 1e-4 and (best is None or v > best[0]):
+                    best = (v, cand, out, add)
+        if best is None:
+            break
+        current, keep = best[0], best[1]
+        swaps.append({"removed": best[2], "added": best[3], "retained": round(current, 6)})
+    return keep, swaps
+
+
 # -- the scaling fit -------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class PowerLaw:

@@ -67,13 +67,7 @@ def read_labeled(path: str | Path) -> tuple[list[str], list[int]]:
     if path.suffix.lower() != ".jsonl":
         return read_labeled_tsv(path)
     texts, labels = [], []
-    for lineno, line in enumerate(_read_utf8(path).split("\n"), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise BadInput(f"{path}:{lineno}: not valid JSON ({exc.msg})") from exc
+    for lineno, record in _jsonl_records(_read_utf8(path), path):
         text = record.get("text", record.get("sentence")) if isinstance(record, dict) else None
         if not isinstance(text, str) or "label" not in record:
             raise BadInput(f"{path}:{lineno}: expected an object with a string `text` (or `sentence`) and a `label`")
@@ -138,15 +132,20 @@ def _read_utf8(path: Path) -> str:
     return raw.replace("\r\n", "\n")
 
 
-def _jsonl_field(raw: str, field: str, path: Path) -> list[str]:
-    texts = []
+def _jsonl_records(raw: str, path: Path):
+    """(line number, parsed object) of each non-empty line."""
     for lineno, line in enumerate(raw.split("\n"), start=1):
         if not line.strip():
             continue
         try:
-            record = json.loads(line)
+            yield lineno, json.loads(line)
         except json.JSONDecodeError as exc:
             raise BadInput(f"{path}:{lineno}: not valid JSON ({exc.msg})") from exc
+
+
+def _jsonl_field(raw: str, field: str, path: Path) -> list[str]:
+    texts = []
+    for lineno, record in _jsonl_records(raw, path):
         if not isinstance(record, dict) or not isinstance(record.get(field), str):
             raise BadInput(f"{path}:{lineno}: expected an object with a string field '{field}'")
         texts.append(record[field])

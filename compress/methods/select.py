@@ -217,27 +217,6 @@ def _pick(cfg, r: list[float], block_costs: list[int], budget: float, seed: int)
     return ps.baseline(cfg.pick, block_costs, budget, seed)
 
 
-def _reprobe(prober: _Prober, keep: list[int], block_costs, budget: float, full, rounds: int) -> tuple[list, list]:
-    """Swap one kept block for a removed one while the subnetwork's retained probe accuracy improves."""
-    swaps, score = [], prober.retained(keep, full)
-    for _ in range(rounds):
-        best = None
-        used = sum(block_costs[i] for i in keep)
-        for out_ in keep:
-            for in_ in range(len(block_costs)):
-                if in_ in keep or used - block_costs[out_] + block_costs[in_] > budget:
-                    continue
-                cand = sorted([i for i in keep if i != out_] + [in_])
-                s = prober.retained(cand, full)
-                if s > score + 1e-4 and (best is None or s > best[0]):
-                    best = (s, cand, out_, in_)
-        if best is None:
-            break
-        score, keep = best[0], best[1]
-        swaps.append({"removed": best[2], "added": best[3], "retained": round(score, 6)})
-    return keep, swaps
-
-
 def _sweep(prober, cfg, r, block_costs, full, seed) -> tuple[list[dict], ps.PowerLaw | None]:
     layers = sum(block_costs)
     points, seen = [], set()
@@ -288,7 +267,7 @@ def apply(ctx, cfg: ProbScaleConfig) -> dict:
     picked = list(keep)
     swaps = []
     if cfg.reprobe:
-        keep, swaps = _reprobe(prober, keep, block_costs, budget, full, cfg.reprobe)
+        keep, swaps = ps.reprobe(keep, block_costs, budget, lambda k: prober.retained(k, full), cfg.reprobe)
     sub = prober.subnet(keep)
     test = _test_accuracy(ctx, cfg, tasks, keep)
     params = sum(p.numel() for p in adapter.model.parameters())

@@ -148,24 +148,13 @@ def subsets(acc, chance, names, costs, budget, seed, scorer, reprobe: bool) -> d
     if not reprobe:
         return out
     full = {n: scorer.probe(list(range(len(costs))), n, "dev") for n in names}
-    keep, score = out["probscale"], None
 
     def retained(k):
         return sum(scorer.probe(k, n, "dev") / full[n] for n in names) / len(names)
 
+    keep = out["probscale"]
     if keep:
-        score = retained(keep)
-        best = None
-        used = sum(costs[i] for i in keep)
-        for o in keep:
-            for i in range(len(costs)):
-                if i in keep or used - costs[o] + costs[i] > budget:
-                    continue
-                cand = sorted([j for j in keep if j != o] + [i])
-                v = retained(cand)
-                if v > score + 1e-4 and (best is None or v > best[0]):
-                    best = (v, cand)
-        keep = best[1] if best else keep
+        keep, _ = ps.reprobe(keep, costs, budget, retained, 1)
     out["probscale+reprobe"] = keep
     return out
 
