@@ -271,15 +271,42 @@ def markdown(result: dict) -> str:
                 wins = []
                 for b in budgets:
                     seeds = sorted({c["seed"] for c in rows if c["budget"] == b})
+                    valid = [c for c in rows if c["retained"] is not None]
                     for p in ("probscale", "probscale+reprobe"):
-                        ok = 0
-                        for sd in seeds:
-                            mine = [c["retained"] for c in rows if c["method"] == p and c["budget"] == b
-                                    and c["seed"] == sd]
-                            base = [c["retained"] for c in rows if c["method"] in ("bottom", "top", "every", "random")
-                                    and c["budget"] == b and c["seed"] == sd]
-                            if mine and mine[0] is not None and all(x is None or mine[0] >= x - 1e-9 for x in base):
-                                ok += 1
-                        wins.append(f"{_fmt_budget(b)} {p}: {ok}/{len(seeds)}")
+                        if any(c["method"] == p for c in valid):
+                            ok = sum(1 for sd in seeds if _beats(valid, b, sd, p))
+                            wins.append(f"{_fmt_budget(b)} {p}: {ok}/{len(seeds)}")
                 out.append("\n>= every baseline (seeds): " + "; ".join(wins) + "\n")
+        out.append(_targets([c for c in cells if c["model"] == model], model))
     return "".join(out)
+
+
+def _targets(cells: list[dict], model: str) -> str:
+    """The issue's targets on this model: ProbScale >= every baseline at every budget in >= 2 of 3 seeds (per
+    weighting and variant), and at 1/3 of the layer parameters with heal >= 95% of the full model on each task."""
+    lines = [f"\n### Targets on {model}\n"]
+    for variant in ("probe", "heal"):
+        for w in WEIGHTINGS:
+            rows = [c for c in cells if c["variant"] == variant and c["weighting"] == w and c["retained"] is not None]
+            if not rows:
+                continue
+            verdicts = []
+            for b in sorted({c["budget"] for c in rows}, reverse=True):
+                seeds = sorted({c["seed"] for c in rows if c["budget"] == b})
+                ok = sum(1 for sd in seeds if _beats(rows, b, sd, "probscale"))
+                verdicts.append(f"{_fmt_budget(b)}: {ok}/{len(seeds)}")
+            lines.append(f"- {variant}, {w}: probscale >= every baseline in " + ", ".join(verdicts) + " seeds\n")
+    healed = [c for c in cells if c["variant"] == "heal" and c["method"] == "probscale" and c["budget"] == 0.3333
+              and c["weighting"] == "both"]
+    for c in healed:
+        per = {t: round(c["accuracy"][t] / c["full"][t], 4) for t in c["accuracy"]}
+        lines.append(f"- heal, 1/3 of layer parameters, seed {c['seed']}: retained per task {per} "
+                     f"({'>= 0.95 on both' if min(per.values()) >= 0.95 else 'below 0.95'})\n")
+    return "".join(lines)
+
+
+def _beats(rows, b, seed, method) -> bool:
+    mine = [c["retained"] for c in rows if c["method"] == method and c["budget"] == b and c["seed"] == seed]
+    base = [c["retained"] for c in rows if c["method"] in ("bottom", "top", "every", "random") and c["budget"] == b
+            and c["seed"] == seed]
+    return bool(mine) and all(mine[0] >= x - 1e-9 for x in base)
