@@ -2,12 +2,14 @@
 
 Models: all-MiniLM-L6-v2 (the encoder) and stories-llama-1m (a decoder, mean-pooled features). Tasks: SST-2
 (probes trained on `sst2/train_heldout_6735.tsv`, tested on `sst2/dev.tsv`) and AG News (probes on rows 0-6000
-of `ag_news/test.tsv`, tested on rows 6000-7600), weighted equally (`both`) and each alone. Per seed, the probe
+of `ag_news/test.tsv`, tested on rows 6000-7000), weighted equally (`both`) and each alone. Per seed, the probe
 rows of each task (`max_examples`, a quarter of them the dev split that scores the layer probes and picks C)
 are drawn with the seed; `random` draws its layers with it; heal batches follow it.
 
 Budgets: 1/2, 1/3 and 1/6 of the transformer-layer parameters. Methods: `probscale` (knapsack on relevance),
-`probscale+reprobe` (one round of swaps scored on the dev split), `bottom`, `top`, `every`, `random`.
+`probscale+reprobe` (one round of swaps scored on the dev split; joint weighting at 1/3), `bottom`, `top`,
+`every`, `random`. The heal cells (a fine-tune each, the suite's cost on 2 cores) run for the joint weighting at
+1/3, the budget of the target; `SelectSettings` widens both.
 
 Scores, per task on its test rows, as a share of the full model's accuracy with the same head training:
 - `probe` (no heal): a logistic-regression probe (C picked on the dev split) on the subnetwork's pooled output,
@@ -40,21 +42,26 @@ class SelectSettings:
     models: tuple[str, ...] = MODELS
     seeds: tuple[int, ...] = (0, 1, 2)
     budgets: tuple[float, ...] = (1 / 2, 1 / 3, 1 / 6)
-    max_examples: int = 1500
+    max_examples: int = 1000
     max_length: int = 64  # SST-2 sentences are shorter; AG News averages ~50 tokens
     cs: tuple[float, ...] = (0.01, 0.1, 1.0)  # C = 10 was never picked on MiniLM's 384 features
-    heal_steps: int = 100
+    heal_steps: int = 60
     heal_lr: float = 1e-4
     heal_head_lr: float = 2e-3
     heal_batch: int = 16
-    heal_weightings: tuple[str, ...] = ("both",)  # the heal cells (a fine-tune each) run for these weightings
-    reprobe_weightings: tuple[str, ...] = ("both",)  # probscale+reprobe (a subnetwork probe per swap) for these
+    # a 2-core budget: the heal cells (a fine-tune each) run for the joint weighting at the target budget 1/3, and
+    # probscale+reprobe (a subnetwork probe per swap) there too
+    heal_weightings: tuple[str, ...] = ("both",)
+    heal_budgets: tuple[float, ...] = (1 / 3,)
+    reprobe_weightings: tuple[str, ...] = ("both",)
+    reprobe_budgets: tuple[float, ...] = (1 / 3,)
+    ag_news_test: tuple[int, int] = (6000, 7000)
     variants: tuple[str, ...] = ("probe", "heal")
 
 
 FULL = SelectSettings()
 QUICK = SelectSettings(models=("tiny-bert",), seeds=(0,), budgets=(1 / 2,), max_examples=80, max_length=32,
-                       heal_steps=2, heal_batch=4)
+                       heal_steps=2, heal_batch=4, heal_budgets=(1 / 2,), reprobe_budgets=(1 / 2,))
 
 
 def tasks(seed: int, s: SelectSettings, quick: bool) -> list[ps.Task]:
@@ -67,7 +74,8 @@ def tasks(seed: int, s: SelectSettings, quick: bool) -> list[ps.Task]:
     out = [ps.Task("sst2", 1.0, fit, dev, (test[0][:60], test[1][:60]) if quick else test)]
     x, y = read_labeled(text / "ag_news" / "test.tsv")
     fit, dev = ps.split(x[:6000], y[:6000], dev_fraction=0.25, limit=s.max_examples, seed=seed)
-    test = (x[6000:], y[6000:])
+    lo, hi = s.ag_news_test
+    test = (x[lo:hi], y[lo:hi])
     out.append(ps.Task("ag_news", 1.0, fit, dev, (test[0][:60], test[1][:60]) if quick else test))
     return out
 
@@ -203,7 +211,8 @@ def run_select(quick: bool = False, seeds=None, models=None, variants=None, merg
                 for budget in s.budgets:
                     b = budget * sum(cost)
                     fits = b >= min(cost)
-                    picks = subsets(acc, chance, names, cost, b, seed, sc, w in s.reprobe_weightings) if fits else {}
+                    reprobe = w in s.reprobe_weightings and budget in s.reprobe_budgets
+                    picks = subsets(acc, chance, names, cost, b, seed, sc, reprobe) if fits else {}
                     for method in METHODS:
                         if fits and method not in picks:
                             continue
@@ -219,7 +228,7 @@ def run_select(quick: bool = False, seeds=None, models=None, variants=None, merg
                             cells.append({**cell, "variant": "probe", "accuracy": acc_t,
                                           "full": {n: round(full_probe[n], 4) for n in names},
                                           "retained": round(sum(acc_t[n] / full_probe[n] for n in names) / len(names), 4)})
-                        if "heal" in s.variants and w in s.heal_weightings:
+                        if "heal" in s.variants and w in s.heal_weightings and budget in s.heal_budgets:
                             full_heal = sc.heal(all_blocks, names)
                             acc_h = sc.heal(keep, names)
                             cells.append({**cell, "variant": "heal", "accuracy": {n: round(v, 4) for n, v in acc_h.items()},
