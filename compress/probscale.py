@@ -344,22 +344,46 @@ def fit_power_law(n: Sequence[float], p: Sequence[float]) -> PowerLaw:
 
 
 # -- heal: a short fine-tune of the kept blocks with a classification head per task ---------------------------
+def probe_head(clf, classes: int) -> torch.nn.Linear:
+    """The fitted probe (standardiser + logistic regression) as one linear layer on the raw pooled features:
+    W' = W / sigma, b' = b - W' mu. A binary probe's single logit becomes class 1's (class 0's is 0); a class
+    the probe never saw gets a large negative bias."""
+    scaler, lr = clf[0], clf[-1]
+    w = torch.as_tensor(lr.coef_ / scaler.scale_, dtype=torch.float32)
+    b = torch.as_tensor(lr.intercept_, dtype=torch.float32) - w @ torch.as_tensor(scaler.mean_, dtype=torch.float32)
+    head = torch.nn.Linear(w.shape[1], classes)
+    with torch.no_grad():
+        head.weight.zero_()
+        head.bias.fill_(-30.0)
+        seen = [int(c) for c in lr.classes_]
+        if w.shape[0] == 1:  # binary
+            head.bias[seen[0]] = 0.0
+            head.weight[seen[1]], head.bias[seen[1]] = w[0], b[0]
+        else:
+            head.weight[seen], head.bias[seen] = w, b
+    return head
+
+
 def heal(adapter, tokenizer, tasks: list[Task], *, steps: int, lr: float, head_lr: float, batch_size: int,
-         max_length: int, pooling: str, seed: int, progress: Callable | None = None) -> dict:
-    """Train every block parameter (not the embeddings, final norm or LM head) and one linear head per task on
-    the pooled output, cross-entropy summed over the tasks (one batch of each per step), AdamW with linear
-    warmup (6%) and decay. Returns per task the head's dev (and test) accuracy after training."""
+         max_length: int, pooling: str, seed: int, cs: Sequence[float] = CS, progress: Callable | None = None) -> dict:
+    """Linear probe, then fine-tune (LP-FT): each task's head starts as the logistic-regression probe fitted on
+    the subnetwork's frozen pooled output (C picked on the dev split), then every block parameter (not the
+    embeddings, final norm or LM head) and the heads train together, cross-entropy summed over the tasks (one
+    batch of each per step), AdamW with linear warmup (6%) and decay. A randomly initialised head would first
+    have to catch up with the probe, and a short fine-tune ends below it. Returns per task the head's dev (and
+    test) accuracy before (`probe_dev`) and after training."""
     pad = _pad_id(tokenizer)
     gen = torch.Generator().manual_seed(seed)
-    hidden = adapter.model.config.hidden_size
     body = [p for blk in adapter.blocks for p in blk.parameters()]
     was = [p.requires_grad for p in body]
-    heads = {}
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        for t in tasks:
-            heads[t.name] = torch.nn.Linear(hidden, t.classes)
     ids = {t.name: encode(tokenizer, t.fit[0], max_length) for t in tasks}
+    heads, before = {}, {}
+    for t in tasks:
+        X = features(adapter, ids[t.name] + encode(tokenizer, t.dev[0], max_length), pad, pooling=pooling,
+                     every=False)[0]
+        n = len(t.fit[0])
+        before[t.name], _, clf = probe(X[:n], t.fit[1], X[n:], t.dev[1], cs=cs, seed=seed)
+        heads[t.name] = probe_head(clf, t.classes)
     opt = torch.optim.AdamW([{"params": body, "lr": lr},
                              {"params": [p for h in heads.values() for p in h.parameters()], "lr": head_lr}],
                             weight_decay=0.01)
@@ -404,5 +428,5 @@ def heal(adapter, tokenizer, tasks: list[Task], *, steps: int, lr: float, head_l
             X = features(adapter, encode(tokenizer, split_[0], max_length), pad, pooling=pooling, every=False)[0]
             with torch.no_grad():
                 res[part] = float((heads[t.name](X).argmax(-1) == torch.tensor(split_[1])).float().mean())
-        out[t.name] = res
+        out[t.name] = {"probe_dev": before[t.name], **res}
     return out

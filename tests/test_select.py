@@ -163,7 +163,9 @@ def test_select_exports_a_smaller_encoder_that_transformers_loads_and_resume_kee
     sel = rep["selection"]
     assert len(sel["kept_blocks"]) == 2 and sel["layer_params"]["ratio"] == 0.5
     assert len(sel["table"]) == 5 and sel["test_accuracy"]["toy"]["full"] > 0
-    assert sel["heal"]["accuracy"]["toy"]["test"] > 0
+    healed = sel["heal"]["accuracy"]["toy"]
+    # the heads start as the subnetwork's probes (LP-FT); three small steps leave the dev accuracy where it was
+    assert healed["test"] > 0 and abs(healed["dev"] - healed["probe_dev"]) <= 0.05, healed
     md = (out / "report.md").read_text()
     assert "## Layer selection" in md and "relevance" in md and ".png" in md
     m = T.AutoModel.from_pretrained(out / "hf")
@@ -269,11 +271,46 @@ def test_the_select_suite_runs_quick_and_merges(tmp_path):
     `--merge` folds an earlier result in."""
     result, md = quick_suite(tmp_path, "select")
     methods = {c["method"] for c in result["cells"]}
-    assert methods == {"probscale", "probscale+reprobe", "bottom", "top", "every", "random"}
+    assert methods == {"probscale", "probscale+reprobe", "bottom", "top", "every", "random", "oracle"}
     assert {c["variant"] for c in result["cells"]} == {"probe", "heal"}
     assert all(0 < c["retained"] for c in result["cells"]) and "## tiny-bert, heal, tasks: both" in md.read_text()
+    oracle = [c for c in result["cells"] if c["method"] == "oracle"]
+    assert [len(c["kept"]) for c in oracle] == [2] and oracle[0]["variant"] == "probe"  # 1/2 of 4 blocks
     (tmp_path / "m").mkdir()
     again, _ = quick_suite(tmp_path / "m", "select", "--merge", tmp_path / "select.json", "--seed", "0")
-    assert len(again["cells"]) == len(result["cells"])  # the same model and seed measured again replaces them
+    assert len(again["cells"]) == len(result["cells"])  # the same cells measured again replace them
+    only, _ = quick_suite(tmp_path / "m", "select", "--merge", tmp_path / "select.json", "--variant", "oracle",
+                          "--seed", "0")
+    assert only["cells"] == [c for c in result["cells"] if c["method"] != "oracle"] + oracle
     merged, _ = quick_suite(tmp_path / "m", "select", "--merge", tmp_path / "select.json")  # only merges
     assert merged["cells"] == result["cells"] and merged["settings"]["seeds"] == [0]
+
+
+@pytest.mark.parametrize("classes", [2, 4])
+def test_probe_head_predicts_what_the_probe_predicts(classes):
+    """heal starts each head as the fitted probe: the folded linear layer must agree with the pipeline."""
+    g = torch.Generator().manual_seed(0)
+    X = torch.randn(300, 16, generator=g) * torch.linspace(0.1, 5.0, 16) + 3.0
+    y = (X[:, :classes].argmax(1) if classes > 2 else (X[:, 0] > 3.0).long()).tolist()
+    _, _, clf = ps.probe(X[:200], y[:200], X[200:], y[200:], cs=(1.0,))
+    head = ps.probe_head(clf, classes)
+    ours = head(X).argmax(-1).tolist()
+    assert ours == clf.predict(X.double().numpy()).tolist()
+    assert len(set(ours)) == classes
+
+
+def test_probe_head_of_a_probe_that_never_saw_a_class():
+    X = torch.randn(60, 4, generator=torch.Generator().manual_seed(1))
+    y = [0 if v < 0 else 2 for v in X[:, 0].tolist()]  # class 1 absent
+    _, _, clf = ps.probe(X, y, X, y, cs=(1.0,))
+    pred = ps.probe_head(clf, 3)(X).argmax(-1).tolist()
+    assert 1 not in pred and pred == clf.predict(X.double().numpy()).tolist()
+
+
+def test_maximal_subsets_are_within_the_budget_and_leave_no_room():
+    from compress.eval.bench.select import maximal_subsets
+
+    costs = [3, 1, 2, 2]
+    got = maximal_subsets(costs, 4)
+    assert sorted(map(tuple, got)) == [(0, 1), (1, 2), (1, 3), (2, 3)]
+    assert maximal_subsets([5, 5], 4) == []

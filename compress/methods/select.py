@@ -44,7 +44,7 @@ class TaskConfig(StrictModel):
 class HealOptions(StrictModel):
     steps: int = Field(300, ge=1)
     lr: float = Field(1e-4, gt=0, description="learning rate of the kept blocks")
-    head_lr: float = Field(2e-3, gt=0, description="learning rate of the classification heads")
+    head_lr: float = Field(1e-3, gt=0, description="learning rate of the classification heads (they start as the probes)")
     batch_size: int = Field(32, ge=1)
 
 
@@ -280,7 +280,7 @@ def apply(ctx, cfg: ProbScaleConfig) -> dict:
         try:
             healed = ps.heal(adapter, ctx.tokenizer, tasks, steps=h.steps, lr=h.lr, head_lr=h.head_lr,
                              batch_size=h.batch_size, max_length=cfg.max_length, pooling=cfg.pooling, seed=ctx.seed,
-                             progress=bar.update)
+                             cs=cfg.cs, progress=bar.update)
         finally:
             bar.close()
     ctx.emit(after)

@@ -41,7 +41,8 @@ def bench_quality(
     quick: bool = typer.Option(False, "--quick", help="tiny settings, for a smoke test"),
     only: Optional[List[str]] = typer.Option(None, "--only", help="run only these models (repeatable)"),
     variant: Optional[List[str]] = typer.Option(None, "--variant", help="--suite walsh: run only these rotation "
-                                                "variants (repeatable; vanilla `autoround` always runs as the reference)"),
+                                                "variants (repeatable; vanilla `autoround` always runs as the reference); "
+                                                "--suite select: probe, heal, oracle"),
     budget: Optional[List[float]] = typer.Option(None, "--budget", help="--suite mixed / moe: only these budgets "
                                                  "(repeatable)"),
     seed: Optional[List[int]] = typer.Option(None, "--seed", help="--suite mixed / moe: only these seeds (repeatable)"),
@@ -78,7 +79,7 @@ def bench_quality(
 
     _setup_logging(False)
     if variant and suite not in ("walsh", "select"):
-        raise BadInput("--variant selects rotation variants of --suite walsh (or probe/heal of --suite select)")
+        raise BadInput("--variant selects rotation variants of --suite walsh (or probe/heal/oracle of --suite select)")
     if seed and suite not in ("mixed", "moe", "select"):
         raise BadInput("--seed selects seeds of --suite mixed, moe or select")
     if (budget or method) and suite not in ("mixed", "moe") or refine is not None and suite != "mixed":

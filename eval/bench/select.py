@@ -8,20 +8,23 @@ are drawn with the seed; `random` draws its layers with it; heal batches follow 
 
 Budgets: 1/2, 1/3 and 1/6 of the transformer-layer parameters. Methods: `probscale` (knapsack on relevance),
 `probscale+reprobe` (one round of swaps scored on the dev split; joint weighting at 1/3), `bottom`, `top`,
-`every`, `random`. The heal cells (a fine-tune each, the suite's cost on 2 cores) run for the joint weighting at
+`every`, `random`, and `oracle` (variant `oracle`, joint weighting): every maximal subset within the budget
+probed on the actual subnetwork and the best on the dev split kept, the ceiling of any rule that scores
+subsets on the dev split. The heal cells (a fine-tune each, the suite's cost on 2 cores) run for the joint weighting at
 1/3, the budget of the target; `SelectSettings` widens both.
 
 Scores, per task on its test rows, as a share of the full model's accuracy with the same head training:
 - `probe` (no heal): a logistic-regression probe (C picked on the dev split) on the subnetwork's pooled output,
   against the same probe on the full model's output;
-- `heal`: the subnetwork's blocks and a linear head per task fine-tuned together (`heal_steps`, compress.
-  probscale.heal), against the full model fine-tuned the same way.
+- `heal`: the subnetwork's blocks and a linear head per task (starting as its probe) fine-tuned together
+  (`heal_steps`, compress.probscale.heal), against the full model fine-tuned the same way.
 A cell's value is the mean retained share over the weighting's tasks.
 """
 
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import time
 from dataclasses import asdict, dataclass, replace
@@ -32,7 +35,9 @@ import torch
 from compress import probscale as ps
 from compress.eval.bench import quality as bq
 
-METHODS = ("probscale", "probscale+reprobe", "bottom", "top", "every", "random")
+METHODS = ("probscale", "probscale+reprobe", "bottom", "top", "every", "random", "oracle")
+BASELINES = ("bottom", "top", "every", "random")
+VARIANTS = ("probe", "heal", "oracle")
 WEIGHTINGS = {"both": ("sst2", "ag_news"), "sst2": ("sst2",), "ag_news": ("ag_news",)}
 MODELS = ("all-MiniLM-L6-v2", "stories-llama-1m")
 
@@ -45,9 +50,9 @@ class SelectSettings:
     max_examples: int = 1000
     max_length: int = 64  # SST-2 sentences are shorter; AG News averages ~50 tokens
     cs: tuple[float, ...] = (0.01, 0.1, 1.0)  # C = 10 was never picked on MiniLM's 384 features
-    heal_steps: int = 60
+    heal_steps: int = 150
     heal_lr: float = 1e-4
-    heal_head_lr: float = 2e-3
+    heal_head_lr: float = 1e-3
     heal_batch: int = 16
     # a 2-core budget: the heal cells (a fine-tune each) run for the joint weighting at the target budget 1/3, and
     # probscale+reprobe (a subnetwork probe per swap) there too
@@ -55,8 +60,11 @@ class SelectSettings:
     heal_budgets: tuple[float, ...] = (1 / 3,)
     reprobe_weightings: tuple[str, ...] = ("both",)
     reprobe_budgets: tuple[float, ...] = (1 / 3,)
+    # the oracle: every maximal subset within the budget probed, the best on the dev split kept (a ceiling for
+    # any rule that scores subsets on the dev split; ProbScale scores layers of the full model)
+    oracle_weightings: tuple[str, ...] = ("both",)
     ag_news_test: tuple[int, int] = (6000, 7000)
-    variants: tuple[str, ...] = ("probe", "heal")
+    variants: tuple[str, ...] = VARIANTS
 
 
 FULL = SelectSettings()
@@ -143,27 +151,41 @@ class Scorer:
             s = self.s
             res = ps.heal(adapter, self.tok, [self.tasks[n] for n in names], steps=s.heal_steps, lr=s.heal_lr,
                           head_lr=s.heal_head_lr, batch_size=s.heal_batch, max_length=s.max_length,
-                          pooling="mean", seed=self.seed)
+                          pooling="mean", seed=self.seed, cs=s.cs)
             self.heal_cache[key] = {n: res[n]["test"] for n in names}
         return self.heal_cache[key]
 
 
-def subsets(acc, chance, names, costs, budget, seed, scorer, reprobe: bool) -> dict[str, list[int]]:
+def maximal_subsets(costs, budget) -> list[list[int]]:
+    """Every block subset within the budget to which no further block fits."""
+    out = []
+    for k in range(1, len(costs) + 1):
+        for sub in itertools.combinations(range(len(costs)), k):
+            left = budget - sum(costs[i] for i in sub)
+            if left >= 0 and all(costs[i] > left for i in range(len(costs)) if i not in sub):
+                out.append(list(sub))
+    return out
+
+
+def subsets(acc, chance, names, costs, budget, seed, scorer, reprobe: bool, oracle: bool) -> dict[str, list[int]]:
     r = ps.relevance({n: acc[n] for n in names}, {n: chance[n] for n in names}, {n: 1.0 for n in names})
     out = {"probscale": ps.knapsack(r[1:], costs, budget)}
-    for b in ("bottom", "top", "every", "random"):
+    for b in BASELINES:
         out[b] = ps.baseline(b, costs, budget, seed)
-    if not reprobe:
+    if not (reprobe or oracle):
         return out
     full = {n: scorer.probe(list(range(len(costs))), n, "dev") for n in names}
 
     def retained(k):
         return sum(scorer.probe(k, n, "dev") / full[n] for n in names) / len(names)
 
-    keep = out["probscale"]
-    if keep:
-        keep, _ = ps.reprobe(keep, costs, budget, retained, 1)
-    out["probscale+reprobe"] = keep
+    if reprobe:
+        keep = out["probscale"]
+        if keep:
+            keep, _ = ps.reprobe(keep, costs, budget, retained, 1)
+        out["probscale+reprobe"] = keep
+    if oracle:
+        out["oracle"] = max(maximal_subsets(costs, budget), key=retained)
     return out
 
 
@@ -179,9 +201,9 @@ def run_select(quick: bool = False, seeds=None, models=None, variants=None, merg
                 variants=tuple(variants or s.variants))
     if merge and not seeds and not models:  # only folding earlier results together: measure nothing new
         s = replace(s, models=())
-    bad = [v for v in s.variants if v not in ("probe", "heal")]
+    bad = [v for v in s.variants if v not in VARIANTS]
     if bad:
-        raise BadInput(f"--variant of --suite select: probe, heal (not {bad})")
+        raise BadInput(f"--variant of --suite select: {', '.join(VARIANTS)} (not {bad})")
     cells, layers, earlier, earlier_layers = [], [], [], []
     for f in merge:
         try:
@@ -212,23 +234,28 @@ def run_select(quick: bool = False, seeds=None, models=None, variants=None, merg
                     b = budget * sum(cost)
                     fits = b >= min(cost)
                     reprobe = w in s.reprobe_weightings and budget in s.reprobe_budgets
-                    picks = subsets(acc, chance, names, cost, b, seed, sc, reprobe) if fits else {}
+                    oracle = "oracle" in s.variants and w in s.oracle_weightings
+                    picks = subsets(acc, chance, names, cost, b, seed, sc, reprobe, oracle) if fits else {}
                     for method in METHODS:
-                        if fits and method not in picks:
+                        if (method not in picks) if fits else ((method == "probscale+reprobe" and not reprobe)
+                                                              or (method == "oracle" and not oracle)):
                             continue
+                        probed = "probe" in s.variants or method == "oracle"  # `oracle` cells are probe cells
                         keep = picks.get(method, [])
                         cell = {"model": name, "seed": seed, "weighting": w, "budget": round(budget, 4),
                                 "method": method, "kept": keep, "params": sum(cost[i] for i in keep)}
                         if not keep:
-                            cells.append({**cell, "variant": "probe", "retained": None,
-                                          "note": "no block fits the budget"})
+                            if probed:
+                                cells.append({**cell, "variant": "probe", "retained": None,
+                                              "note": "no block fits the budget"})
                             continue
-                        if "probe" in s.variants:
+                        if probed:
                             acc_t = {n: round(sc.probe(keep, n), 4) for n in names}
                             cells.append({**cell, "variant": "probe", "accuracy": acc_t,
                                           "full": {n: round(full_probe[n], 4) for n in names},
                                           "retained": round(sum(acc_t[n] / full_probe[n] for n in names) / len(names), 4)})
-                        if "heal" in s.variants and w in s.heal_weightings and budget in s.heal_budgets:
+                        if ("heal" in s.variants and w in s.heal_weightings and budget in s.heal_budgets
+                                and method != "oracle"):
                             full_heal = sc.heal(all_blocks, names)
                             acc_h = sc.heal(keep, names)
                             cells.append({**cell, "variant": "heal", "accuracy": {n: round(v, 4) for n, v in acc_h.items()},
@@ -239,14 +266,18 @@ def run_select(quick: bool = False, seeds=None, models=None, variants=None, merg
                     if checkpoint:
                         checkpoint.write_text(json.dumps({"suite": "select", "settings": asdict(s), "partial": True,
                                                           "cells": cells, "layers": layers}) + "\n")
-    now = {(c["model"], c["seed"]) for c in cells}  # a model and seed measured now replaces an earlier one
-    cells = [c for c in earlier if (c["model"], c["seed"]) not in now] + cells
+    now = {_key(c) for c in cells}  # a cell measured now replaces the same cell measured earlier
+    cells = [c for c in earlier if _key(c) not in now] + cells
     layers = [x for x in earlier_layers if (x["model"], x["seed"]) not in now] + layers
     s = replace(s, models=tuple(dict.fromkeys(c["model"] for c in cells)),
                 seeds=tuple(sorted({c["seed"] for c in cells})))
     result = {"suite": "select", "settings": asdict(s), "meta": bq.suite_meta(quick),
               "seconds": round(time.time() - t0, 1), "cells": cells, "layers": layers}
     return result, markdown(result)
+
+
+def _key(cell: dict) -> tuple:
+    return cell["model"], cell["seed"], cell["variant"], cell["weighting"], cell["budget"], cell["method"]
 
 
 def _fmt_budget(b: float) -> str:
@@ -273,16 +304,17 @@ def markdown(result: dict) -> str:
                 for m in METHODS:
                     vals = []
                     for b in budgets:
-                        v = [c["retained"] for c in rows if c["method"] == m and c["budget"] == b]
-                        v = [x for x in v if x is not None]
-                        vals.append(f"{sum(v) / len(v):.4f} [{min(v):.3f}-{max(v):.3f}]" if v else "no block fits")
+                        got = [c["retained"] for c in rows if c["method"] == m and c["budget"] == b]
+                        v = [x for x in got if x is not None]
+                        vals.append(f"{sum(v) / len(v):.4f} [{min(v):.3f}-{max(v):.3f}]" if v
+                                    else "no block fits" if got else "-")
                     out.append(f"| {m} | " + " | ".join(vals) + " |\n")
                 wins = []
                 for b in budgets:
                     seeds = sorted({c["seed"] for c in rows if c["budget"] == b})
                     valid = [c for c in rows if c["retained"] is not None]
                     for p in ("probscale", "probscale+reprobe"):
-                        if any(c["method"] == p for c in valid):
+                        if any(c["method"] == p and c["budget"] == b for c in valid):
                             ok = sum(1 for sd in seeds if _beats(valid, b, sd, p))
                             wins.append(f"{_fmt_budget(b)} {p}: {ok}/{len(seeds)}")
                 out.append("\n>= every baseline (seeds): " + "; ".join(wins) + "\n")
@@ -316,6 +348,6 @@ def _targets(cells: list[dict], model: str) -> str:
 
 def _beats(rows, b, seed, method) -> bool:
     mine = [c["retained"] for c in rows if c["method"] == method and c["budget"] == b and c["seed"] == seed]
-    base = [c["retained"] for c in rows if c["method"] in ("bottom", "top", "every", "random") and c["budget"] == b
+    base = [c["retained"] for c in rows if c["method"] in BASELINES and c["budget"] == b
             and c["seed"] == seed]
     return bool(mine) and all(mine[0] >= x - 1e-9 for x in base)
