@@ -42,6 +42,23 @@ def test_onnx_matches_quantized_model(name, bits, group, sym, tmp_path):
     assert props["compress.format"] == "onnx-matmulnbits" and json.loads(props["compress.meta"])["version"] == 1
 
 
+def test_a_graph_past_the_protobuf_limit_writes_external_data(tmp_path, monkeypatch):
+    """Past EXTERNAL_DATA_BYTES (1.5 GB, below protobuf's 2 GiB) the tensors go to model.onnx.data; onnxruntime
+    loads the pair. The threshold is lowered here so a tiny model crosses it."""
+    import compress.export.onnx as ox
+
+    monkeypatch.setattr(ox, "EXTERNAL_DATA_BYTES", 1000)
+    model = tiny_causal("llama")
+    qweights = quantized(model, 4, 32, True)
+    res = export_onnx(model, qweights, tmp_path)
+    graph, data = tmp_path / "model.onnx", tmp_path / "model.onnx.data"
+    assert data.stat().st_size > 4 * graph.stat().st_size and res["bytes"] == graph.stat().st_size + data.stat().st_size
+    ids = torch.randint(0, 128, (1, 9))
+    with torch.no_grad():
+        quantize_model(model, qweights)
+        assert rel_err(ort_logits(res["path"], ids), model(ids).logits.numpy()) < 1e-3
+
+
 def test_unexpressible_layers_are_dense_and_logits_still_match(tmp_path, caplog):
     model = tiny_causal("llama")
     qweights = quantized(model, 3, 32, False)  # MatMulNBits here: bits 2, 4, 8

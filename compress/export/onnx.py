@@ -48,6 +48,8 @@ logger = logging.getLogger(__name__)
 FORMAT, FORMAT_VERSION, OPSET = "onnx-matmulnbits", 1, 17
 MODEL_TYPES = ("llama", "mistral", "qwen2", "mixtral", "qwen2_moe")
 NBITS = (2, 4, 8)
+# protobuf refuses messages past 2 GiB: above this, the tensors go to model.onnx.data beside the graph
+EXTERNAL_DATA_BYTES = 1.5e9
 
 
 def pack_lsb(values: np.ndarray, bits: int) -> np.ndarray:
@@ -368,7 +370,7 @@ def export_onnx(model, qweights: dict[str, QuantizedWeight], out_dir: str | Path
     onnx.helper.set_model_props(proto, {"compress.format": FORMAT, "compress.version": str(FORMAT_VERSION),
                                         "compress.meta": json.dumps(info)})
     out = Path(out_dir)
-    large = proto.ByteSize() > 1.5e9
+    large = proto.ByteSize() > EXTERNAL_DATA_BYTES
     with staged_directory(out, marker="model.onnx") as tmp:  # a kill leaves no half-written model.onnx
         onnx.save_model(proto, str(tmp / "model.onnx"), save_as_external_data=large, location="model.onnx.data")
     nbytes = sum(f.stat().st_size for f in out.iterdir() if f.name.startswith("model.onnx"))
