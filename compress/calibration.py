@@ -76,12 +76,13 @@ def tokens_hash(tokens: torch.Tensor) -> str:
 
 # -- statistics of the calibration data that rotations and allocations read ------------------------------------
 @torch.no_grad()
-def collect_moments(model: nn.Module, tokens: torch.Tensor, taps: dict, stat: Callable, batch_size: int = 8) -> dict:
+def collect_moments(model: nn.Module, tokens: torch.Tensor, taps: dict, stat: Callable, batch_size: int = 8,
+                    progress: Callable | None = None) -> dict:
     """Mean over every calibration row reaching each tap of `stat`: `stat(rows)` gets the rows (float64,
     shape (n, d)) and returns their sum of some per-row statistic (e.g. `(rows**2).sum(0)`).
 
     taps: key -> (module, "input" | "output"); returns key -> mean statistic, for taps that saw rows.
-    One forward pass of the whole model per batch of `tokens`.
+    One forward pass of the whole model per batch of `tokens`; `progress(1)` after each.
     """
     sums, count = {}, {}
 
@@ -100,6 +101,8 @@ def collect_moments(model: nn.Module, tokens: torch.Tensor, taps: dict, stat: Ca
     try:
         for b in tokens.split(batch_size):
             model(input_ids=b, use_cache=False) if accepts_use_cache(model) else model(input_ids=b)
+            if progress:
+                progress(1)
     finally:
         for h in handles:
             h.remove()
@@ -107,13 +110,13 @@ def collect_moments(model: nn.Module, tokens: torch.Tensor, taps: dict, stat: Ca
 
 
 def collect_energy(model: nn.Module, tokens: torch.Tensor, taps: dict, transform: Callable | None = None,
-                   batch_size: int = 8) -> dict:
+                   batch_size: int = 8, progress: Callable | None = None) -> dict:
     """Per-coordinate mean of `transform(x)**2` (float64) over every calibration row reaching each tap."""
     def stat(x):
         h = transform(x) if transform else x
         return (h * h).sum(0)
 
-    return collect_moments(model, tokens, taps, stat, batch_size)
+    return collect_moments(model, tokens, taps, stat, batch_size, progress)
 
 
 def head_covariance(n_heads: int) -> Callable:

@@ -10,10 +10,12 @@ import logging
 import sys
 import traceback
 from pathlib import Path
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import click
 import typer
+
+from compress.config import EVAL_MAX_TOKENS
 
 try:  # typer >= 0.2x runs on its own vendored copy of click, whose exceptions are distinct classes
     from typer._click.exceptions import UsageError as _TyperUsageError
@@ -177,7 +179,10 @@ def eval_(
     reference: Optional[str] = typer.Option(None, "--reference", help="full-precision model to compare against"),
     data: Optional[List[str]] = typer.Option(None, "--data", help="evaluation text file (repeatable)"),
     window: int = typer.Option(256, "--window", min=2, help="tokens per perplexity window"),
-    max_tokens: Optional[int] = typer.Option(None, "--max-tokens", min=1, help="cap on evaluated tokens per file"),
+    max_tokens: int = typer.Option(EVAL_MAX_TOKENS, "--max-tokens", min=0, help="cap on evaluated tokens per file, "
+                                   "as a run's evaluation; 0: the whole file"),
+    text_slice: Optional[Tuple[float, float]] = typer.Option(None, "--text-slice", help="evaluate only this "
+                                                             "fraction [START END) of each file, e.g. 0.8 1.0"),
     gen_prompts: int = typer.Option(16, "--gen-prompts", help="with --reference: greedy continuations compared "
                                     "(common prefix, agreement, KL and top-1 along them); 0 = off"),
     prompt_tokens: int = typer.Option(32, "--prompt-tokens", help="tokens per generation prompt"),
@@ -205,9 +210,13 @@ def eval_(
     _setup_logging(as_json)
     res = {}
     if data or not task:
-        res = evaluate_checkpoint(model, reference=reference, data=data or [], window=window, max_tokens=max_tokens,
-                                  gen_prompts=gen_prompts, prompt_tokens=prompt_tokens, new_tokens=new_tokens,
-                                  backend=backend, ffn_mass=ffn_mass)
+        cut = f" of the [{text_slice[0]}, {text_slice[1]}) slice" if text_slice else ""
+        scope = (f"evaluating {f'at most {max_tokens} tokens' if max_tokens else 'every token'}{cut} of each file in "
+                 f"{window}-token windows" + (" (--max-tokens 0: the whole file)" if max_tokens else ""))
+        res = evaluate_checkpoint(model, reference=reference, data=data or [], window=window,
+                                  max_tokens=max_tokens or None, gen_prompts=gen_prompts, prompt_tokens=prompt_tokens,
+                                  new_tokens=new_tokens, backend=backend, ffn_mass=ffn_mass, text_slice=text_slice,
+                                  progress=sys.stderr.isatty(), notify=lambda: typer.echo(scope, err=True))
     if task:
         res.update({f"task {k}": v for k, v in task_probes(model, task, data_dir=task_data, pooling=pooling,
                                                             backend=backend).items()})

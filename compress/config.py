@@ -7,6 +7,8 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+EVAL_MAX_TOKENS = 32768  # a run's and `compress eval`'s cap per file: minutes, not an hour, on a laptop
+
 
 class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid")

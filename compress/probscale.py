@@ -165,14 +165,6 @@ def features(adapter, ids: list[list[int]], pad: int, *, blocks: Sequence[int] |
 
 
 # -- probes ------------------------------------------------------------------------------------------------
-def require_sklearn() -> None:
-    import importlib.util
-
-    if importlib.util.find_spec("sklearn") is None:
-        raise BadInput("`select: probscale` and task probes need scikit-learn: pip install 'compress-llm[select]' "
-                       "(or pip install scikit-learn)")
-
-
 def _probe(C: float, seed: int):
     from sklearn.linear_model import LogisticRegression
     from sklearn.pipeline import make_pipeline

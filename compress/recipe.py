@@ -20,7 +20,7 @@ Schema, version 1 (every mapping forbids unknown keys)::
     eval:
       data: [data/wiki.test.raw]
       window: 256
-      max_tokens: 20000                  # optional cap
+      max_tokens: 32768                  # cap per file (default; null: the whole file)
       text_slice: [0.0, 1.0]             # optional fraction [start, end) of each eval file
       enabled: true
     export:
@@ -48,8 +48,8 @@ from typing import Literal, Optional, Sequence, Union
 
 from pydantic import BaseModel, Field, SerializeAsAny, ValidationError, field_validator
 
-from compress import registry
-from compress.config import StrictModel
+from compress import extras, registry
+from compress.config import EVAL_MAX_TOKENS, StrictModel
 from compress.errors import BadInput
 from compress.recipe_errors import Problem, export_config, format_problems, from_pydantic, stage_config
 from compress.recipe_yaml import (Loc, Locator, apply_set, check_top, check_version, interpolate, line_map, read_yaml,
@@ -84,7 +84,8 @@ class GenerationSpec(StrictModel):
 class EvalSpec(StrictModel):
     data: list[str] = Field(default_factory=list, description="text files to compare FP vs compressed on")
     window: int = Field(256, gt=0, description="tokens per evaluation window")
-    max_tokens: Optional[int] = Field(None, gt=0, description="cap on evaluated tokens per file")
+    max_tokens: Optional[int] = Field(EVAL_MAX_TOKENS, gt=0, description="cap on evaluated tokens per file (null: "
+                                      "the whole file)")
     text_slice: Optional[tuple[float, float]] = Field(None, description="fraction [start, end) of each file")
     probe_train: Optional[str] = Field(
         None, description="encoders: labeled TSV to train the linear probe on (each `data` file is a labeled test TSV)")
@@ -249,6 +250,7 @@ def load_recipe(path, *, overrides: Sequence[str] = (), model: str | None = None
             replace_key(data, loc, list(value) if isinstance(value, (list, tuple)) else value, label, loc8.origins)
     check_version(data, loc8)
     recipe = _validate(data, loc8)
+    extras.check_recipe(recipe)
     resolved = recipe.model_dump(mode="json")
     return LoadedRecipe(recipe, resolved, canonical_sha256(resolved), path, loc8)
 

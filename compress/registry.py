@@ -62,6 +62,9 @@ class Entry:
     # routed: the stage runs PrunePath FFNs at their threshold (heal trains the routed model); other stages see
     # them dense (calibration statistics of every neuron)
     routed: bool = False
+    # modules the stage imports beyond the core dependencies (compress/extras.py maps each to its extra): a recipe
+    # naming the stage is refused at load time, with the install command, when one is missing
+    requires: tuple[str, ...] = ()
 
 
 _REGISTRY: dict[tuple[str, str], Entry] = {}

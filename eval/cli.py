@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
+from compress import extras
 from compress.errors import BadInput, RunFailure
 from compress.files import non_finite
 from compress.verify import verify_artifact
@@ -37,6 +39,8 @@ def _load(path: str, backend: str = "auto"):
 
     if backend not in BACKENDS:
         raise BadInput(f"unknown --backend `{backend}` (known: {', '.join(BACKENDS)})")
+    if backend == "triton":
+        extras.require(("triton",), "--backend triton")
     src, gguf = resolve_source(path)
     verify_artifact(Path(src))
     kw = {"gguf_file": gguf} if gguf else {}
@@ -68,11 +72,13 @@ def _load(path: str, backend: str = "auto"):
 def evaluate_checkpoint(model_path: str, *, reference: str | None, data: list[str], window: int = 256,
                         max_tokens: int | None = None, gen_prompts: int = 16, prompt_tokens: int = 32,
                         new_tokens: int = 64, backend: str = "auto", ffn_mass: float | None = None,
-                        text_slice: tuple[float, float] | None = None) -> dict:
+                        text_slice: tuple[float, float] | None = None, progress: bool = False,
+                        notify: Callable[[], None] | None = None) -> dict:
     """Perplexity of `model_path` on each file; with `reference`, also KL/top-1 and greedy-continuation
     agreement (`gen_prompts` prompts, 0 = off) against it on the same tokens. A packed checkpoint runs
     on `backend` (see `_load`); `ffn_mass` sets a PrunePath model's tau; `text_slice` (start, end) evaluates
-    that fraction of each file (as a recipe's `eval.text_slice`)."""
+    that fraction of each file (as a recipe's `eval.text_slice`); `notify()` once the models are loaded, before
+    the evaluation starts."""
     from compress.eval.data import read_text, text_slice as cut, token_stream
     from compress.eval.generation import compare_causal
     from compress.eval.metrics import perplexity
@@ -85,6 +91,8 @@ def evaluate_checkpoint(model_path: str, *, reference: str | None, data: list[st
     tok = tok or (ref[1] if ref else None)
     if tok is None:
         raise BadInput(f"no tokenizer found in `{model_path}`" + (f" or `{reference}`" if reference else ""))
+    if notify:
+        notify()
     out = {}
     for path in data:
         text = read_text(path)
@@ -93,9 +101,10 @@ def evaluate_checkpoint(model_path: str, *, reference: str | None, data: list[st
         if ref:
             out[Path(path).name] = compare_causal(ref[0], model, ids, window=window, bos_id=bos, max_tokens=max_tokens,
                                                   prompts=gen_prompts, prompt_tokens=prompt_tokens,
-                                                  new_tokens=new_tokens)
+                                                  new_tokens=new_tokens, progress=progress)
         else:
-            out[Path(path).name] = {"ppl": perplexity(model, ids, window=window, bos_id=bos, max_tokens=max_tokens)}
+            out[Path(path).name] = {"ppl": perplexity(model, ids, window=window, bos_id=bos, max_tokens=max_tokens,
+                                                      progress=progress)}
         if ffn_mass is not None:
             from compress import prunepath
 
@@ -134,7 +143,7 @@ def task_probes(model_path: str, tasks: list[str], *, data_dir: str | Path, pool
     from compress.eval.data import read_labeled
     from compress.models.adapters import ModelAdapter
 
-    ps.require_sklearn()
+    extras.require(("sklearn",), "compress eval --task")
     if pooling not in ("mean", "last"):
         raise BadInput(f"--pooling {pooling}: mean or last")
     model, tok = _load(model_path, backend)

@@ -86,7 +86,7 @@ def _triton():
         import triton
         import triton.language as lang
     except ImportError as e:
-        raise ImportError(f"triton is not installed (pip install 'compress[gpu]'): {e}") from e
+        raise ImportError(f"triton is not installed (pip install 'compress-llm[gpu]'): {e}") from e
     if interpret():
         from triton.runtime.interpreter import InterpretedFunction
 

@@ -341,3 +341,61 @@ def test_ensure_minilm_and_self_cosine(tmp_path):
 def test_stories260k_full_file_perplexity(stories):
     model, ids = stories
     assert perplexity(model, ids, window=511, bos_id=1) == pytest.approx(5.322, abs=5e-4)
+
+
+def test_compress_eval_is_bounded_by_default_and_says_how_to_evaluate_everything(tmp_path):
+    """`compress eval` caps each file at a run's default (EVAL_MAX_TOKENS), says so on stderr, and evaluates the
+    whole file with --max-tokens 0."""
+    import json
+
+    from compress.config import EVAL_MAX_TOKENS
+    from conftest import CAL, STORIES260K, invoke
+
+    common = ("--reference", STORIES260K, "--gen-prompts", "0", "--json")
+    rc, out, err = invoke("eval", STORIES260K, "--data", CAL, *common)
+    assert rc == 0, err
+    assert f"evaluating at most {EVAL_MAX_TOKENS} tokens of each file in 256-token windows" in err
+    assert "--max-tokens 0: the whole file" in err
+    assert json.loads(out)[CAL.name]["tokens"] <= EVAL_MAX_TOKENS
+    small = tmp_path / "small.txt"
+    small.write_text(CAL.read_text()[:20000])
+    rc, out, err = invoke("eval", STORIES260K, "--data", small, "--max-tokens", "0", "--text-slice", "0.5", "1.0",
+                          *common)
+    assert rc == 0 and "evaluating every token of the [0.5, 1.0) slice of each file" in err, err
+    half = json.loads(out)["small.txt"]["tokens"]
+    rc, out, _ = invoke("eval", STORIES260K, "--data", small, "--max-tokens", "0", *common)
+    assert 0.4 < half / json.loads(out)["small.txt"]["tokens"] < 0.6
+
+
+def test_compress_eval_shows_a_progress_bar_on_a_terminal(tmp_path):
+    """On a pseudo-terminal the evaluation draws a progress bar with an ETA (tqdm's `<remaining`)."""
+    import fcntl
+    import os
+    import pty
+    import struct
+    import subprocess
+    import sys
+    import termios
+
+    from conftest import CAL, STORIES260K
+
+    main, sub = pty.openpty()
+    fcntl.ioctl(sub, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # a fresh pty is 0 columns wide
+    proc = subprocess.Popen([sys.executable, "-m", "compress.cli", "eval", str(STORIES260K), "--data", str(CAL),
+                             "--reference", str(STORIES260K), "--gen-prompts", "0", "--max-tokens", "4096"],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=sub, close_fds=True)
+    os.close(sub)
+    seen = b""
+    while True:
+        try:
+            chunk = os.read(main, 4096)
+        except OSError:  # the child closed the terminal
+            break
+        if not chunk:
+            break
+        seen += chunk
+    proc.wait(timeout=300)
+    os.close(main)
+    text = seen.decode(errors="replace")
+    assert proc.returncode == 0, text
+    assert "compare" in text and "win" in text and "<" in text and "100%" in text, text

@@ -108,7 +108,7 @@ def check_graph(adapter, cfg, facts) -> None:
 
 
 @register("export", "onnx", OnnxExportConfig, "ONNX graph with com.microsoft::MatMulNBits linears (onnxruntime)",
-          check=check_graph, **EXPORT)
+          check=check_graph, requires=("onnx",), **EXPORT)
 def export_onnx_stage(ctx, cfg: OnnxExportConfig) -> dict:
     from compress.export.onnx import export_onnx
 
@@ -168,7 +168,7 @@ def check_openvino_targets(adapter, cfg: OpenVINOExportConfig, facts) -> None:
 
 
 @register("export", "openvino", OpenVINOExportConfig, "OpenVINO IR with compressed u2/u4/u8 weight constants",
-          check=check_openvino_targets, **EXPORT)
+          check=check_openvino_targets, requires=("openvino", "onnx"), **EXPORT)  # the IR is converted from the ONNX graph
 def export_openvino_stage(ctx, cfg: OpenVINOExportConfig) -> dict:
     from compress.export.openvino import export_openvino
 

@@ -131,7 +131,6 @@ def layer_budget(cfg, block_costs: list[int], fixed: int, budget=None) -> float:
 
 
 def check(adapter, cfg: ProbScaleConfig, facts):
-    ps.require_sklearn()
     if facts.after_quantize:
         raise BadInput(f"stage {facts.index} (`select`) comes after a `quantize` stage; select first (the quantizer "
                        "rounds the kept layers)")
@@ -344,4 +343,5 @@ def _test_accuracy(ctx, cfg, tasks, keep) -> dict:
 
 register("select", "probscale", ProbScaleConfig,
          "probe each layer for the tasks and keep the most relevant layers within a parameter budget",
-         check=check, uses=(ModelSpec,), produces=(ModelSpec, TrainedWeights), reshape=reshape)(apply)
+         check=check, uses=(ModelSpec,), produces=(ModelSpec, TrainedWeights), reshape=reshape,
+         requires=("sklearn",))(apply)

@@ -309,16 +309,27 @@ def apply(ctx, cfg: WalshConfig) -> dict:
     check(adapter, cfg)
     workspace = getattr(ctx, "workspace", None)
     figure = workspace is not None and not getattr(ctx, "replaying", False)
-    before = collect_energy(adapter.model, ctx.calibration_tokens(), _spectrum_taps(adapter)) if figure else None
+    before = _energy(ctx, adapter, "before") if figure else None
     metrics = _apply(ctx, adapter, cfg)
     if figure:  # the per-layer energy spectrum the quantizer sees, before and after (report.md)
         from compress.eval.figures import energy_spectrum, save_png
 
-        after = collect_energy(adapter.model, ctx.calibration_tokens(), _spectrum_taps(adapter))
+        after = _energy(ctx, adapter, "after")
         title = f"rotate/walsh fused={cfg.fused} mode={cfg.mode}: input energy of the rounded weights"
         rel = save_png(energy_spectrum(before, after, title), workspace, f"figures/{ctx.key}-energy.png")
         metrics["figures"] = {"activation energy spectrum before/after rotation": rel}
     return metrics
+
+
+def _energy(ctx, adapter, when: str) -> dict:
+    """One calibration pass collecting the activation energy at the rounded layers' inputs, with a progress bar."""
+    tokens = ctx.calibration_tokens()
+    bar = ctx.progress(total=-(-tokens.shape[0] // 8), desc=f"{ctx.key} energy {when} rotation (report figure)",
+                       unit="batch")
+    try:
+        return collect_energy(adapter.model, tokens, _spectrum_taps(adapter), batch_size=8, progress=bar.update)
+    finally:
+        bar.close()
 
 
 def _apply(ctx, adapter, cfg: WalshConfig) -> dict:
