@@ -365,3 +365,15 @@ def test_pair_pca_decorrelates_each_rope_plane_and_a_reflection_would_break_rope
             m.weight[rows] *= -1
             m.bias[rows] *= -1
         assert rel(model(x).logits, before) > 1e-6  # F R(t) = R(-t) F: q.k after RoPE changes
+
+
+def test_the_figure_passes_show_progress(tmp_path):
+    """The two calibration passes of the energy figure are not a silent wait: each has its progress bar."""
+    from tests.conftest import REPO, invoke
+
+    rc, _, err = invoke("run", REPO / "recipes" / "w2-walsh-fused-autoround.yaml", "--model", MODELS / "stories260K",
+                        "--output", tmp_path / "o", "--set", "calibration.nsamples=4", "--set",
+                        "calibration.seqlen=32", "--set", "stages.1.iters=1", "--set", "eval.enabled=false")
+    assert rc == 0, err
+    for when in ("before", "after"):
+        assert f"energy {when} rotation (report figure)" in err and "batch" in err, err
