@@ -266,9 +266,9 @@ def run_select(quick: bool = False, seeds=None, models=None, variants=None, merg
                     if checkpoint:
                         checkpoint.write_text(json.dumps({"suite": "select", "settings": asdict(s), "partial": True,
                                                           "cells": cells, "layers": layers}) + "\n")
-    now = {_key(c) for c in cells}  # a cell measured now replaces the same cell measured earlier
-    cells = [c for c in earlier if _key(c) not in now] + cells
-    layers = [x for x in earlier_layers if (x["model"], x["seed"]) not in now] + layers
+    # a cell measured now, or in a later --merge file, replaces the same cell measured earlier
+    cells = list({_key(c): c for c in earlier + cells}.values())
+    layers = list({(x["model"], x["seed"]): x for x in earlier_layers + layers}.values())
     s = replace(s, models=tuple(dict.fromkeys(c["model"] for c in cells)),
                 seeds=tuple(sorted({c["seed"] for c in cells})))
     result = {"suite": "select", "settings": asdict(s), "meta": bq.suite_meta(quick),
@@ -302,6 +302,8 @@ def markdown(result: dict) -> str:
                            + " | ".join(f"budget {_fmt_budget(b)}" for b in budgets) + " |\n|---|"
                            + "---|" * len(budgets) + "\n")
                 for m in METHODS:
+                    if not any(c["method"] == m for c in rows):
+                        continue
                     vals = []
                     for b in budgets:
                         got = [c["retained"] for c in rows if c["method"] == m and c["budget"] == b]
