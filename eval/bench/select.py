@@ -205,6 +205,7 @@ def run_select(quick: bool = False, seeds=None, models=None, variants=None, merg
     if bad:
         raise BadInput(f"--variant of --suite select: {', '.join(VARIANTS)} (not {bad})")
     cells, layers, earlier, earlier_layers = [], [], [], []
+    spent = 0.0
     for f in merge:
         try:
             r = json.loads(Path(f).read_text())
@@ -214,6 +215,7 @@ def run_select(quick: bool = False, seeds=None, models=None, variants=None, merg
             raise BadInput(f"--merge {f}: not a result of --suite select")
         earlier += r["cells"]
         earlier_layers += r["layers"]
+        spent += r.get("seconds", 0.0)  # the merged runs' measuring time counts too
     t0 = time.time()
     for name in s.models:
         model, tok = load(name, Path("."))
@@ -272,7 +274,7 @@ def run_select(quick: bool = False, seeds=None, models=None, variants=None, merg
     s = replace(s, models=tuple(dict.fromkeys(c["model"] for c in cells)),
                 seeds=tuple(sorted({c["seed"] for c in cells})))
     result = {"suite": "select", "settings": asdict(s), "meta": bq.suite_meta(quick),
-              "seconds": round(time.time() - t0, 1), "cells": cells, "layers": layers}
+              "seconds": round(spent + time.time() - t0, 1), "cells": cells, "layers": layers}
     return result, markdown(result)
 
 
