@@ -15,7 +15,6 @@ DIST = "compress-llm"
 # module -> (what pip installs, the extra that brings it)
 EXTRAS = {
     "onnx": ("onnx", "export"),
-    "onnxruntime": ("onnxruntime", "export"),
     "openvino": ("openvino", "export"),
     "sklearn": ("scikit-learn", "select"),
     "triton": ("triton", "gpu"),

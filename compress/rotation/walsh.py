@@ -323,11 +323,11 @@ def apply(ctx, cfg: WalshConfig) -> dict:
 
 def _energy(ctx, adapter, when: str) -> dict:
     """One calibration pass collecting the activation energy at the rounded layers' inputs, with a progress bar."""
-    tokens = ctx.calibration_tokens()
-    bar = ctx.progress(total=-(-tokens.shape[0] // 8), desc=f"{ctx.key} energy {when} rotation (report figure)",
+    tokens, batch = ctx.calibration_tokens(), 8
+    bar = ctx.progress(total=-(-tokens.shape[0] // batch), desc=f"{ctx.key} energy {when} rotation (report figure)",
                        unit="batch")
     try:
-        return collect_energy(adapter.model, tokens, _spectrum_taps(adapter), batch_size=8, progress=bar.update)
+        return collect_energy(adapter.model, tokens, _spectrum_taps(adapter), batch_size=batch, progress=bar.update)
     finally:
         bar.close()
 

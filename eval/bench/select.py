@@ -238,9 +238,9 @@ def run_select(quick: bool = False, seeds=None, models=None, variants=None, merg
                     reprobe = w in s.reprobe_weightings and budget in s.reprobe_budgets
                     oracle = "oracle" in s.variants and w in s.oracle_weightings
                     picks = subsets(acc, chance, names, cost, b, seed, sc, reprobe, oracle) if fits else {}
+                    absent = {m for m, on in (("probscale+reprobe", reprobe), ("oracle", oracle)) if not on}
                     for method in METHODS:
-                        if (method not in picks) if fits else ((method == "probscale+reprobe" and not reprobe)
-                                                              or (method == "oracle" and not oracle)):
+                        if method in absent:  # with a block that fits, every other method has its pick
                             continue
                         probed = "probe" in s.variants or method == "oracle"  # `oracle` cells are probe cells
                         keep = picks.get(method, [])
