@@ -15,6 +15,7 @@ No stage reads another stage's config: what it needs from one arrives in its `Fa
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from pydantic import BaseModel
@@ -43,6 +44,7 @@ class Facts:
     stream: bool = False  # the model is streamed block by block
     after_quantize: bool = False  # a quantize stage runs before this one
     earlier: list = field(default_factory=list)  # `stage/method` of every stage before this one
+    notes: list = field(default_factory=list)  # exports: what the plan tells the user before calibration
 
 
 @dataclass
@@ -86,6 +88,9 @@ def bind(recipe, adapter) -> Binding:
             facts.rounding, facts.consumer = (cfgs[q].bits, cfgs[q].group_size, cfgs[q].sym), cfgs[q].method
             layers.setdefault(q, planned_layers(adapter, cfgs[q]))
             if cfg.stage == "allocate":
+                if cfg.method != "moe":  # a per-chunk plan rounds every layer with one group: no per-layer fitting
+                    layers[q] = {n: dataclasses.replace(s, group_size=cfgs[q].group_size, asked=None)
+                                 for n, s in layers[q].items()}
                 facts.layers = layers[q]
         for kind in entry.consumes:
             if kind not in produced:

@@ -135,6 +135,9 @@ def run(
         typer.echo("\n".join(summary_lines(report) + [f"output: {output}"]), err=False)
 
 
+PLAN_LINES = 12  # layers listed one per line in the printed plan
+
+
 def _print_plan(p: dict) -> None:
     typer.echo(f"model: {p['model']} ({p['model_type']}, {p['blocks']} blocks, {p['parameters']:,} parameters)")
     for s in p["stages"]:
@@ -142,6 +145,13 @@ def _print_plan(p: dict) -> None:
         tail = f"; last block: `final_block: {last}`" if last != "same" else ""
         if s["stage"] == "quantize":
             typer.echo(f"  {s['key']}: {s['layers']} layers{tail}")
+            adapted = s.get("adapted_groups") or {}
+            if adapted:
+                typer.echo(f"    group_size adapted to {len(adapted)} layers it does not fit (-1 = per-channel):")
+                for name, (asked, got) in list(adapted.items())[:PLAN_LINES]:
+                    typer.echo(f"      {name}: {asked} -> {got}")
+                if len(adapted) > PLAN_LINES:
+                    typer.echo(f"      ... and {len(adapted) - PLAN_LINES} more (`--dry-run --json` lists every one)")
         elif s["stage"] == "allocate":
             typer.echo(f"  {s['key']}: {s['what']}, for the {s['layers']} layers of the next quantize stage")
         else:
@@ -149,6 +159,8 @@ def _print_plan(p: dict) -> None:
     for change in p.get("structure", []):
         typer.echo(f"  structure: {change}")
     typer.echo(f"export: {', '.join(p['export']) or '-'}")
+    for note in p.get("notes", []):
+        typer.echo(f"  {note}")
     typer.echo(f"estimated peak memory: {p['estimated_peak_memory_mb']} MB")
 
 
@@ -274,6 +286,14 @@ def inspect(directory: Path = typer.Argument(..., help="an `hf` export directory
                    f"{'sym ' if row['sym'] else 'asym'} eff {row['effective_bits']:.3f}")
     typer.echo(f"quantized layers: {info['quantized_layers']}, effective bits {info['effective_bits']}, "
                f"size {info['bytes'] / 2**20:.3f} MiB")
+    if info["adapted_groups"]:
+        name, (asked, got) = next(iter(info["adapted_groups"].items()))
+        typer.echo(f"group_size adapted to {len(info['adapted_groups'])} layers it does not fit (e.g. {name}: "
+                   f"{asked} -> {got}; --json lists all)")
+    if info["dense"]:
+        name, why = next(iter(info["dense"].items()))
+        typer.echo(f"stored dense: {len(info['dense'])} quantized layers no auto-round loader reads packed "
+                   f"(e.g. {name}: {why}; --json lists all)")
     for block, experts in info["experts"].items():
         typer.echo(f"{block} expert bits: " + " ".join(f"{e}:{b}" for e, b in experts.items()))
     from compress.handoff import ModelSpec

@@ -55,7 +55,11 @@ class QuantizeConfig(StrictModel):
     stage: Literal["quantize"] = "quantize"
     method: str
     bits: int = Field(4, ge=2, le=8, description="weight bits, 2..8")
-    group_size: int = Field(128, description="group length along the input dimension; -1 = per-channel")
+    group_size: int = Field(128, description="group length along the input dimension; -1 = per-channel. A target: a "
+                                             "layer it does not fit gets the nearest group that does, at plan time "
+                                             "(docs/quantize.md#group-size-adaptation)")
+    strict_groups: bool = Field(False, description="refuse a layer `group_size` does not fit instead of adapting its "
+                                                   "group")
     sym: bool = Field(True, description="symmetric (full-range, auto-round style) or asymmetric with zero points")
     lm_head: bool = Field(False, description="also quantize lm_head (RTN); embeddings are never quantized")
     overrides: list[LayerOverride] = Field(default_factory=list, description="per-layer regex overrides")

@@ -49,6 +49,7 @@ class LayerSpec:
     group_size: int
     sym: bool
     mixed: MixedSpec | None = None  # per-chunk bit widths from an `allocate` stage
+    asked: int | None = None  # the recipe's group_size when the plan adapted it to this layer (`fit_group`)
 
 
 @dataclass

@@ -79,7 +79,12 @@ def size_report(ctx, qweights: dict, exports: dict) -> dict:
            "quantized_params": qnumel, "quantized_layers": len(qweights)}
     # what each export really stored: a layer its format cannot hold packed is written dense
     stored = {fmt: {"bytes": v.get("bytes"), "packed_layers": len(qweights) - v["dense_layers"],
-                    "dense_layers": v["dense_layers"]} for fmt, v in exports.items() if "dense_layers" in v}
+                    "dense_layers": v["dense_layers"], **({"dense": v["dense"]} if v.get("dense") else {})}
+              for fmt, v in exports.items() if "dense_layers" in v}
+    if "hf" in stored and qweights:
+        from compress.export.hf import stored_bytes
+
+        stored["hf"]["tensor_bytes"] = stored_bytes(model, qweights)  # what its layout takes, before file overhead
     if stored:
         out["stored"] = stored
     return out

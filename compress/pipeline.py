@@ -30,6 +30,7 @@ from compress.handoff import QuantizedWeights
 from compress.models.adapters import ModelAdapter
 from compress.models.loading import load_config, load_model, max_positions
 from compress.files import non_finite
+from compress.quantize_stage import adapted_groups
 from compress.workspace import Workspace, peak_rss_mb
 
 log = logging.getLogger("compress")
@@ -151,6 +152,9 @@ def _plan(loaded) -> tuple[dict, Binding]:
     # quantize: the layers it rounds; allocate: the layers of the quantize stage its plan is for
     stages = [{"key": b.key, "stage": b.cfg.stage, "method": b.cfg.method, "layers": len(b.facts.layers),
                "what": b.entry.description, "config": b.cfg.model_dump()} for b in binding.stages]
+    for st, b in zip(stages, binding.stages):
+        if b.cfg.stage == "quantize" and adapted_groups(b.facts.layers):
+            st["adapted_groups"] = adapted_groups(b.facts.layers)
     inputs.check_data(loaded, kind)  # reads every data file: after the cheap checks
     if r.model.stream:
         per_block = sum(p.numel() for p in adapter.blocks[0].parameters())
@@ -166,6 +170,9 @@ def _plan(loaded) -> tuple[dict, Binding]:
     out = {"model": r.model.path, "model_type": config.model_type, "blocks": len(adapter.blocks),
            "parameters": n_params, "stages": stages, "export": r.export.names(),
            "estimated_peak_memory_mb": round(est / 2**20, 1)}
+    notes = [n for b in binding.exports for n in b.facts.notes]
+    if notes:
+        out["notes"] = notes
     changed = binding.spec.differences(binding.base)
     if changed:
         out["structure"] = changed
@@ -231,6 +238,10 @@ def _run(loaded, binding: Binding, ws: Workspace, quiet: bool) -> dict:
         found = [st["metrics"][section] for st in ws.manifest["stages"].values() if section in (st.get("metrics") or {})]
         if found:
             report[section] = found[-1]
+    adapted = {n: g for st in ws.manifest["stages"].values() for n, g in
+               ((st.get("metrics") or {}).get("adapted_groups") or {}).items()}
+    if adapted:
+        report["adapted_groups"] = adapted
     steps = [st["metrics"]["structure"] for st in ws.manifest["stages"].values()
              if "structure" in (st.get("metrics") or {})]
     if steps:  # every prune / heal stage, in order

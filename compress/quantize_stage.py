@@ -10,6 +10,7 @@ the block-wise driver with its checkpoints, and the `lm_head` option. It emits `
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 
@@ -94,8 +95,37 @@ class FinalBlock:
             return signround_block(data, ar)
 
 
+LOADER_ALIGN = 32  # the packed loaders' unit along in_features (auto-round's torch backends, int32 words)
+
+
+def fit_group(d_in: int, group_size: int) -> tuple[int, str | None]:
+    """The group a layer of `d_in` input columns gets for the recipe's `group_size`, and why it differs (None when
+    it does not); docs/quantize.md#group-size-adaptation:
+
+    - the group divides d_in (or is -1): kept;
+    - d_in is smaller than the group: per-channel (-1), one group per row, as auto-round quantizes such a layer;
+    - otherwise the valid group nearest to it (ties: the smaller, finer one): a power of two >= 32 (what the CPU
+      kernels and MatMulNBits take) or per-channel, and when d_in is a multiple of 32 one that divides it, so no row
+      ends in a short group (auto-round's CPU loaders, and so our hf export, cannot hold one packed). A d_in that is
+      not a multiple of 32 is never packed by hf whatever its group; there a short last group is fine.
+    """
+    if group_size == -1 or d_in % group_size == 0:
+        return group_size, None
+    if d_in < group_size:
+        return -1, f"in_features {d_in} < group_size {group_size}: one group per row (per-channel)"
+    aligned = d_in % LOADER_ALIGN == 0
+    powers = [p for p in (2 ** k for k in range(5, d_in.bit_length())) if not aligned or d_in % p == 0]
+    best = min([*powers, d_in], key=lambda p: (abs(p - group_size), p))
+    if best == group_size:
+        return group_size, None  # a power of two with a short last group, on a width no loader reads packed
+    got = -1 if best == d_in else best
+    return got, (f"group_size {group_size} " + ("does not divide" if aligned else "is not a kernel group for")
+                 + f" in_features {d_in}: {got}, the nearest group that " + ("divides it" if aligned else "is"))
+
+
 def layer_spec(name: str, linear: nn.Linear, cfg: QuantizeConfig) -> LayerSpec | None:
-    """The recipe's settings for one layer: defaults, then every matching override in order."""
+    """The recipe's settings for one layer: defaults, then every matching override in order, then the group fitted
+    to the layer's width (`fit_group`; `strict_groups: true` refuses instead)."""
     bits, group_size, sym, skip = cfg.bits, cfg.group_size, cfg.sym, False
     for o in cfg.overrides:
         if re.search(o.pattern, name):
@@ -105,15 +135,26 @@ def layer_spec(name: str, linear: nn.Linear, cfg: QuantizeConfig) -> LayerSpec |
             skip = o.skip
     if skip:
         return None
-    if group_size != -1 and group_size > linear.in_features:
-        raise BadInput(
-            f"group_size {group_size} is larger than layer `{name}` (in_features {linear.in_features}); "
-            "use a smaller group_size, -1 (per-channel), or an override for this layer"
-        )
-    if group_size != -1 and linear.in_features % group_size:
-        log.info("%s: in_features %d not divisible by group_size %d; the last group has %d columns",
-                 name, linear.in_features, group_size, linear.in_features % group_size)
-    return LayerSpec(bits, group_size, sym)
+    return fitted(name, linear.in_features, LayerSpec(bits, group_size, sym), cfg.strict_groups)
+
+
+def fitted(name: str, d_in: int, spec: LayerSpec, strict: bool) -> LayerSpec:
+    """`spec` with its group fitted to a layer of `d_in` input columns (`fit_group`)."""
+    group, why = fit_group(d_in, spec.group_size)
+    if why is None:
+        if spec.group_size != -1 and d_in % spec.group_size:
+            log.info("%s: in_features %d not divisible by group_size %d; the last group has %d columns",
+                     name, d_in, spec.group_size, d_in % spec.group_size)
+        return spec
+    if strict:
+        raise BadInput(f"layer `{name}`: {why}; `strict_groups: true` refuses to adapt it: use a group_size that "
+                       "divides it, an override for this layer, or drop strict_groups")
+    return dataclasses.replace(spec, group_size=group, asked=spec.group_size)
+
+
+def adapted_groups(layers: dict[str, LayerSpec]) -> dict[str, list[int]]:
+    """{layer: [the recipe's group_size, the group it got]} for the layers the plan adapted."""
+    return {n: [s.asked, s.group_size] for n, s in sorted(layers.items()) if s.asked is not None}
 
 
 def _spec(layers: dict, name: str, linear: nn.Linear, cfg: QuantizeConfig) -> LayerSpec | None:
@@ -125,9 +166,12 @@ def _spec(layers: dict, name: str, linear: nn.Linear, cfg: QuantizeConfig) -> La
 
 
 def planned_spec(plan, name: str, spec: LayerSpec | None) -> LayerSpec | None:
-    """`spec` with the allocation plan's per-chunk options for this layer, when a plan covers it."""
+    """`spec` with the allocation plan's width for this layer, when a plan covers it: a per-layer plan (`moe`) sets
+    the bits and keeps the group fitted to the layer; a per-chunk plan uses its own group on every layer."""
     if spec is None or plan is None or name not in plan.layers:
         return spec
+    if plan.per_layer:
+        return dataclasses.replace(spec, bits=plan.layer_spec(name).bits)
     return plan.layer_spec(name)
 
 
@@ -152,7 +196,8 @@ def planned_layers(adapter, cfg: QuantizeConfig) -> dict[str, LayerSpec]:
     check_overrides(cfg, list(out))
     head = lm_head_target(adapter, cfg)
     if head:
-        out[head[0]] = LayerSpec(cfg.bits, cfg.group_size, cfg.sym)
+        name, lin = head
+        out[name] = fitted(name, lin.in_features, LayerSpec(cfg.bits, cfg.group_size, cfg.sym), cfg.strict_groups)
     return out
 
 
@@ -192,6 +237,11 @@ def apply(ctx, cfg: QuantizeConfig) -> dict:
         from compress.guard import Guarded
 
         q = Guarded(q, cfg.guard)
+    adapted = adapted_groups(layers)
+    if adapted:
+        name, (asked, got) = next(iter(adapted.items()))
+        log.info("group_size %d does not fit %d layers; each gets the nearest group that does (e.g. `%s`: %s); "
+                 "report.md lists them", asked, len(adapted), name, got)
     bar = ctx.progress(total=len(adapter.blocks), desc=f"{ctx.key} blocks", unit="block")
     qweights = run_blockwise(
         model=adapter.model, blocks=adapter.blocks, block_linears=adapter.block_linears,
@@ -209,11 +259,14 @@ def apply(ctx, cfg: QuantizeConfig) -> dict:
         name, lin = target
         if cfg.guard is not None:
             q.guard(name, lin, layers[name])
-        qw = rtn(lin.weight.data, cfg.bits, cfg.group_size, cfg.sym)
+        spec = layers[name]
+        qw = rtn(lin.weight.data, spec.bits, spec.group_size, spec.sym)
         set_weight(lin, qw)
         qweights[name] = qw
     ctx.emit(QuantizedWeights(qweights, ctx.key, len(adapter.blocks), block_layers))
     out = {"layers": len(qweights), "calibration_tokens": 0 if tokens is None else tokens.numel()}
+    if adapted:
+        out["adapted_groups"] = adapted
     if cfg.guard is not None:
         out["guard_moved"] = q.moved  # blocks loaded from checkpoints on resume are not counted again
         log.info("flipguard moved %d weights across a rounding boundary before rounding", q.moved)

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 
+LISTED = 20  # layers named one by one in report.md
+
+
 def _table(rows: list[dict], cols: list[str]) -> str:
     if not rows:
         return "_none_\n"
@@ -101,6 +104,18 @@ def render_markdown(report: dict) -> str:
     if stored:
         out.append("\n### What each export stored\n\n" + _table(
             [{"format": k, **v} for k, v in stored.items()], ["format", "bytes", "packed_layers", "dense_layers"]))
+        for fmt, st in stored.items():
+            dense = list((st.get("dense") or {}).items())
+            if dense:
+                more = f", and {len(dense) - LISTED} more (report.json lists all)" if len(dense) > LISTED else ""
+                out.append(f"\n{fmt} stores these quantized layers dense: "
+                           + ", ".join(f"`{n}` ({why})" for n, why in dense[:LISTED]) + more + "\n")
+    adapted = report.get("adapted_groups")
+    if adapted:
+        out.append("\n## Group sizes adapted\n\nLayers the recipe's `group_size` does not fit, with the group each got "
+                   "(-1: per-channel; docs/quantize.md#group-size-adaptation):\n\n"
+                   + _table([{"layer": n, "group_size": a, "used": g} for n, (a, g) in adapted.items()],
+                            ["layer", "group_size", "used"]))
     if report.get("figures"):
         out.append("\n## Figures\n\n" + "".join(f"![{t}]({p})\n\n" for t, p in report["figures"].items()))
     if report.get("exports"):

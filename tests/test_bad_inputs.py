@@ -168,18 +168,22 @@ def test_a_kill_while_exporting_leaves_no_half_written_file(tmp_path, monkeypatc
 
 # -- what a run stores, and GGUF inputs -----------------------------------------------------------------
 def test_the_report_states_layers_stored_dense(tmp_path):
-    """group_size 48 divides no layer of stories260K (64 and 172 wide): every layer is written dense."""
+    """group_size 48 divides no layer of stories260K (64 and 172 wide): the plan fits 32 to every layer, and hf
+    stores the 172-wide MLP layers dense (no auto-round loader reads them packed); the report says both."""
     out = tmp_path / "out"
     rc, stdout, err = invoke("run", recipe(tmp_path), "--output", out, "--set", "stages.0.group_size=48")
     assert rc == 0, err
     report = json.loads((out / "report.json").read_text())
-    assert report["size"]["quantized_layers"] == 35
-    assert report["size"]["stored"]["hf"] == {"bytes": report["size"]["bytes"], "packed_layers": 0, "dense_layers": 35}
-    assert "hf: 35 of 35 quantized layers are stored dense" in stdout
-    assert "| hf | " in (out / "report.md").read_text() and "dense_layers" in (out / "report.md").read_text()
-    rc, stdout, err = invoke("run", recipe(tmp_path), "--output", tmp_path / "g32", "--json")
-    stored = json.loads(stdout)["size"]["stored"]["hf"]
-    assert stored["packed_layers"] == 20 and stored["dense_layers"] == 15  # the 172-wide MLP layers
+    assert report["size"]["quantized_layers"] == 35 and set(map(tuple, report["adapted_groups"].values())) == {(48, 32)}
+    stored = report["size"]["stored"]["hf"]
+    assert (stored["bytes"], stored["packed_layers"], stored["dense_layers"]) == (report["size"]["bytes"], 20, 15)
+    assert set(stored["dense"]) == {n for n in report["adapted_groups"] if ".mlp." in n}
+    assert "hf: 15 of 35 quantized layers are stored dense" in stdout
+    md = (out / "report.md").read_text()
+    assert "| hf | " in md and "dense_layers" in md and "## Group sizes adapted" in md
+    assert "hf stores these quantized layers dense: `model.layers.0.mlp." in md
+    rc, stdout, err = invoke("inspect", out)
+    assert rc == 0 and "group_size adapted to 35 layers" in stdout and "stored dense: 15 quantized layers" in stdout
 
 
 def test_a_gguf_model_exports_like_its_safetensors_twin(tmp_path):

@@ -27,9 +27,11 @@ What the loader expects (read from transformers 5.24 and auto-round 0.16.1)
   equally native and keeps one layout for every bit-width.)
 * The torch backends accept a layer only if in_features % 32 == 0, out_features % 32 == 0 and
   in_features % group_size == 0 (`exllamav2_feature_checker`; the QuantLinear buffers are sized
-  `in // 32 * bits` and its forward repeats scales `group_size` times), and bits in 2..8. Layers
-  failing that (`loadable`) are written dense in the model's dtype and declared bits 16; this is
-  stricter than `kernels.packing.packable`, which only needs whole int32 words.
+  `in // 32 * bits` and its forward repeats scales `group_size` times), and bits in 2..8. Only the
+  CUDA tritonv2 backends read a short last group; on CPU `backend="auto"` then falls back to
+  `auto_round:fake`, which fails at the first forward. So the plan fits each layer's group to its width
+  (`quantize_stage.fit_group`) and layers still failing the check (`why_dense`: a width not a multiple
+  of 32) are written dense in the model's dtype and declared bits 16 (docs/formats.md#which-layers-are-packed).
 * The loader builds QuantLinear without `g_idx`, so `g_idx` is not written (it is always k // g);
   per-layer tensors are `qweight`, `qzeros`, `scales` (fp16) and `bias` (model dtype).
 * After loading, auto-round casts the whole model to float16 on CPU because its torch backends
@@ -75,7 +77,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from compress.kernels.packing import gptq_pack, gptq_unpack, packable
+from compress.kernels.packing import gptq_pack, gptq_unpack
 from compress.qweight import QuantizedWeight
 from compress.files import staged_directory
 
@@ -99,10 +101,47 @@ def _layer_types() -> tuple[type, ...]:
 
 def loadable(qw: QuantizedWeight) -> bool:
     """Whether auto-round's CPU/torch backends can serve this layer packed (module docstring)."""
-    K, N = qw.in_features, qw.out_features
+    return dense_reason(qw) is None
+
+
+def dense_reason(qw: QuantizedWeight) -> str | None:
+    """Why the export writes this layer dense, or None when it is packed."""
     if qw.kept is not None and qw.kept.numel():
-        return False  # fp16 chunks: no integer container holds them (module docstring)
-    return packable(qw) and K % 32 == 0 and N % 32 == 0 and (qw.group_size == -1 or K % qw.group_size == 0)
+        return "chunks kept in fp16: no integer container holds them"  # module docstring
+    return why_dense(qw.out_features, qw.in_features, qw.group_size)
+
+
+def stored_bytes(model, qweights: dict[str, QuantizedWeight]) -> int:
+    """Bytes of the tensors the export writes: the model's parameters, each packed layer's qweight, qzeros (written
+    for symmetric layers too: the loaders read them) and fp16 scales in place of its weight."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    for name, qw in qweights.items():
+        if loadable(qw):
+            w = model.get_submodule(name).weight
+            total += (qw.codes.numel() + qw.n_groups * qw.out_features) * qw.bits // 8 + qw.scales.numel() * 2
+            total -= w.numel() * w.element_size()
+    return total
+
+
+def why_dense(d_out: int, d_in: int, group_size: int) -> str | None:
+    """Why a (d_out, d_in) layer with this group is written dense (no auto-round loader reads it packed), or None."""
+    if d_in % 32 or d_out % 32:
+        return f"{d_out}x{d_in}: auto-round's loaders need in and out features that are multiples of 32"
+    if group_size != -1 and d_in % group_size:
+        return f"group {group_size} does not divide in_features {d_in} (a short last group: CUDA triton only)"
+    return None
+
+
+def planned_dense(adapter, quantized) -> dict[str, str]:
+    """{layer: why} for the quantized layers the hf export will write dense, from the bind step's layer plans."""
+    out = {}
+    for *_, layers in quantized:
+        for name, spec in layers.items():
+            lin = adapter.model.get_submodule(name)
+            why = why_dense(lin.out_features, lin.in_features, spec.group_size)
+            if why:
+                out[name] = why
+    return out
 
 
 def export_hf(model, qweights: dict[str, QuantizedWeight], tokenizer, out_dir, *, fmt: str = "auto_round",
@@ -110,7 +149,8 @@ def export_hf(model, qweights: dict[str, QuantizedWeight], tokenizer, out_dir, *
     """Write `model` (whose quantized linears hold `qw.dequantize()`) to `out_dir`.
 
     fmt "auto_round": packed auto-round checkpoint; "fake": `save_pretrained` of the dequantized model.
-    Returns {"files": [absolute paths], "bytes": total size, "dense_layers": quantized layers written dense}.
+    Returns {"files": [absolute paths], "bytes": total size, "dense_layers": how many quantized layers are written
+    dense, "dense": {layer: why}}.
     """
     if fmt not in FMTS:
         raise ValueError(f"unknown export format {fmt!r}; choose one of {FMTS}")
@@ -125,14 +165,17 @@ def export_hf(model, qweights: dict[str, QuantizedWeight], tokenizer, out_dir, *
         if fmt == "fake":
             model.save_pretrained(tmp, max_shard_size=MAX_SHARD)
             _patch_config(tmp, {"compress": compress_info})
-            dense = list(qweights)
+            dense = {n: "a dequantized checkpoint" for n in qweights}
         else:
             dense = _write_auto_round(model, qweights, tmp, compress_info)
+            if dense:
+                compress_info["meta"]["dense"] = dense  # {layer: why}: `compress inspect` says so
+                _patch_config(tmp, {"compress": compress_info})
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
     files = sorted(p for p in out_dir.rglob("*") if p.is_file())
     return {"files": [str(p) for p in files], "bytes": sum(p.stat().st_size for p in files),
-            "dense_layers": len(dense)}
+            "dense_layers": len(dense), "dense": dense}
 
 
 def read_quantized(out_dir, tensors: dict[str, torch.Tensor] | None = None) -> tuple[dict, dict[str, QuantizedWeight]]:
@@ -201,18 +244,16 @@ def mixed_meta(qweights: dict[str, QuantizedWeight]) -> dict:
 
 # -- auto-round writer -----------------------------------------------------------------------
 
-def _write_auto_round(model, qweights: dict[str, QuantizedWeight], tmp: Path, compress_info: dict) -> list[str]:
-    """Write the packed checkpoint; returns the quantized layers written dense (not packable)."""
+def _write_auto_round(model, qweights: dict[str, QuantizedWeight], tmp: Path, compress_info: dict) -> dict[str, str]:
+    """Write the packed checkpoint; returns {layer: why} for the quantized layers written dense."""
     if not qweights:
         raise ValueError("fmt='auto_round' needs at least one QuantizedWeight; use fmt='fake' for a plain model")
-    packed = {n: qw for n, qw in qweights.items() if loadable(qw)}
-    dense = [n for n in qweights if n not in packed]
+    dense = {n: why for n, qw in qweights.items() if (why := dense_reason(qw))}
+    packed = {n: qw for n, qw in qweights.items() if n not in dense}
     if dense:
-        qw = qweights[dense[0]]
-        logger.warning("hf export: %d of %d quantized layers cannot be packed for auto-round's kernels (needs in/out "
-                       "multiples of 32 and a group dividing in) and are written dense in %s, e.g. %s (%dx%d, bits %d, "
-                       "group %d)", len(dense), len(qweights), _dtype_of(model, dense[0]), dense[0], qw.out_features,
-                       qw.in_features, qw.bits, qw.group_size)
+        name, why = next(iter(dense.items()))
+        logger.warning("hf export: %d of %d quantized layers are written dense in %s (no auto-round loader reads them "
+                       "packed), e.g. %s: %s", len(dense), len(qweights), _dtype_of(model, name), name, why)
     qconfig = _quantization_config(model, packed, qweights)
     v1 = qconfig["packing_format"] in V1_PACKINGS
     state_dict = model.state_dict()

@@ -16,6 +16,7 @@ def inspect_checkpoint(directory: Path) -> dict:
         raise BadInput(f"`{directory}` is not a checkpoint directory (no config.json)")
     verify_artifact(directory)
     config, qweights = read_quantized(directory)
+    meta = (config.get("compress") or {}).get("meta") or {}
     rows = [
         {"name": n, "shape": f"{q.out_features}x{q.in_features}", "bits": q.bits, "group_size": q.group_size,
          "sym": q.sym, "effective_bits": q.effective_bits()}
@@ -27,7 +28,8 @@ def inspect_checkpoint(directory: Path) -> dict:
     return {"directory": str(directory), "quantization_config": config.get("quantization_config"),
             "layers": rows, "quantized_layers": len(rows), "experts": expert_bits(qweights),
             "effective_bits": round(bits / numel, 4) if numel else None, "bytes": size,
-            "structure": structure(directory).to_json(), "prunepath": config.get("prunepath")}
+            "structure": structure(directory).to_json(), "prunepath": config.get("prunepath"),
+            "adapted_groups": meta.get("adapted_groups") or {}, "dense": meta.get("dense") or {}}
 
 
 def expert_bits(qweights: dict) -> dict[str, dict[str, int | str]]:

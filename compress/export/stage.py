@@ -72,7 +72,18 @@ def _export(ctx, cfg, fmt: str) -> dict:
 EXPORT = {"uses": (QuantizedWeights,)}  # exports run last; their results go into the report
 
 
-@register("export", "hf", HFExportConfig, "packed auto-round checkpoint loadable by transformers", **EXPORT)
+def check_hf(adapter, cfg: HFExportConfig, facts) -> None:
+    """At plan time: the quantized layers no auto-round loader reads packed, which the export writes dense."""
+    from compress.export.hf import planned_dense
+
+    dense = planned_dense(adapter, facts.quantized)
+    if dense:
+        name, why = next(iter(dense.items()))
+        facts.notes.append(f"export hf: {len(dense)} quantized layers will be stored dense (e.g. `{name}`: {why})")
+
+
+@register("export", "hf", HFExportConfig, "packed auto-round checkpoint loadable by transformers", check=check_hf,
+          **EXPORT)
 def export_hf_stage(ctx, cfg: HFExportConfig) -> dict:
     return _export(ctx, cfg, "auto_round")
 
@@ -179,5 +190,11 @@ def export_openvino_stage(ctx, cfg: OpenVINOExportConfig) -> dict:
 def _meta(ctx) -> dict:
     """Provenance written into every export: the recipe's hash, the model's name and the sha256 of its files (not
     the path typed, which means nothing elsewhere; a `${VAR}` in the name stays the reference, not its value)."""
+    from compress.quantize_stage import adapted_groups
+
     model = ctx.identity["model"]
-    return {"recipe_sha256": ctx.loaded.sha256, "model": model["name"], "model_sha256": model["sha256"]}
+    meta = {"recipe_sha256": ctx.loaded.sha256, "model": model["name"], "model_sha256": model["sha256"]}
+    adapted = {n: g for *_, layers in ctx.facts.quantized for n, g in adapted_groups(layers).items()}
+    if adapted:
+        meta["adapted_groups"] = adapted  # {layer: [the recipe's group_size, the group it got]}
+    return meta
