@@ -143,19 +143,22 @@ class ModelSpec(Handoff):
     @classmethod
     def of(cls, adapter) -> "ModelSpec":
         """The shapes of `adapter`'s model as it is now (works on a weightless skeleton too)."""
-        _, _, head_dim = adapter.attention_shape()
+        heads, kv, head_dim = adapter.attention_shape()
         blocks = []
         for i in range(len(adapter.blocks)):
             q, k = adapter.role(i, "q"), adapter.role(i, "k")
-            up = adapter.role(i, "mlp_up")
+            if q is not None and k is not None:  # per-head projections (fused or latent attention: the config's)
+                heads, kv = q.out_features // head_dim, k.out_features // head_dim
+            up, gate_up = adapter.role(i, "mlp_up"), adapter.role(i, "mlp_gate_up")
+            ffn = up.out_features if up is not None else gate_up.out_features // 2 if gate_up is not None else None
             experts = tuple(e.up_proj.out_features for e in adapter.experts(i) or ())
-            blocks.append(BlockShape(i, up.out_features if up is not None else None, q.out_features // head_dim,
-                                     k.out_features // head_dim, experts))
+            blocks.append(BlockShape(i, ffn, heads, kv, experts))
         c = adapter.model.config
         return cls(adapter.model_type, c.hidden_size, head_dim, len(adapter.blocks), tuple(blocks))
 
     def uniform(self, attr: str) -> bool:
-        return len({getattr(b, attr) for b in self.blocks}) <= 1
+        """One value over the blocks that have one (DeepSeek's MoE blocks have no dense FFN width)."""
+        return len({getattr(b, attr) for b in self.blocks} - {None}) <= 1
 
     def differences(self, base: "ModelSpec") -> list[str]:
         """What changed from `base` (the source model), in words."""

@@ -7,6 +7,9 @@ COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_at
               num_key_value_heads=2, vocab_size=128, max_position_embeddings=256)
 
 
+IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)  # the families whose defaults lie outside tiny vocabularies
+
+
 def configs(**overrides):
     common = {**COMMON, **overrides}
     return {
@@ -19,6 +22,18 @@ def configs(**overrides):
         "mixtral": T.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2),
         "qwen3_moe": T.Qwen3MoeConfig(**common, head_dim=16, moe_intermediate_size=32, num_experts=4,
                                       num_experts_per_tok=2),
+        "gemma2": T.Gemma2Config(**common, head_dim=16, **IDS),
+        "gemma3_text": T.Gemma3TextConfig(**common, head_dim=16, **IDS),
+        "phi3": T.Phi3Config(**common, **IDS),
+        "olmo2": T.Olmo2Config(**common, **IDS),
+        "granite": T.GraniteConfig(**common, embedding_multiplier=2.0, residual_multiplier=0.5,
+                                   attention_multiplier=0.2, logits_scaling=3.0),
+        # DeepSeek-style multi-head latent attention; block 0 a dense MLP, block 1 routed + shared experts
+        "deepseek_v3": T.DeepseekV3Config(**{**common, "num_key_value_heads": common["num_attention_heads"]},
+                                          moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
+                                          n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=32,
+                                          kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+                                          n_group=2, topk_group=1, **IDS),
     }
 
 

@@ -67,6 +67,7 @@ def _dense(spec: ModelSpec) -> list[int]:
 
 
 def check(adapter, cfg, facts):
+    adapter.refuse("prune", f"`prune: {cfg.method}`")
     if adapter.kind != "causal":
         raise BadInput(f"`prune` works on decoder (causal) models; `{adapter.model_type}` is an encoder")
     if facts.after_quantize:

@@ -85,6 +85,7 @@ def _dense_blocks(spec: ModelSpec) -> list[int]:
 
 
 def check(adapter, cfg: PrunePathConfig, facts):
+    adapter.refuse("prune", "`prune: prunepath`")
     if adapter.kind != "causal" or not _dense_blocks(facts.spec):
         raise BadInput(f"`prune: prunepath` needs a decoder with dense gated MLPs; `{adapter.model_type}` has none")
     if facts.after_quantize:

@@ -44,10 +44,19 @@ class ArchMap:
     experts: str | None = None  # path (relative to a block) of the experts container
     router: str | None = None
     not_quantized: tuple[str, ...] = ()  # roles never quantized (routers, scalar gates)
+    optional: tuple[str, ...] = ()  # roles some blocks lack (DeepSeek's dense first blocks vs MoE ones)
+    limits: dict = field(default_factory=dict)  # feature ("rotate", "prune") -> why this architecture cannot have it
 
 
 _CAUSAL = dict(kind="causal", blocks=("model.layers",), embeddings=("model.embed_tokens",),
                final_norm=("model.norm",), lm_head=("lm_head",))
+
+# Gemma 2/3: `post_attention_layernorm` normalises the attention *output*; the MLP reads `pre_feedforward_layernorm`.
+GEMMA_ROLES = {**LLAMA_ROLES, "post_attn_norm": "pre_feedforward_layernorm", "attn_out_norm": "post_attention_layernorm",
+               "mlp_out_norm": "post_feedforward_layernorm"}
+POST_NORMS = ("{} normalises each branch's output before the residual add (post-norms) and its RMSNorm scales by "
+              "1 + weight: a rotation of the residual stream does not commute with those norms")
+NO_RESIDUAL_ROTATION = {"rotate": POST_NORMS}
 
 ARCHS: dict[str, ArchMap] = {
     "llama": ArchMap(**_CAUSAL, roles=LLAMA_ROLES),
@@ -66,6 +75,40 @@ ARCHS: dict[str, ArchMap] = {
     "qwen3_moe": ArchMap(**_CAUSAL, roles={**{k: v for k, v in LLAMA_ROLES.items() if not k.startswith("mlp_")},
                                            "q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm"},
                          experts="mlp.experts", router="mlp.gate"),
+    "gemma2": ArchMap(**_CAUSAL, roles=GEMMA_ROLES, limits={"rotate": POST_NORMS.format("Gemma 2") + "; it also "
+                                                               "soft-caps attention and final logits"}),
+    "gemma3_text": ArchMap(**_CAUSAL, roles={**GEMMA_ROLES, "q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm"},
+                           limits={"rotate": POST_NORMS.format("Gemma 3")}),
+    "olmo2": ArchMap(**_CAUSAL, roles={**{k: v for k, v in LLAMA_ROLES.items() if not k.endswith("_norm")},
+                                       "q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm",
+                                       "attn_out_norm": "post_attention_layernorm",
+                                       "mlp_out_norm": "post_feedforward_layernorm"},
+                     limits={"rotate": "OLMo 2 has no pre-norms: it normalises each branch's output (post-norms) and "
+                                       "all of q and k (q_norm/k_norm over every head), which a rotation of the "
+                                       "residual stream does not commute with"}),
+    # Granite: Llama blocks with scalar embedding, residual, attention and logit multipliers (rotations commute)
+    "granite": ArchMap(**_CAUSAL, roles=LLAMA_ROLES),
+    "phi3": ArchMap(**_CAUSAL, roles={"qkv": "self_attn.qkv_proj", "o": "self_attn.o_proj",
+                                      "mlp_gate_up": "mlp.gate_up_proj", "mlp_down": "mlp.down_proj",
+                                      "input_norm": "input_layernorm", "post_attn_norm": "post_attention_layernorm"},
+                    limits={"rotate": "Phi-3 fuses q/k/v into `qkv_proj` and gate/up into `gate_up_proj`; the value-"
+                                      "head rotation of the fused mode needs the value rows on their own",
+                            "prune": "Phi-3 fuses q/k/v and gate/up projections; structured pruning slices them "
+                                     "separately"}),
+    # DeepSeek V2/V3 multi-head latent attention: q (or q_a/q_b low rank) and a shared kv_a / kv_b projection;
+    # the first `first_k_dense_replace` blocks have a dense MLP, the others routed + shared experts
+    "deepseek_v3": ArchMap(
+        **_CAUSAL,
+        roles={"q": "self_attn.q_proj", "q_a": "self_attn.q_a_proj", "kv_a": "self_attn.kv_a_proj_with_mqa",
+               "o": "self_attn.o_proj", "mlp_gate": "mlp.gate_proj", "mlp_up": "mlp.up_proj", "mlp_down": "mlp.down_proj",
+               "shared_gate": "mlp.shared_experts.gate_proj", "shared_up": "mlp.shared_experts.up_proj",
+               "shared_down": "mlp.shared_experts.down_proj", "input_norm": "input_layernorm",
+               "post_attn_norm": "post_attention_layernorm"},
+        experts="mlp.experts", router="mlp.gate",
+        optional=("q", "q_a", "mlp_gate", "mlp_up", "mlp_down", "shared_gate", "shared_up", "shared_down"),
+        limits={"rotate": "multi-head latent attention: keys and values come out of `kv_b_proj` interleaved per "
+                          "head, which the value-head rotation of the fused mode does not handle",
+                "prune": "multi-head latent attention has no per-head q/k/v projections to slice"}),
     "bert": ArchMap(
         kind="encoder", blocks=("encoder.layer", "bert.encoder.layer"),
         embeddings=("embeddings", "bert.embeddings"),
@@ -79,8 +122,8 @@ ARCHS: dict[str, ArchMap] = {
 # Residual-stream plumbing of pre-norm decoders, by role (used by rotations, `compress.rotation`).
 # A role not defined for an architecture is absent; a defined role whose module is missing is an error.
 NORM_READERS = {
-    "input_norm": ("q", "k", "v"),
-    "post_attn_norm": ("mlp_gate", "mlp_up", "shared_gate", "shared_up", "shared_expert_gate"),
+    "input_norm": ("q", "k", "v", "qkv", "q_a", "kv_a"),
+    "post_attn_norm": ("mlp_gate", "mlp_up", "mlp_gate_up", "shared_gate", "shared_up", "shared_expert_gate"),
 }
 RESIDUAL_WRITERS = ("o", "mlp_down", "shared_down")
 UP_DOWN = (("mlp_up", "mlp_down"), ("shared_up", "shared_down"))
@@ -189,12 +232,18 @@ class ModelAdapter:
     def router(self, i: int) -> nn.Module | None:
         return get_module(self.blocks[i], self.arch.router) if self.arch.router else None
 
+    def refuse(self, feature: str, what: str) -> None:
+        """BadInput naming why `what` (a stage) cannot run on this architecture, if its map limits `feature`."""
+        why = self.arch.limits.get(feature)
+        if why:
+            raise BadInput(f"{what} does not apply to `{self.model_type}`: {why}")
+
     def attention_shape(self) -> tuple[int, int, int]:
         """(num_attention_heads, num_key_value_heads, head_dim) from the model config."""
         c = self.model.config
         heads = c.num_attention_heads
         kv = getattr(c, "num_key_value_heads", None) or heads
-        head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+        head_dim = getattr(c, "head_dim", None) or getattr(c, "qk_head_dim", None) or c.hidden_size // heads
         return heads, kv, head_dim
 
     def _roles(self, i: int, names) -> list[nn.Module]:
@@ -202,6 +251,8 @@ class ModelAdapter:
         for r in names:
             if r in self.arch.roles:
                 m = self.role(i, r)
+                if m is None and r in self.arch.optional:
+                    continue
                 if m is None:
                     raise BadInput(f"block {i} of `{self.model_type}` has no module at role `{r}` "
                                    f"({self.arch.roles[r]})")
@@ -213,7 +264,7 @@ class ModelAdapter:
         attention projections, or the MLP inputs incl. router, every expert and shared expert(s)."""
         mods = self._roles(i, NORM_READERS[norm_role])
         if norm_role == "post_attn_norm":
-            if self.arch.router:
+            if self.router(i) is not None:  # MoE blocks (DeepSeek's first blocks are dense)
                 mods.append(self.router(i))
             for e in self.experts(i) or ():
                 mods += [e.gate_proj, e.up_proj]

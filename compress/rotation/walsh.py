@@ -141,6 +141,7 @@ def check(adapter, cfg: WalshConfig, facts=None) -> None:
                 except BadInput as e:
                     raise BadInput(f"rotate/walsh `pad: none`: {name}: {e}; use `pad: pow2`") from None
         return  # a per-linear input transform: exact for any linear layer, no norm surgery (encoders too)
+    adapter.refuse("rotate", f"rotate/walsh `mode: {cfg.mode}`")
     if adapter.kind != "causal":
         raise BadInput(f"rotate/walsh `mode: {cfg.mode}` absorbs scales and rotations into pre-norm RMSNorm layers; "
                        f"`{adapter.model_type}` is a post-LayerNorm encoder: use `fused: false, mode: spectral` "

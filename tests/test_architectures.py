@@ -1,0 +1,128 @@
+"""The architecture matrix: each family from a tiny random config of the real one (docs/architectures.md).
+
+Quantized by RTN, GPTQ and AutoRound through the block driver, exported to `hf` and reloaded by transformers +
+auto-round with logits matching; the fused Walsh rotation exact in float64 where it applies and refused at plan
+time (with the reason) where it does not; graph exports refused at plan time for the families the graph builder
+does not write; an unknown `model_type` refused with the supported list.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from compress.driver import LayerSpec, run_blockwise
+from compress.export.hf import export_hf, loadable
+from compress.methods.autoround import AutoRound, AutoRoundConfig
+from compress.methods.gptq import GPTQ, GPTQConfig
+from compress.methods.rtn import RTN, RTNConfig
+from compress.models.adapters import ARCHS, ModelAdapter
+from conftest import CAL, invoke
+from helpers import check_reload
+from tests.rotation import exact_rmsnorm, ids, rotate
+from tiny import save_tiny, tiny_causal
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+
+NEW = ["gemma2", "gemma3_text", "phi3", "olmo2", "granite", "deepseek_v3", "qwen3_moe"]
+QUANTIZERS = {
+    "rtn": lambda: RTN(RTNConfig(method="rtn")),
+    "gptq": lambda: GPTQ(GPTQConfig(method="gptq")),
+    "autoround": lambda: AutoRound(AutoRoundConfig(iters=2, batch_size=2, final_block="same")),
+}
+
+
+def test_every_new_family_is_supported():
+    assert set(NEW) <= set(ARCHS)
+
+
+@pytest.mark.parametrize("method", sorted(QUANTIZERS))
+@pytest.mark.parametrize("model_type", NEW)
+def test_quantize_and_reload_in_transformers(model_type, method, tmp_path):
+    model = tiny_causal(model_type)
+    ad = ModelAdapter(model)
+    tokens = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(1))
+    spec = LayerSpec(bits=4, group_size=32, sym=method != "gptq")
+    qweights = run_blockwise(model=model, blocks=ad.blocks, block_linears=ad.block_linears,
+                             specs=lambda n, lin: spec, quantizer=QUANTIZERS[method](), tokens=tokens,
+                             load_block=lambda i: None, save_block=lambda i, q: None)
+    n_linears = sum(len(ad.block_linears(i)) for i in range(len(ad.blocks)))
+    assert len(qweights) == n_linears
+    export_hf(model, qweights, None, tmp_path / "hf")
+    _, back, _ = check_reload(model, qweights, tmp_path / "hf", 128)  # logits within 1e-3 of the in-memory model
+    assert set(back) == {n for n, q in qweights.items() if loadable(q)}  # DeepSeek's 40-wide kv_a: dense
+    assert len(back) >= len(qweights) - len(ad.blocks)
+
+
+ROTATABLE = ["granite", "qwen3_moe"]
+
+
+@pytest.mark.parametrize("model_type", ROTATABLE)
+def test_fused_walsh_is_exact_in_float64(model_type):
+    model = exact_rmsnorm(tiny_causal(model_type, dtype=torch.float64))
+    ModelAdapter(model)
+    x = ids(128)
+    with torch.no_grad():
+        before = model(x).logits
+        metrics = rotate(model, 128, fused=True)
+        after = model(x).logits
+    assert metrics["norm"] == 4
+    assert (after - before).abs().max() / before.abs().max() < 1e-10
+
+
+@pytest.mark.parametrize("model_type,why", [
+    ("gemma2", "post-norms"), ("gemma3_text", "post-norms"), ("olmo2", "no pre-norms"), ("phi3", "fuses q/k/v"),
+    ("deepseek_v3", "latent attention"),
+])
+def test_walsh_and_pruning_refused_at_plan_time_with_the_reason(model_type, why, tmp_path):
+    path = save_tiny(model_type, tmp_path / model_type, max_position_embeddings=512)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"""version: 1
+model: {{path: {path}}}
+calibration: {{sources: [{CAL}], nsamples: 4, seqlen: 32}}
+stages:
+  - {{stage: rotate, method: walsh, fused: true}}
+  - {{stage: quantize, method: rtn, bits: 4, group_size: 32}}
+export: {{formats: [hf]}}
+""")
+    rc, _, err = invoke("run", recipe, "--output", tmp_path / "o", "--dry-run")
+    assert rc == 1 and f"does not apply to `{model_type}`" in err and why in err, err
+    if model_type in ("phi3", "deepseek_v3"):
+        recipe.write_text(recipe.read_text().replace("{stage: rotate, method: walsh, fused: true}",
+                                                     "{stage: prune, method: ffn, ratio: 0.25}"))
+        rc, _, err = invoke("run", recipe, "--output", tmp_path / "o", "--dry-run")
+        assert rc == 1 and "`prune: ffn` does not apply" in err, err
+
+
+@pytest.mark.parametrize("model_type", NEW)
+def test_a_plan_on_each_family_runs_and_graph_exports_say_which_families_they_write(model_type, tmp_path):
+    path = save_tiny(model_type, tmp_path / model_type, max_position_embeddings=512)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"""version: 1
+model: {{path: {path}}}
+calibration: {{sources: [{CAL}], nsamples: 4, seqlen: 32}}
+stages:
+  - {{stage: quantize, method: rtn, bits: 4, group_size: 128}}
+export: {{formats: [hf]}}
+""")
+    rc, out, err = invoke("run", recipe, "--output", tmp_path / "o", "--dry-run")
+    assert rc == 0 and "group_size adapted" in out, err  # 64-wide layers: per-channel
+    recipe.write_text(recipe.read_text().replace("formats: [hf]", "formats: [onnx]"))
+    rc, _, err = invoke("run", recipe, "--output", tmp_path / "o", "--dry-run")
+    assert rc == 1 and f"not `{model_type}`" in err
+
+
+def test_unknown_model_type_is_refused_at_plan_time_with_the_list(tmp_path):
+    import transformers as T
+
+    path = tmp_path / "gpt2"
+    T.GPT2LMHeadModel(T.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)).save_pretrained(path)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"""version: 1
+model: {{path: {path}}}
+calibration: {{sources: [{CAL}], nsamples: 4, seqlen: 32}}
+stages:
+  - {{stage: quantize, method: rtn, bits: 4, group_size: 32}}
+""")
+    rc, _, err = invoke("run", recipe, "--output", tmp_path / "o", "--dry-run")
+    assert rc == 1 and "unsupported architecture `gpt2`" in err and "gemma2" in err and "phi3" in err, err
