@@ -8,6 +8,7 @@ Nothing is ever downloaded unless a source is written `hf:<dataset>[:split]`.
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -52,22 +53,121 @@ def source_text(source: str, field: str = "text") -> str:
     return load_hub_text(source, field) if source.startswith("hf:") else read_text(source, field=field)
 
 
+@dataclass
+class Document:
+    """One calibration file: plain text, or conversations (lists of {role, content}) to render."""
+
+    path: str
+    text: str | None = None
+    conversations: list | None = None
+
+    @property
+    def kind(self) -> str:
+        return "text" if self.conversations is None else "chat"
+
+
+def read_document(path: str, *, field: str = "text", messages: str = "messages", fmt: str = "auto") -> Document:
+    """A calibration file as a Document; `fmt` `auto` reads .jsonl rows holding `messages` as conversations.
+    Raises BadInput naming file:line for a malformed conversation."""
+    if path.startswith("hf:") or fmt == "text" or (fmt == "auto" and not _is_chat(path, messages)):
+        return Document(path, text=source_text(path, field))
+    from compress.eval.data import _jsonl_records, _read_utf8
+
+    conversations = []
+    for lineno, row in _jsonl_records(_read_utf8(Path(path)), Path(path)):
+        turns = row.get(messages) if isinstance(row, dict) else None
+        if not (isinstance(turns, list) and turns and all(
+                isinstance(t, dict) and isinstance(t.get("role"), str) and isinstance(t.get("content"), str)
+                for t in turns)):
+            raise BadInput(f"{path}:{lineno}: expected an object whose '{messages}' is a non-empty list of "
+                           "{\"role\": str, \"content\": str}")
+        conversations.append([{"role": t["role"], "content": t["content"]} for t in turns])
+    if not conversations:
+        raise BadInput(f"{path}: no conversations found")
+    return Document(path, conversations=conversations)
+
+
+def _is_chat(path: str, messages: str) -> bool:
+    """A .jsonl file whose first row has a `messages` field."""
+    import json
+
+    if Path(path).suffix.lower() != ".jsonl":
+        return False
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            if line.strip():
+                try:
+                    row = json.loads(line)
+                except ValueError:
+                    return False
+                return isinstance(row, dict) and messages in row
+    return False
+
+
+def render(doc: Document, tokenizer) -> str:
+    """The document's text: conversations through the tokenizer's chat template (`role: content` lines, one blank
+    line between conversations, when it has none)."""
+    if doc.conversations is None:
+        return doc.text
+    if getattr(tokenizer, "chat_template", None):
+        return "".join(tokenizer.apply_chat_template(c, tokenize=False) for c in doc.conversations)
+    return "\n\n".join("\n".join(f"{t['role']}: {t['content']}" for t in c) for c in doc.conversations)
+
+
 def calibration_tokens(tokenizer, sources: list[str], *, nsamples: int, seqlen: int, seed: int,
-                       field: str = "text", bos_id: int | None = None) -> torch.Tensor:
-    """(nsamples, seqlen) LongTensor. With `bos_id`, each window starts with BOS then seqlen-1 text tokens."""
-    stream = torch.cat([token_stream(tokenizer, source_text(s, field)) for s in expand_sources(sources)])
+                       field: str = "text", bos_id: int | None = None, weights: list[float] | None = None,
+                       messages: str = "messages", fmt: str = "auto") -> tuple[torch.Tensor, dict]:
+    """((nsamples, seqlen) LongTensor, what each source gave). With `bos_id`, each window starts with BOS then
+    seqlen-1 text tokens. Without `weights` the sources form one stream and windows start anywhere in it; with
+    them, source i gets round(nsamples * w_i / sum(w)) windows (largest remainders) from its own stream."""
+    streams, info = [], {}
+    for source in sources:
+        docs = [read_document(f, field=field, messages=messages, fmt=fmt) for f in expand_sources([source])]
+        stream = torch.cat([token_stream(tokenizer, render(d, tokenizer)) for d in docs])
+        streams.append(stream)
+        kinds = sorted({d.kind for d in docs})
+        info[source] = {"format": "/".join(kinds), "tokens": stream.numel()}
+        if "chat" in kinds:
+            info[source]["conversations"] = sum(len(d.conversations) for d in docs if d.conversations)
+            info[source]["chat_template"] = bool(getattr(tokenizer, "chat_template", None))
     body = seqlen - (1 if bos_id is not None else 0)
-    if stream.numel() <= body:
-        raise BadInput(
-            f"calibration text has {stream.numel()} tokens, fewer than one window of {seqlen}; "
-            "give more text or lower calibration.seqlen"
-        )
     g = torch.Generator().manual_seed(seed)
-    starts = torch.randint(0, stream.numel() - body, (nsamples,), generator=g)
-    rows = torch.stack([stream[s : s + body] for s in starts.tolist()])
+    if weights is None:
+        stream = torch.cat(streams)
+        if stream.numel() <= body:
+            raise BadInput(f"calibration text has {stream.numel()} tokens, fewer than one window of {seqlen}; "
+                           "give more text or lower calibration.seqlen")
+        starts = torch.randint(0, stream.numel() - body, (nsamples,), generator=g).tolist()
+        rows = [stream[s: s + body] for s in starts]
+        bounds = torch.tensor([s.numel() for s in streams]).cumsum(0)
+        counts = torch.bincount(torch.bucketize(torch.tensor(starts), bounds, right=True), minlength=len(streams))
+    else:
+        counts = _shares(weights, nsamples)
+        rows = []
+        for source, stream, n in zip(sources, streams, counts.tolist()):
+            if n and stream.numel() <= body:
+                raise BadInput(f"calibration source `{source}` has {stream.numel()} tokens, fewer than one window "
+                               f"of {seqlen}; give more text, lower its weight to 0 or lower calibration.seqlen")
+            if n:
+                starts = torch.randint(0, stream.numel() - body, (n,), generator=g).tolist()
+                rows += [stream[s: s + body] for s in starts]
+    for source, n in zip(sources, counts.tolist()):
+        info[source].update(windows=n, calibration_tokens=n * seqlen)
+    tokens = torch.stack(rows)
     if bos_id is not None:
-        rows = torch.cat([torch.full((nsamples, 1), bos_id, dtype=rows.dtype), rows], dim=1)
-    return rows
+        tokens = torch.cat([torch.full((nsamples, 1), bos_id, dtype=tokens.dtype), tokens], dim=1)
+    return tokens, info
+
+
+def _shares(weights: list[float], n: int) -> torch.Tensor:
+    """n split in proportion to `weights`, by largest remainders (ties: the earlier source)."""
+    w = torch.tensor(weights, dtype=torch.float64)
+    exact = n * w / w.sum()
+    counts = exact.floor().long()
+    order = sorted(range(len(weights)), key=lambda i: (-(exact[i] - counts[i]).item(), i))
+    for i in order[: n - int(counts.sum())]:
+        counts[i] += 1
+    return counts
 
 
 def tokens_hash(tokens: torch.Tensor) -> str:

@@ -55,7 +55,7 @@ def _stage_paths(cfg) -> list[str]:
 # -- plan-time content checks ------------------------------------------------------------------------
 def check_data(loaded, kind: str) -> None:
     """Read every data file as the run will (`kind`: "causal" or "encoder"); all problems at once."""
-    from compress.calibration import expand_sources, source_text
+    from compress.calibration import expand_sources, read_document
     from compress.eval.data import read_labeled_tsv, read_text, text_slice
 
     r = loaded.recipe
@@ -67,10 +67,12 @@ def check_data(loaded, kind: str) -> None:
         except BadInput as e:
             problems.append((loc, str(e)))
 
-    field = r.calibration.text_field
-    for i, s in enumerate(r.calibration.sources):
+    c = r.calibration
+    for i, s in enumerate(c.sources):
         if not s.startswith("hf:"):
-            attempt(("calibration", "sources", i), lambda s=s: [source_text(f, field) for f in expand_sources([s])])
+            attempt(("calibration", "sources", i), lambda s=s: [
+                read_document(f, field=c.text_field, messages=c.messages_field, fmt=c.format)
+                for f in expand_sources([s])])
     if r.eval.enabled:
         for i, path in enumerate(r.eval.data):
             if kind == "encoder":

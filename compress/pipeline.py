@@ -68,6 +68,7 @@ class StageContext:
     replaying: bool = False  # a finished `replay` stage applied again on --resume
     identity: dict = field(default_factory=dict)  # inputs by name and sha256 (compress.inputs.identity)
     _tokens: torch.Tensor | None = None
+    calibration_info: dict = field(default_factory=dict)  # per source: format, tokens, windows drawn from it
 
     def emit(self, value) -> None:
         """Hand `value` (a compress.handoff.Handoff) to the later stages; the pipeline saves it."""
@@ -78,10 +79,14 @@ class StageContext:
         on resume it must equal the earlier run's (same files, but another tokenizer version would not)."""
         if self._tokens is None:
             c = self.loaded.recipe.calibration
-            tokens = calibration_tokens(
+            tokens, self.calibration_info = calibration_tokens(
                 self.tokenizer, list(c.sources), nsamples=c.nsamples, seqlen=c.seqlen, seed=c.seed,
-                field=c.text_field, bos_id=bos_id(self.tokenizer, self.adapter),
+                field=c.text_field, bos_id=bos_id(self.tokenizer, self.adapter), weights=c.weights,
+                messages=c.messages_field, fmt=c.format,
             )
+            for source, st in self.calibration_info.items():
+                log.info("calibration: %s (%s): %d windows, %d of its %d tokens", source, st["format"],
+                         st["windows"], st["calibration_tokens"], st["tokens"])
             record = self.workspace.manifest["inputs"]
             digest, earlier = tokens_hash(tokens), record.get("calibration_tokens_sha256")
             if earlier is not None and earlier != digest:
@@ -242,6 +247,8 @@ def _run(loaded, binding: Binding, ws: Workspace, quiet: bool) -> dict:
                ((st.get("metrics") or {}).get("adapted_groups") or {}).items()}
     if adapted:
         report["adapted_groups"] = adapted
+    if ctx.calibration_info:
+        report["calibration"] = ctx.calibration_info
     steps = [st["metrics"]["structure"] for st in ws.manifest["stages"].values()
              if "structure" in (st.get("metrics") or {})]
     if steps:  # every prune / heal stage, in order

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Optional, Sequence, Union
 
-from pydantic import BaseModel, Field, SerializeAsAny, ValidationError, field_validator
+from pydantic import BaseModel, Field, SerializeAsAny, ValidationError, field_validator, model_validator
 
 from compress import extras, registry
 from compress.config import EVAL_MAX_TOKENS, StrictModel
@@ -70,9 +70,25 @@ class ModelSource(StrictModel):
 class CalibrationSpec(StrictModel):
     sources: list[str] = Field(default_factory=list, description="text files, directories, or hf:<id>[:split]")
     text_field: str = Field("text", description="field holding the text in .jsonl/.tsv/hub rows")
+    messages_field: str = Field("messages", description="field holding a conversation (a list of {role, content}) "
+                                                        "in chat .jsonl rows, rendered with the model's chat template")
+    format: Literal["auto", "text", "chat"] = Field(
+        "auto", description="`auto`: .jsonl rows with `messages_field` are conversations, everything else text")
+    weights: Optional[list[float]] = Field(
+        None, description="share of the nsamples windows drawn from each source, in `sources` order (default: "
+                          "windows fall on the sources in proportion to their token counts)")
     nsamples: int = Field(128, gt=0)
     seqlen: int = Field(512, gt=0)
     seed: int = Field(0, ge=0)
+
+    @model_validator(mode="after")
+    def _weights(self):
+        if self.weights is not None:
+            if len(self.weights) != len(self.sources):
+                raise ValueError(f"`weights` has {len(self.weights)} entries for {len(self.sources)} sources")
+            if any(w < 0 for w in self.weights) or not sum(self.weights) > 0:
+                raise ValueError("`weights` must be >= 0 with a positive sum")
+        return self
 
 
 class GenerationSpec(StrictModel):

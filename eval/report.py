@@ -69,6 +69,12 @@ def render_markdown(report: dict) -> str:
     digest = f" (sha256 `{model['sha256'][:16]}`)" if model.get("sha256") else ""
     out = [f"# compress report\n\nmodel: `{report.get('model')}`{digest}  \nrecipe sha256: `{report.get('recipe_sha256')}`\n"]
     out.append("\n## Stages\n\n" + _table(report.get("stages", []), ["name", "method", "seconds", "peak_rss_mb"]))
+    cal = report.get("calibration")
+    if cal:
+        out.append("\n## Calibration\n\nWindows drawn from each source (`format` chat: conversations rendered with "
+                   "the chat template, or `role: content` lines without one):\n\n" + _table(
+                       [{"source": k, **v} for k, v in cal.items()],
+                       ["source", "format", "conversations", "tokens", "windows", "calibration_tokens"]))
     alloc = report.get("allocation")
     if alloc and alloc.get("method") == "moe":
         out.append(_experts(alloc))
