@@ -54,6 +54,20 @@ def test_quantize_and_reload_in_transformers(model_type, method, tmp_path):
     assert len(back) >= len(qweights) - len(ad.blocks)
 
 
+def _recipe(tmp_path, model, stages: str, formats: str = "hf"):
+    """A dry-run recipe on `model` (a path) with these stage lines."""
+    path = tmp_path / "r.yaml"
+    path.write_text(f"""version: 1
+model: {{path: {model}}}
+calibration: {{sources: [{CAL}], nsamples: 4, seqlen: 32}}
+stages:
+{stages}
+export: {{formats: [{formats}]}}
+""")
+    return path
+
+
+QUANTIZE = "  - {stage: quantize, method: rtn, bits: 4, group_size: 32}"
 ROTATABLE = ["granite", "qwen3_moe"]
 
 
@@ -76,20 +90,11 @@ def test_fused_walsh_is_exact_in_float64(model_type):
 ])
 def test_walsh_and_pruning_refused_at_plan_time_with_the_reason(model_type, why, tmp_path):
     path = save_tiny(model_type, tmp_path / model_type, max_position_embeddings=512)
-    recipe = tmp_path / "r.yaml"
-    recipe.write_text(f"""version: 1
-model: {{path: {path}}}
-calibration: {{sources: [{CAL}], nsamples: 4, seqlen: 32}}
-stages:
-  - {{stage: rotate, method: walsh, fused: true}}
-  - {{stage: quantize, method: rtn, bits: 4, group_size: 32}}
-export: {{formats: [hf]}}
-""")
+    recipe = _recipe(tmp_path, path, "  - {stage: rotate, method: walsh, fused: true}\n" + QUANTIZE)
     rc, _, err = invoke("run", recipe, "--output", tmp_path / "o", "--dry-run")
     assert rc == 1 and f"does not apply to `{model_type}`" in err and why in err, err
     if model_type in ("phi3", "deepseek_v3"):
-        recipe.write_text(recipe.read_text().replace("{stage: rotate, method: walsh, fused: true}",
-                                                     "{stage: prune, method: ffn, ratio: 0.25}"))
+        recipe = _recipe(tmp_path, path, "  - {stage: prune, method: ffn, ratio: 0.25}\n" + QUANTIZE)
         rc, _, err = invoke("run", recipe, "--output", tmp_path / "o", "--dry-run")
         assert rc == 1 and "`prune: ffn` does not apply" in err, err
 
@@ -97,18 +102,10 @@ export: {{formats: [hf]}}
 @pytest.mark.parametrize("model_type", NEW)
 def test_a_plan_on_each_family_runs_and_graph_exports_say_which_families_they_write(model_type, tmp_path):
     path = save_tiny(model_type, tmp_path / model_type, max_position_embeddings=512)
-    recipe = tmp_path / "r.yaml"
-    recipe.write_text(f"""version: 1
-model: {{path: {path}}}
-calibration: {{sources: [{CAL}], nsamples: 4, seqlen: 32}}
-stages:
-  - {{stage: quantize, method: rtn, bits: 4, group_size: 128}}
-export: {{formats: [hf]}}
-""")
+    recipe = _recipe(tmp_path, path, QUANTIZE.replace("32", "128"))
     rc, out, err = invoke("run", recipe, "--output", tmp_path / "o", "--dry-run")
     assert rc == 0 and "group_size adapted" in out, err  # 64-wide layers: per-channel
-    recipe.write_text(recipe.read_text().replace("formats: [hf]", "formats: [onnx]"))
-    rc, _, err = invoke("run", recipe, "--output", tmp_path / "o", "--dry-run")
+    rc, _, err = invoke("run", _recipe(tmp_path, path, QUANTIZE, "onnx"), "--output", tmp_path / "o", "--dry-run")
     assert rc == 1 and f"not `{model_type}`" in err
 
 
@@ -117,12 +114,5 @@ def test_unknown_model_type_is_refused_at_plan_time_with_the_list(tmp_path):
 
     path = tmp_path / "gpt2"
     T.GPT2LMHeadModel(T.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)).save_pretrained(path)
-    recipe = tmp_path / "r.yaml"
-    recipe.write_text(f"""version: 1
-model: {{path: {path}}}
-calibration: {{sources: [{CAL}], nsamples: 4, seqlen: 32}}
-stages:
-  - {{stage: quantize, method: rtn, bits: 4, group_size: 32}}
-""")
-    rc, _, err = invoke("run", recipe, "--output", tmp_path / "o", "--dry-run")
+    rc, _, err = invoke("run", _recipe(tmp_path, path, QUANTIZE), "--output", tmp_path / "o", "--dry-run")
     assert rc == 1 and "unsupported architecture `gpt2`" in err and "gemma2" in err and "phi3" in err, err

@@ -226,3 +226,39 @@ def bench_reproduce(
     _emit_bench(result, md, json_out, md_out)
     if not result["identical"]:
         raise typer.Exit(1)
+
+
+@bench_app.command("scale")
+def bench_scale(
+    json_out: Optional[Path] = JSON_OUT,
+    md_out: Optional[Path] = MARKDOWN_OUT,
+    model: Optional[List[str]] = typer.Option(None, "--model", help="shapes to run (repeatable): smollm2-135m, "
+                                              "qwen3-0.6b, llama-3.2-1b (default: all three), tiny"),
+    method: Optional[List[str]] = typer.Option(None, "--method", help="rtn, gptq, autoround (repeatable; default: "
+                                               "all three; autoround is measured on one block)"),
+    nsamples: int = typer.Option(16, "--nsamples", help="calibration windows"),
+    seqlen: int = typer.Option(256, "--seqlen", help="tokens per calibration window"),
+    iters: int = typer.Option(10, "--iters", help="AutoRound iterations on the measured block (extrapolated to 200)"),
+    keep: Optional[Path] = typer.Option(None, "--keep", help="write (and reuse) the random models here"),
+    quick: bool = typer.Option(False, "--quick", help="the tiny shapes only, a smoke test"),
+):
+    """Streamed W4 quantization at real model shapes (random weights): seconds per block, peak RSS, disk written,
+    and an extrapolation to Llama-3.1-8B and 70B shapes.
+
+    Example: compress bench scale --json bench/scale.json --markdown bench/scale.md
+    """
+    from compress.errors import BadInput
+    from compress.eval.bench.quality import TEXT
+    from compress.eval.bench.scale import SHAPES, markdown, run as run_scale
+
+    _setup_logging(False)
+    models = ["tiny"] if quick else model or ["smollm2-135m", "qwen3-0.6b", "llama-3.2-1b"]
+    methods = method or ["rtn", "gptq", "autoround"]
+    bad = [m for m in models if m not in SHAPES] + [m for m in methods if m not in ("rtn", "gptq", "autoround")]
+    if bad:
+        raise BadInput(f"unknown --model/--method {', '.join(bad)} (models: {', '.join(SHAPES)}; methods: rtn, gptq, "
+                       "autoround)")
+    cal = str(TEXT / "tinystories" / "tinystories_val.txt")
+    result = run_scale(models, methods, nsamples=4 if quick else nsamples, seqlen=64 if quick else seqlen,
+                       iters=2 if quick else iters, cal=cal, keep=keep)
+    _emit_bench(result, markdown(result), json_out, md_out)

@@ -1,0 +1,247 @@
+"""`compress bench scale`: what a streamed quantization costs at real model shapes, and how it grows.
+
+No real weights of these sizes are on the machine, so each model is **random weights at the real shapes**
+(configs of SmolLM2-135M, Qwen3-0.6B and Llama-3.2-1B), written once as bf16 safetensors shards. Each cell
+runs `compress run` in a fresh process (a clean peak RSS) on a recipe with `model.stream: true`, one
+`quantize` stage (W4 g128 symmetric), the `hf` export and no in-run evaluation, and reads back from the
+run's own report:
+
+* `s_per_block`: the quantize stage's seconds over the blocks;
+* `load_rss_mb`: peak RSS after the load stage (Python, torch, transformers and the resident non-block
+  tensors: embeddings, final norm, head), `peak_rss_mb` the run's peak;
+* `block_mb` (one block's fp32 weights, as the stage holds them) and `act_mb` (the calibration activations
+  of one block: inputs and outputs, `nsamples x seqlen x hidden x 4` bytes each), and
+  `rss_over_block` = (peak - load) / (block + activations): the issue's bound is 1.5;
+* `disk_mb`: bytes the run wrote (export, block checkpoints, report).
+
+AutoRound's cost is measured on one block (a one-block model of the same shapes, `final_block: same`,
+`iters` from the command) and extrapolated: seconds per block x blocks, and per iteration x 200 (its default).
+
+Extrapolation to Llama-3.1-8B and 70B shapes: per-block seconds are fitted, per method, as
+`t = a * P + b * F` over the measured models, where P is the block's weight count (reading, rounding and
+writing them; the forward passes) and F the GPTQ work `sum over linears of d_out * d_in^2 + tokens * d_in^2`
+(the column-by-column updates and the Hessian); RTN and AutoRound (whose steps are forward and backward
+passes through the block) use P only. Totals are per-block x blocks. Peak RSS is
+predicted as load (non-block tensors at fp32 + 1.2 GB of libraries) + 1.5 x (block + activations).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+SHAPES = {  # the real configs' shapes (hidden, FFN, blocks, heads, KV heads, head dim, vocabulary, tied head)
+    "smollm2-135m": dict(model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, head_dim=64, vocab_size=49152,
+                         tie_word_embeddings=True),
+    "qwen3-0.6b": dict(model_type="qwen3", hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                       tie_word_embeddings=True),
+    "llama-3.2-1b": dict(model_type="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=64, vocab_size=128256,
+                         tie_word_embeddings=True),
+    "tiny": dict(model_type="llama", hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=512, tie_word_embeddings=True),
+}
+TARGETS = {  # extrapolated only
+    "llama-3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                         num_key_value_heads=8, head_dim=128, vocab_size=128256, tie_word_embeddings=False),
+    "llama-3.1-70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                          num_key_value_heads=8, head_dim=128, vocab_size=128256, tie_word_embeddings=False),
+}
+LIBRARIES_MB = 1200  # Python + torch + transformers + the run's imports, as measured by the load stage
+BITS, GROUP = 4, 128
+
+
+def block_linears(s: dict) -> list[tuple[int, int]]:
+    """(d_out, d_in) of one block's linears."""
+    h, f, hd = s["hidden_size"], s["intermediate_size"], s["head_dim"]
+    q, kv = s["num_attention_heads"] * hd, s["num_key_value_heads"] * hd
+    return [(q, h), (kv, h), (kv, h), (h, q), (f, h), (f, h), (h, f)]
+
+
+def features(s: dict, tokens: int) -> tuple[float, float]:
+    """(P, F) of one block (module docstring)."""
+    lins = block_linears(s)
+    return (float(sum(o * i for o, i in lins)),
+            float(sum(o * i * i + tokens * i * i for o, i in lins)))
+
+
+def build(name: str, out: Path) -> Path:
+    """Random weights at `name`'s shapes, bf16 shards, with stories260K-style tokenizer files when available."""
+    import torch
+    import transformers as T
+
+    s = dict(SHAPES[name])
+    cls = {"llama": T.LlamaConfig, "qwen3": T.Qwen3Config}[s.pop("model_type")]
+    config = cls(**s, max_position_embeddings=4096, torch_dtype="bfloat16")
+    torch.manual_seed(0)
+    with torch.device("cpu"):
+        model = T.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    for p in model.parameters():
+        if p.dim() > 1:
+            torch.nn.init.normal_(p, 0, 0.02)
+    model.save_pretrained(out, max_shard_size="500MB")
+    del model
+    _tokenizer(out)
+    return out
+
+
+def _tokenizer(out: Path) -> None:
+    """stories260K's tokenizer (512 ids, inside every vocabulary here; the weights are random: any text will do)."""
+    from compress.eval.bench.quality import MODELS
+
+    for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"):
+        if (MODELS / "stories260K" / f).exists():
+            shutil.copy(MODELS / "stories260K" / f, out / f)
+
+
+def recipe(model: Path, method: str, cal: str, nsamples: int, seqlen: int, iters: int) -> str:
+    extra = f", iters: {iters}, batch_size: 4, final_block: same" if method == "autoround" else ""
+    return textwrap.dedent(f"""
+        version: 1
+        model: {{path: {model}, stream: true}}
+        calibration: {{sources: [{cal}], nsamples: {nsamples}, seqlen: {seqlen}}}
+        stages:
+          - {{stage: quantize, method: {method}, bits: {BITS}, group_size: {GROUP}, sym: true{extra}}}
+        eval: {{enabled: false}}
+        export: {{formats: [hf]}}
+    """)
+
+
+def run_cell(model: Path, method: str, work: Path, cal: str, nsamples: int, seqlen: int, iters: int) -> dict:
+    """One streamed run in a fresh process; its report's timings, RSS and the bytes it wrote."""
+    r = work / f"{model.name}-{method}.yaml"
+    r.write_text(recipe(model, method, cal, nsamples, seqlen, iters))
+    out = work / f"out-{model.name}-{method}"
+    t0 = time.time()
+    proc = subprocess.run([sys.executable, "-m", "compress.cli", "run", str(r), "-o", str(out), "--force", "--quiet",
+                           "--json"], capture_output=True, text=True)
+    if proc.returncode:
+        raise RuntimeError(f"{model.name}/{method}: exit {proc.returncode}\n{proc.stderr[-2000:]}")
+    report = json.loads(proc.stdout)
+    stages = {st["name"]: st for st in report["stages"]}
+    disk = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
+    shutil.rmtree(out)
+    return {"wall_s": round(time.time() - t0, 1), "quantize_s": stages["quantize"]["seconds"],
+            "load_rss_mb": stages["load"]["peak_rss_mb"], "peak_rss_mb": report["peak_rss_mb"],
+            "disk_mb": round(disk / 2**20, 1)}
+
+
+def run(models: list[str], methods: list[str], *, nsamples: int, seqlen: int, iters: int, cal: str,
+        keep: Path | None = None) -> dict:
+    from compress.eval.bench.quality import machine
+
+    work = Path(tempfile.mkdtemp(prefix="bench-scale-"))
+    rows = []
+    try:
+        for name in models:
+            s = SHAPES[name]
+            t0 = time.time()
+            model = build(name, (keep or work) / name) if not (keep and (keep / name / "config.json").exists()) \
+                else keep / name
+            built = round(time.time() - t0, 1)
+            P, F = features(s, nsamples * seqlen)
+            block_mb = P * 4 / 2**20
+            act_mb = 2 * nsamples * seqlen * s["hidden_size"] * 4 / 2**20
+            for method in methods:
+                if method == "autoround":  # one block of these shapes, extrapolated
+                    one = build_one_block(name, work)
+                    cell = run_cell(one, method, work, cal, nsamples, seqlen, iters)
+                    shutil.rmtree(one)
+                    per_block = cell["quantize_s"]
+                    cell.update(measured_blocks=1, extrapolated_s=round(per_block * s["num_hidden_layers"], 1),
+                                extrapolated_200_iters_s=round(per_block * s["num_hidden_layers"] * 200 / iters, 1))
+                else:
+                    cell = run_cell(model, method, work, cal, nsamples, seqlen, iters)
+                    per_block = cell["quantize_s"] / s["num_hidden_layers"]
+                    cell["measured_blocks"] = s["num_hidden_layers"]
+                grown = cell["peak_rss_mb"] - cell["load_rss_mb"]
+                rows.append({"model": name, "method": method, "blocks": s["num_hidden_layers"],
+                             "hidden": s["hidden_size"], "ffn": s["intermediate_size"], "build_s": built,
+                             "block_params": int(P), "gptq_work": F, "s_per_block": round(per_block, 3),
+                             "block_mb": round(block_mb, 1), "act_mb": round(act_mb, 1),
+                             "rss_over_block": round(grown / (block_mb + act_mb), 3), **cell})
+                logger.info("scale %s/%s: %.2f s per block, peak RSS %.0f MB (load %.0f MB)", name, method,
+                            per_block, cell["peak_rss_mb"], cell["load_rss_mb"])
+            if keep is None:
+                shutil.rmtree(model, ignore_errors=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return {"machine": machine(), "date": time.strftime("%Y-%m-%d"), "bits": BITS, "group_size": GROUP,
+            "nsamples": nsamples, "seqlen": seqlen, "autoround_iters": iters, "rows": rows,
+            "extrapolation": extrapolate(rows, nsamples * seqlen, iters)}
+
+
+def build_one_block(name: str, work: Path) -> Path:
+    saved = SHAPES[name]
+    SHAPES[f"{name}-1block"] = {**saved, "num_hidden_layers": 1}
+    try:
+        return build(f"{name}-1block", work / f"{name}-1block")
+    finally:
+        del SHAPES[f"{name}-1block"]
+
+
+def extrapolate(rows: list[dict], tokens: int, iters: int) -> list[dict]:
+    """Per method, least squares of s_per_block on (P, F) (GPTQ) or P (RTN, AutoRound) over the measured models,
+    applied to the targets' shapes (module docstring); AutoRound scaled from `iters` to 200 iterations."""
+    out = []
+    for method in sorted({r["method"] for r in rows}):
+        mine = [r for r in rows if r["method"] == method and r["model"] != "tiny"] or \
+            [r for r in rows if r["method"] == method]
+        gptq = method == "gptq"
+        X = np.array([[r["block_params"]] + ([r["gptq_work"]] if gptq else []) for r in mine], float)
+        y = np.array([r["s_per_block"] for r in mine])
+        coef = np.linalg.lstsq(X, y, rcond=None)[0] if len(mine) >= X.shape[1] else \
+            np.array([y.sum() / X[:, 0].sum()] + [0.0] * (X.shape[1] - 1))
+        coef = np.clip(coef, 0, None)
+        scale = 200 / iters if method == "autoround" else 1
+        for name, s in {**{r["model"]: SHAPES[r["model"]] for r in mine}, **TARGETS}.items():
+            P, F = features(s, tokens)
+            per_block = float(coef @ np.array([P] + ([F] if gptq else [])))
+            block_mb = P * 4 / 2**20
+            act_mb = 2 * tokens * s["hidden_size"] * 4 / 2**20
+            rest = (s["vocab_size"] * s["hidden_size"] * (1 if s.get("tie_word_embeddings") else 2)
+                    + s["hidden_size"]) * 4 / 2**20
+            out.append({"model": name, "method": method, "measured": name in SHAPES,
+                        "block_params": int(P), "blocks": s["num_hidden_layers"],
+                        "s_per_block": round(per_block, 2),
+                        "total_h": round(per_block * s["num_hidden_layers"] * scale / 3600, 2),
+                        "peak_rss_gb": round((LIBRARIES_MB + rest + 1.5 * (block_mb + act_mb)) / 1024, 1)})
+    return out
+
+
+def markdown(result: dict) -> str:
+    from compress.eval.bench.quality import machine_text
+
+    lines = [f"Streamed quantization (`model.stream: true`) of random weights at real shapes, W{result['bits']} "
+             f"g{result['group_size']} sym, calibration {result['nsamples']} x {result['seqlen']} tokens, `hf` export, "
+             f"{result['date']}.{machine_text(result.get('machine'))}", "",
+             "| model | method | blocks | hidden | FFN | s / block | quantize s | peak RSS MB | after load MB | "
+             "block + act MB | (peak - load) / (block + act) | disk MB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        q = f"{r['quantize_s']}" if r["method"] != "autoround" else \
+            f"{r['quantize_s']} (1 block; {r['extrapolated_s']} for {r['blocks']}, iters {result['autoround_iters']})"
+        lines.append(f"| {r['model']} | {r['method']} | {r['blocks']} | {r['hidden']} | {r['ffn']} | "
+                     f"{r['s_per_block']} | {q} | {r['peak_rss_mb']} | {r['load_rss_mb']} | "
+                     f"{r['block_mb'] + r['act_mb']:.1f} | {r['rss_over_block']} | {r['disk_mb']} |")
+    lines += ["", "Extrapolation (per-block seconds fitted on the measured shapes; AutoRound at 200 iterations; "
+              "peak RSS = libraries + non-block tensors fp32 + 1.5 x (block + activations)):", "",
+              "| shape | method | measured | params / block | s / block | total hours | peak RSS GB |",
+              "|---|---|---|---|---|---|---|"]
+    for e in result["extrapolation"]:
+        lines.append(f"| {e['model']} | {e['method']} | {'yes' if e['measured'] else 'no'} | {e['block_params']:,} | "
+                     f"{e['s_per_block']} | {e['total_h']} | {e['peak_rss_gb']} |")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,47 @@
+"""`compress bench scale`: the cost model's fit and a tiny end-to-end run (docs/stages.md#streaming-at-scale)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from compress.eval.bench.scale import SHAPES, TARGETS, block_linears, extrapolate, features
+from conftest import invoke
+
+
+def test_block_shapes_and_cost_features():
+    s = SHAPES["llama-3.2-1b"]
+    lins = block_linears(s)
+    assert sum(o * i for o, i in lins) == 60_817_408  # Llama-3.2-1B: 4 attention + 3 MLP matrices per block
+    P, F = features(s, 1000)
+    assert P == 60_817_408 and F > P * 2048
+
+
+def test_extrapolation_recovers_an_exact_cost_model():
+    """Rows whose seconds follow t = a P + b F exactly give back a and b, so the targets' predictions are exact."""
+    a, b, tokens = 2e-8, 3e-12, 4096
+    rows = []
+    for name in ("smollm2-135m", "qwen3-0.6b", "llama-3.2-1b"):
+        P, F = features(SHAPES[name], tokens)
+        rows.append({"model": name, "method": "gptq", "block_params": P, "gptq_work": F, "s_per_block": a * P + b * F})
+        rows.append({"model": name, "method": "rtn", "block_params": P, "gptq_work": F, "s_per_block": a * P})
+    out = {(e["model"], e["method"]): e for e in extrapolate(rows, tokens, iters=10)}
+    for target, s in TARGETS.items():
+        P, F = features(s, tokens)
+        assert out[(target, "gptq")]["s_per_block"] == pytest.approx(a * P + b * F, rel=1e-2)
+        assert out[(target, "rtn")]["s_per_block"] == pytest.approx(a * P, rel=1e-2)
+        assert out[(target, "gptq")]["total_h"] == pytest.approx((a * P + b * F) * s["num_hidden_layers"] / 3600,
+                                                                 rel=2e-2)
+
+
+@pytest.mark.e2e
+def test_bench_scale_quick_runs_streamed_cells(tmp_path):
+    rc, stdout, err = invoke("bench", "scale", "--quick", "--json", tmp_path / "s.json")
+    assert rc == 0, err
+    result = json.loads((tmp_path / "s.json").read_text())
+    assert {(r["model"], r["method"]) for r in result["rows"]} == {("tiny", m) for m in ("rtn", "gptq", "autoround")}
+    for r in result["rows"]:
+        assert r["s_per_block"] > 0 and r["peak_rss_mb"] >= r["load_rss_mb"] > 0 and r["disk_mb"] > 0
+    assert {e["model"] for e in result["extrapolation"]} >= set(TARGETS)
+    assert "| llama-3.1-70b |" in stdout
