@@ -15,6 +15,8 @@ DIST = "compress-llm"
 # module -> (what pip installs, the extra that brings it)
 EXTRAS = {
     "onnx": ("onnx", "export"),
+    "onnxruntime_genai": ("onnxruntime-genai", "export"),
+    "onnx_ir": ("onnx-ir", "export"),
     "openvino": ("openvino", "export"),
     "sklearn": ("scikit-learn", "select"),
     "triton": ("triton", "gpu"),

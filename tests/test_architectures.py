@@ -8,6 +8,8 @@ does not write; an unknown `model_type` refused with the supported list.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -63,6 +65,7 @@ calibration: {{sources: [{CAL}], nsamples: 4, seqlen: 32}}
 stages:
 {stages}
 export: {{formats: [{formats}]}}
+eval: {{enabled: false}}
 """)
     return path
 
@@ -99,14 +102,59 @@ def test_walsh_and_pruning_refused_at_plan_time_with_the_reason(model_type, why,
         assert rc == 1 and "`prune: ffn` does not apply" in err, err
 
 
+BUILDER = {"qwen3", "granite", "phi3"}  # the new families the ONNX Runtime GenAI builder writes
+
+
 @pytest.mark.parametrize("model_type", NEW)
-def test_a_plan_on_each_family_runs_and_graph_exports_say_which_families_they_write(model_type, tmp_path):
-    path = save_tiny(model_type, tmp_path / model_type, max_position_embeddings=512)
-    recipe = _recipe(tmp_path, path, QUANTIZE.replace("32", "128"))
-    rc, out, err = invoke("run", recipe, "--output", tmp_path / "o", "--dry-run")
+def test_a_plan_on_each_family_runs_and_graph_exports_say_which_path_they_take(model_type, tmp_path):
+    extra = {"original_max_position_embeddings": 512} if model_type == "phi3" else {}
+    path = save_tiny(model_type, tmp_path / model_type, max_position_embeddings=512, **extra)
+    rc, out, err = invoke("run", _recipe(tmp_path, path, QUANTIZE.replace("32", "128")), "--output", tmp_path / "o",
+                          "--dry-run")
     assert rc == 0 and "group_size adapted" in out, err  # 64-wide layers: per-channel
     rc, _, err = invoke("run", _recipe(tmp_path, path, QUANTIZE, "onnx"), "--output", tmp_path / "o", "--dry-run")
+    if model_type in BUILDER:
+        assert rc == 0, err
+    else:
+        assert rc == 1 and "GenAI builder" in err and f"not `{model_type}`" in err, err
+    rc, _, err = invoke("run", _recipe(tmp_path, path, QUANTIZE, "openvino"), "--output", tmp_path / "o",
+                        "--dry-run")
     assert rc == 1 and f"not `{model_type}`" in err
+
+
+@pytest.mark.parametrize("model_type", sorted(BUILDER))
+def test_genai_builder_export_runs_in_onnxruntime_genai_with_exact_logits(model_type, tmp_path):
+    """Our codes and scales survive the builder: onnxruntime_genai's first-step logits equal the in-memory
+    quantized model's, and greedy generation with its KV cache agrees."""
+    import numpy as np
+    import onnxruntime_genai as og
+    from transformers import AutoTokenizer
+
+    from compress.export.genai import export_genai
+    from conftest import STORIES260K
+    from helpers import in_blocks, quantize_model, rel_err
+
+    extra = {"original_max_position_embeddings": 256} if model_type == "phi3" else {}
+    model = tiny_causal(model_type, vocab_size=512, **extra)
+    qweights = quantize_model(model, lambda n: (8, 64, True) if n.endswith("down_proj") else in_blocks((4, 32, False))(n))
+    res = export_genai(model, qweights, AutoTokenizer.from_pretrained(STORIES260K), tmp_path / "onnx")
+    prompt = [1, 37, 99, 250, 4, 17, 300, 8]
+    with torch.no_grad():
+        ref = model(torch.tensor([prompt])).logits[0, -1].numpy()
+        greedy = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False)[0, len(prompt):].tolist()
+    m = og.Model(res["path"])
+    params = og.GeneratorParams(m)
+    params.set_search_options(do_sample=False, max_length=len(prompt) + 6)
+    gen = og.Generator(m, params)
+    gen.append_tokens(np.array([prompt], dtype=np.int32))
+    logits = np.asarray(gen.get_output("logits"), np.float32).reshape(-1, ref.shape[-1])[-1]
+    assert rel_err(logits, ref) < 1e-5
+    tokens = []
+    while not gen.is_done():
+        gen.generate_next_token()
+        tokens.append(int(gen.get_next_tokens()[0]))
+    assert tokens == greedy
+    assert json.loads((tmp_path / "onnx" / "compress.json").read_text())["format"] == "onnx-genai"
 
 
 def test_unknown_model_type_is_refused_at_plan_time_with_the_list(tmp_path):
@@ -116,3 +164,15 @@ def test_unknown_model_type_is_refused_at_plan_time_with_the_list(tmp_path):
     T.GPT2LMHeadModel(T.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)).save_pretrained(path)
     rc, _, err = invoke("run", _recipe(tmp_path, path, QUANTIZE), "--output", tmp_path / "o", "--dry-run")
     assert rc == 1 and "unsupported architecture `gpt2`" in err and "gemma2" in err and "phi3" in err, err
+
+
+def test_a_run_exports_onnx_through_the_builder(tmp_path):
+    path = save_tiny("qwen3", tmp_path / "qwen3", max_position_embeddings=512)
+    recipe = _recipe(tmp_path, path, QUANTIZE, "hf, onnx")
+    rc, stdout, err = invoke("run", recipe, "--output", tmp_path / "o", "--json")
+    assert rc == 0, err
+    report = json.loads(stdout)
+    assert (tmp_path / "o" / "onnx" / "genai_config.json").exists()
+    assert report["size"]["stored"]["onnx"]["dense_layers"] == 0
+    meta = json.loads((tmp_path / "o" / "onnx" / "compress.json").read_text())["meta"]
+    assert meta["recipe_sha256"] == report["recipe_sha256"]

@@ -109,6 +109,8 @@ def check_graph(adapter, cfg, facts) -> None:
     from compress.export.onnx import MODEL_TYPES, NBITS
 
     if adapter.model_type not in MODEL_TYPES:
+        if cfg.format == "onnx":
+            return check_builder(adapter, facts)
         raise BadInput(f"the {cfg.format} export supports model types {', '.join(MODEL_TYPES)}, not "
                        f"`{adapter.model_type}`; drop `{cfg.format}` from export.formats")
     dense = sorted(b for b in facts.widths if b not in NBITS and b != 16)
@@ -118,11 +120,38 @@ def check_graph(adapter, cfg, facts) -> None:
             "/".join(map(str, dense)), ", ".join(map(str, NBITS)))
 
 
+def check_builder(adapter, facts) -> None:
+    """At plan time, for a family the hand-written graph does not write: the ONNX Runtime GenAI builder path
+    (`compress/export/genai.py`) must hold every quantized layer."""
+    from compress.errors import BadInput
+    from compress.export.genai import why_not
+    from compress.export.hf import why_dense
+    from compress.extras import require
+    from compress.export.onnx import MODEL_TYPES
+
+    def lin(n):
+        return adapter.model.get_submodule(n)
+    schemes = [(n, s.bits, s.group_size, why_dense(lin(n).out_features, lin(n).in_features, s.group_size) is None)
+               for *_, layers in facts.quantized for n, s in layers.items()]
+    why = "an `allocate` plan gives layers per-chunk bit widths" if facts.mixed else why_not(adapter.model.config,
+                                                                                             schemes)
+    if why:
+        raise BadInput(f"export onnx: `{adapter.model_type}` goes through the ONNX Runtime GenAI builder (the "
+                       f"hand-written graph covers {', '.join(MODEL_TYPES)}), which cannot take this run: {why}; "
+                       "drop `onnx` from export.formats")
+    require(("onnxruntime_genai", "onnx_ir"), f"export onnx of `{adapter.model_type}` (the GenAI builder)")
+
+
 @register("export", "onnx", OnnxExportConfig, "ONNX graph with com.microsoft::MatMulNBits linears (onnxruntime)",
           check=check_graph, requires=("onnx",), **EXPORT)
 def export_onnx_stage(ctx, cfg: OnnxExportConfig) -> dict:
-    from compress.export.onnx import export_onnx
+    from compress.export.onnx import MODEL_TYPES, export_onnx
 
+    if ctx.adapter.model_type not in MODEL_TYPES:  # the ONNX Runtime GenAI builder (check_builder)
+        from compress.export.genai import export_genai
+
+        return export_genai(ctx.model, _qweights(ctx), ctx.tokenizer, ctx.workspace.path(cfg.directory),
+                            meta=_meta(ctx))
     return export_onnx(ctx.model, _qweights(ctx), ctx.workspace.path(cfg.directory), meta=_meta(ctx),
                        kv_cache=cfg.kv_cache)
 

@@ -7,6 +7,7 @@ that block and dropped back to `meta` after it, so only one block is resident at
 
 from __future__ import annotations
 
+import gc
 import json
 from pathlib import Path
 
@@ -60,6 +61,7 @@ def load_streaming(path: str, dtype: str = "float32"):
     cls = AutoModelForCausalLM if ARCHS[config.model_type].kind == "causal" else AutoModel
     with init_empty_weights(include_buffers=False):
         model = cls.from_config(config, dtype=DTYPES[dtype])
+    keep_large_allocations_unmapped()
     source = WeightSource(src)
     missing = [k for k in model.state_dict() if k not in source.where and "lm_head" not in k]
     if missing:
@@ -87,3 +89,31 @@ class BlockStreamer:
 
     def release(self, i: int) -> None:
         self.adapter.blocks[i].to("meta")
+        gc.collect()
+        _trim()
+
+
+def _libc():
+    import ctypes
+    import ctypes.util
+
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
+
+
+def keep_large_allocations_unmapped() -> None:
+    """glibc raises its mmap threshold after large blocks are freed (up to 32 MB), so later block weights come
+    from the heap and the freed ones stay in RSS: streaming 28 blocks of Qwen3-0.6B's shapes grew RSS by about
+    one block per block. A fixed 128 KiB threshold (M_MMAP_THRESHOLD) returns every freed weight to the OS
+    (docs/scale.md)."""
+    libc = _libc()
+    if libc is not None and hasattr(libc, "mallopt"):
+        libc.mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD
+
+
+def _trim() -> None:
+    libc = _libc()
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)

@@ -239,6 +239,9 @@ def bench_scale(
     nsamples: int = typer.Option(16, "--nsamples", help="calibration windows"),
     seqlen: int = typer.Option(256, "--seqlen", help="tokens per calibration window"),
     iters: int = typer.Option(10, "--iters", help="AutoRound iterations on the measured block (extrapolated to 200)"),
+    blocks: Optional[List[str]] = typer.Option(None, "--blocks", help="METHOD=N: run only the first N blocks of "
+                                               "each shape and extrapolate to its depth (repeatable; default "
+                                               "autoround=1, gptq=4)"),
     keep: Optional[Path] = typer.Option(None, "--keep", help="write (and reuse) the random models here"),
     quick: bool = typer.Option(False, "--quick", help="the tiny shapes only, a smoke test"),
 ):
@@ -258,7 +261,13 @@ def bench_scale(
     if bad:
         raise BadInput(f"unknown --model/--method {', '.join(bad)} (models: {', '.join(SHAPES)}; methods: rtn, gptq, "
                        "autoround)")
+    measured = {"autoround": 1, "gptq": 4}
+    for spec in blocks or ():
+        m, _, n = spec.partition("=")
+        if m not in methods or not n.isdigit() or int(n) < 1:
+            raise BadInput(f"--blocks `{spec}`: give METHOD=N with a method being run and N >= 1")
+        measured[m] = int(n)
     cal = str(TEXT / "tinystories" / "tinystories_val.txt")
     result = run_scale(models, methods, nsamples=4 if quick else nsamples, seqlen=64 if quick else seqlen,
-                       iters=2 if quick else iters, cal=cal, keep=keep)
+                       iters=2 if quick else iters, cal=cal, keep=keep, measured=measured)
     _emit_bench(result, markdown(result), json_out, md_out)

@@ -14,8 +14,9 @@ run's own report:
   `rss_over_block` = (peak - load) / (block + activations): the issue's bound is 1.5;
 * `disk_mb`: bytes the run wrote (export, block checkpoints, report).
 
-AutoRound's cost is measured on one block (a one-block model of the same shapes, `final_block: same`,
-`iters` from the command) and extrapolated: seconds per block x blocks, and per iteration x 200 (its default).
+GPTQ and AutoRound can be measured on the first blocks only (`--blocks gptq=4`, AutoRound 1 by default: a
+model of the same shapes with that many blocks, AutoRound with `final_block: same` and `iters` from the
+command) and extrapolated: seconds per block x blocks (AutoRound also per iteration x 200, its default).
 
 Extrapolation to Llama-3.1-8B and 70B shapes: per-block seconds are fitted, per method, as
 `t = a * P + b * F` over the measured models, where P is the block's weight count (reading, rounding and
@@ -140,7 +141,9 @@ def run_cell(model: Path, method: str, work: Path, cal: str, nsamples: int, seql
 
 
 def run(models: list[str], methods: list[str], *, nsamples: int, seqlen: int, iters: int, cal: str,
-        keep: Path | None = None) -> dict:
+        keep: Path | None = None, measured: dict | None = None) -> dict:
+    """`measured`: method -> blocks to run (the first ones of each model's shapes; None or missing: all)."""
+    measured = measured or {}
     from compress.eval.bench.quality import machine
 
     work = Path(tempfile.mkdtemp(prefix="bench-scale-"))
@@ -156,17 +159,17 @@ def run(models: list[str], methods: list[str], *, nsamples: int, seqlen: int, it
             block_mb = P * 4 / 2**20
             act_mb = 2 * nsamples * seqlen * s["hidden_size"] * 4 / 2**20
             for method in methods:
-                if method == "autoround":  # one block of these shapes, extrapolated
-                    one = build_one_block(name, work)
-                    cell = run_cell(one, method, work, cal, nsamples, seqlen, iters)
-                    shutil.rmtree(one)
-                    per_block = cell["quantize_s"]
-                    cell.update(measured_blocks=1, extrapolated_s=round(per_block * s["num_hidden_layers"], 1),
-                                extrapolated_200_iters_s=round(per_block * s["num_hidden_layers"] * 200 / iters, 1))
+                n = min(measured.get(method) or s["num_hidden_layers"], s["num_hidden_layers"])
+                if n < s["num_hidden_layers"]:  # the first n blocks of these shapes, extrapolated to the depth
+                    part = build_blocks(name, n, work)
+                    cell = run_cell(part, method, work, cal, nsamples, seqlen, iters)
+                    shutil.rmtree(part)
                 else:
                     cell = run_cell(model, method, work, cal, nsamples, seqlen, iters)
-                    per_block = cell["quantize_s"] / s["num_hidden_layers"]
-                    cell["measured_blocks"] = s["num_hidden_layers"]
+                per_block = cell["quantize_s"] / n
+                cell.update(measured_blocks=n, extrapolated_s=round(per_block * s["num_hidden_layers"], 1))
+                if method == "autoround":
+                    cell["extrapolated_200_iters_s"] = round(per_block * s["num_hidden_layers"] * 200 / iters, 1)
                 grown = cell["peak_rss_mb"] - cell["load_rss_mb"]
                 rows.append({"model": name, "method": method, "blocks": s["num_hidden_layers"],
                              "hidden": s["hidden_size"], "ffn": s["intermediate_size"], "build_s": built,
@@ -180,17 +183,18 @@ def run(models: list[str], methods: list[str], *, nsamples: int, seqlen: int, it
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return {"machine": machine(), "date": time.strftime("%Y-%m-%d"), "bits": BITS, "group_size": GROUP,
+            "measured_blocks": measured,
             "nsamples": nsamples, "seqlen": seqlen, "autoround_iters": iters, "rows": rows,
             "extrapolation": extrapolate(rows, nsamples * seqlen, iters)}
 
 
-def build_one_block(name: str, work: Path) -> Path:
-    saved = SHAPES[name]
-    SHAPES[f"{name}-1block"] = {**saved, "num_hidden_layers": 1}
+def build_blocks(name: str, n: int, work: Path) -> Path:
+    """`name`'s shapes with only `n` blocks."""
+    SHAPES[f"{name}-{n}blocks"] = {**SHAPES[name], "num_hidden_layers": n}
     try:
-        return build(f"{name}-1block", work / f"{name}-1block")
+        return build(f"{name}-{n}blocks", work / f"{name}-{n}blocks")
     finally:
-        del SHAPES[f"{name}-1block"]
+        del SHAPES[f"{name}-{n}blocks"]
 
 
 def extrapolate(rows: list[dict], tokens: int, iters: int) -> list[dict]:
@@ -227,13 +231,14 @@ def markdown(result: dict) -> str:
 
     lines = [f"Streamed quantization (`model.stream: true`) of random weights at real shapes, W{result['bits']} "
              f"g{result['group_size']} sym, calibration {result['nsamples']} x {result['seqlen']} tokens, `hf` export, "
-             f"{result['date']}.{machine_text(result.get('machine'))}", "",
+             f"{result['date']}; AutoRound {result['autoround_iters']} iterations, `final_block: same`."
+             f"{machine_text(result.get('machine'))}", "",
              "| model | method | blocks | hidden | FFN | s / block | quantize s | peak RSS MB | after load MB | "
              "block + act MB | (peak - load) / (block + act) | disk MB |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
-        q = f"{r['quantize_s']}" if r["method"] != "autoround" else \
-            f"{r['quantize_s']} (1 block; {r['extrapolated_s']} for {r['blocks']}, iters {result['autoround_iters']})"
+        q = f"{r['quantize_s']}" if r["measured_blocks"] == r["blocks"] else \
+            f"{r['quantize_s']} ({r['measured_blocks']} blocks; {r['extrapolated_s']} for {r['blocks']})"
         lines.append(f"| {r['model']} | {r['method']} | {r['blocks']} | {r['hidden']} | {r['ffn']} | "
                      f"{r['s_per_block']} | {q} | {r['peak_rss_mb']} | {r['load_rss_mb']} | "
                      f"{r['block_mb'] + r['act_mb']:.1f} | {r['rss_over_block']} | {r['disk_mb']} |")
