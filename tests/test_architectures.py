@@ -119,7 +119,7 @@ def test_a_plan_on_each_family_runs_and_graph_exports_say_which_path_they_take(m
         assert rc == 1 and "GenAI builder" in err and f"not `{model_type}`" in err, err
     rc, _, err = invoke("run", _recipe(tmp_path, path, QUANTIZE, "openvino"), "--output", tmp_path / "o",
                         "--dry-run")
-    assert rc == 1 and f"not `{model_type}`" in err
+    assert rc == 1 and f"not `{model_type}`" in err, err
 
 
 @pytest.mark.parametrize("model_type", sorted(BUILDER))

@@ -110,9 +110,11 @@ def check_graph(adapter, cfg, facts) -> None:
 
     if adapter.model_type not in MODEL_TYPES:
         if cfg.format == "onnx":
-            return check_builder(adapter, facts)
+            return check_builder(adapter, cfg, facts)
         raise BadInput(f"the {cfg.format} export supports model types {', '.join(MODEL_TYPES)}, not "
-                       f"`{adapter.model_type}`; drop `{cfg.format}` from export.formats")
+                       f"`{adapter.model_type}` (OpenVINO runs the ONNX Runtime GenAI builder's graph of it from ONNX, "
+                       "but cannot reload its GroupQueryAttention from a saved IR); drop `openvino` from "
+                       "export.formats or export `onnx`")
     dense = sorted(b for b in facts.widths if b not in NBITS and b != 16)
     if dense:
         logging.getLogger(__name__).warning(
@@ -120,7 +122,7 @@ def check_graph(adapter, cfg, facts) -> None:
             "/".join(map(str, dense)), ", ".join(map(str, NBITS)))
 
 
-def check_builder(adapter, facts) -> None:
+def check_builder(adapter, cfg, facts) -> None:
     """At plan time, for a family the hand-written graph does not write: the ONNX Runtime GenAI builder path
     (`compress/export/genai.py`) must hold every quantized layer."""
     from compress.errors import BadInput
@@ -136,10 +138,10 @@ def check_builder(adapter, facts) -> None:
     why = "an `allocate` plan gives layers per-chunk bit widths" if facts.mixed else why_not(adapter.model.config,
                                                                                              schemes)
     if why:
-        raise BadInput(f"export onnx: `{adapter.model_type}` goes through the ONNX Runtime GenAI builder (the "
-                       f"hand-written graph covers {', '.join(MODEL_TYPES)}), which cannot take this run: {why}; "
-                       "drop `onnx` from export.formats")
-    require(("onnxruntime_genai", "onnx_ir"), f"export onnx of `{adapter.model_type}` (the GenAI builder)")
+        raise BadInput(f"export {cfg.format}: `{adapter.model_type}` goes through the ONNX Runtime GenAI builder "
+                       f"(the hand-written graph covers {', '.join(MODEL_TYPES)}), which cannot take this run: {why}; "
+                       f"drop `{cfg.format}` from export.formats")
+    require(("onnxruntime_genai", "onnx_ir"), f"export {cfg.format} of `{adapter.model_type}` (the GenAI builder)")
 
 
 @register("export", "onnx", OnnxExportConfig, "ONNX graph with com.microsoft::MatMulNBits linears (onnxruntime)",

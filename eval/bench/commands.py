@@ -241,7 +241,7 @@ def bench_scale(
     iters: int = typer.Option(10, "--iters", help="AutoRound iterations on the measured block (extrapolated to 200)"),
     blocks: Optional[List[str]] = typer.Option(None, "--blocks", help="METHOD=N: run only the first N blocks of "
                                                "each shape and extrapolate to its depth (repeatable; default "
-                                               "autoround=1, gptq=4)"),
+                                               "autoround=1, gptq=3)"),
     keep: Optional[Path] = typer.Option(None, "--keep", help="write (and reuse) the random models here"),
     quick: bool = typer.Option(False, "--quick", help="the tiny shapes only, a smoke test"),
 ):
@@ -261,7 +261,7 @@ def bench_scale(
     if bad:
         raise BadInput(f"unknown --model/--method {', '.join(bad)} (models: {', '.join(SHAPES)}; methods: rtn, gptq, "
                        "autoround)")
-    measured = {"autoround": 1, "gptq": 4}
+    measured = {"autoround": 1, "gptq": 3}
     for spec in blocks or ():
         m, _, n = spec.partition("=")
         if m not in methods or not n.isdigit() or int(n) < 1:
