@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from compress.eval.bench.scale import SHAPES, TARGETS, block_linears, extrapolate, features
+from compress.eval.bench.scale import SHAPES, TARGETS, block_linears, extrapolate, features, working_mb, LIBRARIES_MB
 from conftest import invoke
 
 
@@ -19,20 +19,26 @@ def test_block_shapes_and_cost_features():
 
 
 def test_extrapolation_recovers_an_exact_cost_model():
-    """Rows whose seconds follow t = a P + b F exactly give back a and b, so the targets' predictions are exact."""
-    a, b, tokens = 2e-8, 3e-12, 4096
+    """Rows whose seconds follow t = c + b F (GPTQ) and t = c + a P (RTN) exactly give back the model, so the
+    targets' predictions are exact; peak RSS scales the largest shape's growth by the working set."""
+    a, b, c, tokens = 2e-8, 3e-12, 0.5, 4096
     rows = []
     for name in ("smollm2-135m", "qwen3-0.6b", "llama-3.2-1b"):
         P, F = features(SHAPES[name], tokens)
-        rows.append({"model": name, "method": "gptq", "block_params": P, "gptq_work": F, "s_per_block": a * P + b * F})
-        rows.append({"model": name, "method": "rtn", "block_params": P, "gptq_work": F, "s_per_block": a * P})
+        base = {"model": name, "block_params": P, "gptq_work": F, "load_rss_mb": 1000.0}
+        rows.append({**base, "method": "gptq", "s_per_block": c + b * F,
+                     "peak_rss_mb": 1000 + 2 * working_mb(SHAPES[name], tokens, "gptq")})
+        rows.append({**base, "method": "rtn", "s_per_block": c + a * P, "peak_rss_mb": 1010.0})
     out = {(e["model"], e["method"]): e for e in extrapolate(rows, tokens, iters=10)}
     for target, s in TARGETS.items():
         P, F = features(s, tokens)
-        assert out[(target, "gptq")]["s_per_block"] == pytest.approx(a * P + b * F, rel=1e-2)
-        assert out[(target, "rtn")]["s_per_block"] == pytest.approx(a * P, rel=1e-2)
-        assert out[(target, "gptq")]["total_h"] == pytest.approx((a * P + b * F) * s["num_hidden_layers"] / 3600,
-                                                                 rel=2e-2)
+        assert out[(target, "gptq")]["s_per_block"] == pytest.approx(c + b * F, rel=1e-2)
+        assert out[(target, "rtn")]["s_per_block"] == pytest.approx(c + a * P, rel=1e-2)
+        assert out[(target, "gptq")]["total_h"] == pytest.approx((c + b * F) * s["num_hidden_layers"] / 3600,
+                                                                 abs=0.01)
+        rest = s["vocab_size"] * s["hidden_size"] * 2 * 4 / 2**20  # untied embeddings and head, fp32
+        expect = (LIBRARIES_MB + rest + 2 * working_mb(s, tokens, "gptq")) / 1024
+        assert out[(target, "gptq")]["peak_rss_gb"] == pytest.approx(expect, abs=0.1)
 
 
 @pytest.mark.e2e

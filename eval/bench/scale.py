@@ -110,7 +110,8 @@ def _tokenizer(out: Path) -> None:
 
 
 def recipe(model: Path, method: str, cal: str, nsamples: int, seqlen: int, iters: int) -> str:
-    extra = f", iters: {iters}, batch_size: 4, final_block: same" if method == "autoround" else ""
+    extra = {"autoround": f", iters: {iters}, batch_size: 4, final_block: same",
+             "gptq": ", final_block: same"}.get(method, "")  # the method alone: no last block tuned through the head
     return textwrap.dedent(f"""
         version: 1
         model: {{path: {model}, stream: true}}
@@ -202,32 +203,44 @@ def build_blocks(name: str, n: int, work: Path) -> Path:
 
 
 def extrapolate(rows: list[dict], tokens: int, iters: int) -> list[dict]:
-    """Per method, least squares of s_per_block on (P, F) (GPTQ) or P (RTN, AutoRound) over the measured models,
-    applied to the targets' shapes (module docstring); AutoRound scaled from `iters` to 200 iterations."""
+    """Per method, least squares of s_per_block on (1, F) (GPTQ) or (1, P) (RTN, AutoRound) over the measured
+    models, applied to the targets' shapes (module docstring); AutoRound scaled from `iters` to 200 iterations.
+    Peak RSS: the load stage's (libraries + non-block tensors) plus the growth measured on the largest model,
+    scaled by the block's working set (weights, activations and, for GPTQ, its Hessians: `working_mb`)."""
     out = []
     for method in sorted({r["method"] for r in rows}):
         mine = [r for r in rows if r["method"] == method and r["model"] != "tiny"] or \
             [r for r in rows if r["method"] == method]
         gptq = method == "gptq"
-        X = np.array([[r["block_params"]] + ([r["gptq_work"]] if gptq else []) for r in mine], float)
+        X = np.array([[1.0, r["gptq_work"] if gptq else r["block_params"]] for r in mine])
         y = np.array([r["s_per_block"] for r in mine])
-        coef = np.linalg.lstsq(X, y, rcond=None)[0] if len(mine) >= X.shape[1] else \
-            np.array([y.sum() / X[:, 0].sum()] + [0.0] * (X.shape[1] - 1))
-        coef = np.clip(coef, 0, None)
+        coef = np.linalg.lstsq(X, y, rcond=None)[0] if len(mine) >= 2 else np.array([0.0, y[0] / X[0, 1]])
         scale = 200 / iters if method == "autoround" else 1
+        big = max(mine, key=lambda r: r["block_params"])
+        growth = (big["peak_rss_mb"] - big["load_rss_mb"]) / working_mb(SHAPES[big["model"]], tokens, method)
         for name, s in {**{r["model"]: SHAPES[r["model"]] for r in mine}, **TARGETS}.items():
             P, F = features(s, tokens)
-            per_block = float(coef @ np.array([P] + ([F] if gptq else [])))
-            block_mb = P * 4 / 2**20
-            act_mb = 2 * tokens * s["hidden_size"] * 4 / 2**20
+            per_block = max(float(coef @ np.array([1.0, F if gptq else P])), 0.0)
             rest = (s["vocab_size"] * s["hidden_size"] * (1 if s.get("tie_word_embeddings") else 2)
                     + s["hidden_size"]) * 4 / 2**20
             out.append({"model": name, "method": method, "measured": name in SHAPES,
                         "block_params": int(P), "blocks": s["num_hidden_layers"],
                         "s_per_block": round(per_block, 2),
                         "total_h": round(per_block * s["num_hidden_layers"] * scale / 3600, 2),
-                        "peak_rss_gb": round((LIBRARIES_MB + rest + 1.5 * (block_mb + act_mb)) / 1024, 1)})
+                        "working_mb": round(working_mb(s, tokens, method), 1),
+                        "peak_rss_gb": round((LIBRARIES_MB + rest + growth * working_mb(s, tokens, method)) / 1024, 1)})
     return out
+
+
+def working_mb(s: dict, tokens: int, method: str) -> float:
+    """One block's fp32 weights and calibration activations (inputs and outputs), and for GPTQ the Hessians of
+    its linears plus the largest one's inverse (held while that layer is rounded)."""
+    P, _ = features(s, tokens)
+    mb = (P + 2 * tokens * s["hidden_size"]) * 4 / 2**20
+    if method == "gptq":
+        ins = [i for _, i in block_linears(s)]
+        mb += (sum(i * i for i in ins) + max(ins) ** 2) * 4 / 2**20
+    return mb
 
 
 def markdown(result: dict) -> str:
@@ -246,11 +259,13 @@ def markdown(result: dict) -> str:
         lines.append(f"| {r['model']} | {r['method']} | {r['blocks']} | {r['hidden']} | {r['ffn']} | "
                      f"{r['s_per_block']} | {q} | {r['peak_rss_mb']} | {r['load_rss_mb']} | "
                      f"{r['block_mb'] + r['act_mb']:.1f} | {r['rss_over_block']} | {r['disk_mb']} |")
-    lines += ["", "Extrapolation (per-block seconds fitted on the measured shapes; AutoRound at 200 iterations; "
-              "peak RSS = libraries + non-block tensors fp32 + 1.5 x (block + activations)):", "",
-              "| shape | method | measured | params / block | s / block | total hours | peak RSS GB |",
-              "|---|---|---|---|---|---|---|"]
+    lines += ["", "Extrapolation (per-block seconds fitted as `c + a x` on the measured shapes, x the block's weights, "
+              "GPTQ's `sum d_out d_in^2 + tokens d_in^2`; AutoRound at 200 iterations; peak RSS = libraries + "
+              "non-block tensors at fp32 + the growth per MB of working set measured on the largest shape x the "
+              "target's working set: block + activations, GPTQ also its Hessians):", "",
+              "| shape | method | measured | params / block | s / block | total hours | working set MB | "
+              "peak RSS GB |", "|---|---|---|---|---|---|---|---|"]
     for e in result["extrapolation"]:
         lines.append(f"| {e['model']} | {e['method']} | {'yes' if e['measured'] else 'no'} | {e['block_params']:,} | "
-                     f"{e['s_per_block']} | {e['total_h']} | {e['peak_rss_gb']} |")
+                     f"{e['s_per_block']} | {e['total_h']} | {e['working_mb']} | {e['peak_rss_gb']} |")
     return "\n".join(lines) + "\n"
