@@ -127,3 +127,22 @@ def test_odd_widths_export_packed_and_match_everywhere(which, bits, dense, tmp_p
         assert rel_err(ours, expect) < 1e-3
     assert rel_err(ort_logits(out / "onnx" / "model.onnx", ids), expect) < 1e-3
     assert rel_err(run_ir(out / "openvino" / "openvino_model.xml", ids)[0], expect) < 1e-3
+
+
+@pytest.mark.e2e
+def test_the_quickstart_runs_on_a_96_wide_model_and_reports_the_adapted_layers(qwen3_96, tmp_path):
+    """recipes/quickstart.yaml as written (shrunk), on the 96-wide Qwen3: it runs, packs every layer and says
+    which ones got another group."""
+    import yaml
+
+    from conftest import REPO
+    from helpers import shrink
+
+    recipe = REPO / "recipes" / "quickstart.yaml"
+    rc, stdout, err = invoke("run", recipe, "--model", qwen3_96, "--output", tmp_path / "o", "--json",
+                             *shrink(yaml.safe_load(recipe.read_text())))
+    assert rc == 0, err
+    report = json.loads(stdout)
+    assert len(report["adapted_groups"]) == 12 and report["size"]["stored"]["hf"]["dense_layers"] == 0
+    assert "## Group sizes adapted" in (tmp_path / "o" / "report.md").read_text()
+    assert report["eval"]["wiki.test.raw"]["ppl_ratio"] < 1.1
