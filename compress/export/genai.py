@@ -13,8 +13,9 @@ runs (model.onnx with GroupQueryAttention and a KV cache, genai_config.json, the
 
 What it cannot take: a linear inside a block left unquantized (the build fails), 3-bit or mixed-precision
 layers, Phi-3 with long-RoPE scaling (`original_max_position_embeddings` differing from
-`max_position_embeddings`), and families it has no builder for (olmo2; gemma2/3 need sliding-window
-handling not done here): `why_not` says so at plan time.
+`max_position_embeddings`), and families it has no builder for here (olmo2; gemma3, whose per-layer-type rope
+parameters its builder does not read): `why_not` says so at plan time. Gemma 2's sliding-window attention runs
+only when the generator's `max_length` (its KV cache capacity) is at least `sliding_window`.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from compress.kernels.packing import gptq_pack
 from compress.qweight import QuantizedWeight
 
 FORMAT, FORMAT_VERSION = "onnx-genai", 1
-BUILDER_TYPES = ("llama", "mistral", "qwen2", "qwen3", "granite", "phi3")
+BUILDER_TYPES = ("llama", "mistral", "qwen2", "qwen3", "granite", "phi3", "gemma2")
 BITS = (2, 4, 8)
 OPTIONS = ["accuracy_level=1", "shared_embeddings=false"]
 

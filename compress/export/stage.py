@@ -111,10 +111,13 @@ def check_graph(adapter, cfg, facts) -> None:
     if adapter.model_type not in MODEL_TYPES:
         if cfg.format == "onnx":
             return check_builder(adapter, cfg, facts)
+        from compress.export.genai import BUILDER_TYPES
+
+        why = (" (OpenVINO runs the ONNX Runtime GenAI builder's graph of it from ONNX, but cannot reload its "
+               "GroupQueryAttention from a saved IR): export `onnx` instead or" if adapter.model_type in BUILDER_TYPES
+               else ";")
         raise BadInput(f"the {cfg.format} export supports model types {', '.join(MODEL_TYPES)}, not "
-                       f"`{adapter.model_type}` (OpenVINO runs the ONNX Runtime GenAI builder's graph of it from ONNX, "
-                       "but cannot reload its GroupQueryAttention from a saved IR); drop `openvino` from "
-                       "export.formats or export `onnx`")
+                       f"`{adapter.model_type}`{why} drop `openvino` from export.formats")
     dense = sorted(b for b in facts.widths if b not in NBITS and b != 16)
     if dense:
         logging.getLogger(__name__).warning(
