@@ -130,14 +130,12 @@ def check_builder(adapter, cfg, facts) -> None:
     (`compress/export/genai.py`) must hold every quantized layer."""
     from compress.errors import BadInput
     from compress.export.genai import why_not
-    from compress.export.hf import why_dense
+    from compress.export.hf import planned_dense
     from compress.extras import require
     from compress.export.onnx import MODEL_TYPES
 
-    def lin(n):
-        return adapter.model.get_submodule(n)
-    schemes = [(n, s.bits, s.group_size, why_dense(lin(n).out_features, lin(n).in_features, s.group_size) is None)
-               for *_, layers in facts.quantized for n, s in layers.items()]
+    dense = planned_dense(adapter, facts.quantized)
+    schemes = [(n, s.bits, s.group_size, n not in dense) for *_, layers in facts.quantized for n, s in layers.items()]
     why = "an `allocate` plan gives layers per-chunk bit widths" if facts.mixed else why_not(adapter.model.config,
                                                                                              schemes)
     if why:
