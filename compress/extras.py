@@ -17,6 +17,7 @@ EXTRAS = {
     "onnx": ("onnx", "export"),
     "onnxruntime_genai": ("onnxruntime-genai", "export"),
     "onnx_ir": ("onnx-ir", "export"),
+    "onnxscript": ("onnxscript", "export"),
     "openvino": ("openvino", "export"),
     "sklearn": ("scikit-learn", "select"),
     "triton": ("triton", "gpu"),

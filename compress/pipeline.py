@@ -69,6 +69,7 @@ class StageContext:
     identity: dict = field(default_factory=dict)  # inputs by name and sha256 (compress.inputs.identity)
     _tokens: torch.Tensor | None = None
     calibration_info: dict = field(default_factory=dict)  # per source: format, tokens, windows drawn from it
+    exports: dict = field(default_factory=dict)  # format -> what the run's earlier exports returned
 
     def emit(self, value) -> None:
         """Hand `value` (a compress.handoff.Handoff) to the later stages; the pipeline saves it."""
@@ -260,7 +261,7 @@ def _run(loaded, binding: Binding, ws: Workspace, quiet: bool) -> dict:
         log.info("evaluation: %s against the full-precision model", ", ".join(Path(p).name for p in r.eval.data))
         with _timed(timings, "eval", adapter.kind):
             report["eval"] = evaluate(ctx, r)
-    exports = {}
+    exports = ctx.exports
     for b in binding.exports:
         with _timed(timings, "export", b.cfg.format):
             ctx.key, ctx.facts = b.key, b.facts

@@ -32,7 +32,16 @@ FORMAT = {"name": "compress-workspace", "version": 1}
 
 
 def peak_rss_mb() -> float:
-    """Peak resident set size of this process so far (Linux reports KiB)."""
+    """Peak resident set size of this process so far. On Linux, /proc's VmHWM: getrusage's ru_maxrss survives
+    fork and exec, so a run started from a large process (a test runner, a notebook) would report the
+    parent's size."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
     kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return kb / 1024 if sys.platform != "darwin" else kb / 2**20
 

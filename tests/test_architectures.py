@@ -2,8 +2,8 @@
 
 Quantized by RTN, GPTQ and AutoRound through the block driver, exported to `hf` and reloaded by transformers +
 auto-round with logits matching; the fused Walsh rotation exact in float64 where it applies and refused at plan
-time (with the reason) where it does not; graph exports refused at plan time for the families the graph builder
-does not write; an unknown `model_type` refused with the supported list.
+time (with the reason) where it does not; `onnx` and `openvino` graphs (torch's exporter) with logits matching and
+KV-cache decoding; an unknown `model_type` refused with the supported list.
 """
 
 from __future__ import annotations
@@ -112,17 +112,73 @@ def test_a_plan_on_each_family_runs_and_graph_exports_say_which_path_they_take(m
     rc, out, err = invoke("run", _recipe(tmp_path, path, QUANTIZE.replace("32", "128")), "--output", tmp_path / "o",
                           "--dry-run")
     assert rc == 0 and "group_size adapted" in out, err  # 64-wide layers: per-channel
-    rc, _, err = invoke("run", _recipe(tmp_path, path, QUANTIZE, "onnx"), "--output", tmp_path / "o", "--dry-run")
+    for formats in ("onnx", "openvino"):  # torch's exporter writes every family
+        rc, _, err = invoke("run", _recipe(tmp_path, path, QUANTIZE, formats), "--output", tmp_path / "o", "--dry-run")
+        assert rc == 0, err
+    rc, _, err = invoke("run", _recipe(tmp_path, path, QUANTIZE, "{format: onnx, builder: genai}"), "--output",
+                        tmp_path / "o", "--dry-run")
     if model_type in BUILDER:
         assert rc == 0, err
     else:
-        assert rc == 1 and "GenAI builder" in err and f"not `{model_type}`" in err, err
-    rc, _, err = invoke("run", _recipe(tmp_path, path, QUANTIZE, "openvino"), "--output", tmp_path / "o",
-                        "--dry-run")
-    assert rc == 1 and f"not `{model_type}`" in err, err
+        assert rc == 1 and "builder: genai" in err and f"not `{model_type}`" in err, err
 
 
-@pytest.mark.parametrize("model_type", sorted(BUILDER))
+def _feeds(session, ids, attention, past=None):
+    import numpy as np
+
+    feeds = {"input_ids": ids.numpy(), "attention_mask": attention.numpy()}
+    for i in session.get_inputs():
+        if i.name.startswith("past_key_values."):
+            feeds[i.name] = (past[i.name.replace("past_key_values", "present")] if past is not None else
+                             np.zeros((ids.shape[0], i.shape[1], 0, i.shape[3]), np.float32))
+    return feeds
+
+
+@pytest.mark.parametrize("model_type", NEW)
+def test_graph_exports_match_and_decode_with_a_kv_cache(model_type, tmp_path):
+    """`onnx` (torch's exporter, MatMulNBits) and the `openvino` IR converted from it: prompt logits equal the
+    in-memory quantized model's, then two decode steps through the KV cache, on a right-padded batch of two."""
+    import onnxruntime as ort
+    import openvino as ov
+
+    from compress.export.onnx import export_onnx
+    from compress.export.openvino import EXACT_CPU_CONFIG, export_openvino
+    from helpers import in_blocks, quantize_model, rel_err
+
+    model = tiny_causal(model_type, **({} if model_type == "deepseek_v3" else {"num_hidden_layers": 1}))  # trace time
+    ModelAdapter(model)
+    qweights = quantize_model(model, lambda n: (8, 64, True) if n.endswith("down_proj") else in_blocks((4, 32, False))(n))
+    res = export_onnx(model, qweights, tmp_path / "onnx", kv_cache=True)
+    assert res["dense_layers"] == 0
+    ids = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(0))
+    attention = torch.ones(2, 9, dtype=torch.long)
+    attention[1, 5:] = 0  # the second row's prompt is 5 tokens, right-padded to 7
+    with torch.no_grad():
+        ref = model(ids, attention_mask=attention).logits.numpy()
+    ov_res = export_openvino(model, qweights, tmp_path / "ov", kv_cache=True, onnx_path=res["path"])
+    assert ov_res["low_bit_constants"]["u4"] > 0
+    session = ort.InferenceSession(res["path"], providers=["CPUExecutionProvider"])
+    runs = {"onnxruntime": session.run,
+            "openvino": _ov_run(ov.Core().compile_model(ov_res["path"], "CPU", EXACT_CPU_CONFIG))}
+    names = [o.name for o in session.get_outputs()]
+    for runtime, run in runs.items():
+        out = dict(zip(names, run(None, _feeds(session, ids[:, :7], attention[:, :7]))))
+        assert rel_err(out["logits"][0], ref[0, :7]) < 1e-5, runtime
+        assert rel_err(out["logits"][1, :5], ref[1, :5]) < 1e-5, runtime
+        for step in (7, 8):
+            out = dict(zip(names, run(None, _feeds(session, ids[:, step:step + 1], attention[:, :step + 1], out))))
+            assert rel_err(out["logits"][0], ref[0, step:step + 1]) < 1e-5, (runtime, step)
+
+
+def _ov_run(compiled):
+    def run(_, feeds):
+        result = compiled(feeds)
+        return [result[compiled.output(i)] for i in range(len(compiled.outputs))]
+    return run
+
+
+@pytest.mark.parametrize("model_type", [m if m in ("qwen3", "gemma2") else pytest.param(m, marks=pytest.mark.slow)
+                                        for m in sorted(BUILDER)])  # a build each: granite and phi3 in the slow tier
 def test_genai_builder_export_runs_in_onnxruntime_genai_with_exact_logits(model_type, tmp_path):
     """Our codes and scales survive the builder: onnxruntime_genai's first-step logits equal the in-memory
     quantized model's, and greedy generation with its KV cache agrees."""
@@ -169,7 +225,7 @@ def test_unknown_model_type_is_refused_at_plan_time_with_the_list(tmp_path):
 
 def test_a_run_exports_onnx_through_the_builder(tmp_path):
     path = save_tiny("qwen3", tmp_path / "qwen3", max_position_embeddings=512)
-    recipe = _recipe(tmp_path, path, QUANTIZE, "hf, onnx")
+    recipe = _recipe(tmp_path, path, QUANTIZE, "hf, {format: onnx, builder: genai}")
     rc, stdout, err = invoke("run", recipe, "--output", tmp_path / "o", "--json")
     assert rc == 0, err
     report = json.loads(stdout)

@@ -139,7 +139,8 @@ def test_env_references_not_values_go_into_artifacts(tmp_path, monkeypatch):
 
 
 # -- exports are written whole or not at all ------------------------------------------------------------
-@pytest.mark.parametrize("fmt, save", [("onnx", "onnx.save_model"), ("openvino", "openvino.save_model")])
+@pytest.mark.parametrize("fmt, save", [("onnx", "onnx_ir.save"),
+                                       pytest.param("openvino", "openvino.save_model", marks=pytest.mark.slow)])
 def test_a_kill_while_exporting_leaves_no_half_written_file(tmp_path, monkeypatch, fmt, save):
     import importlib
 

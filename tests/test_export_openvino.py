@@ -9,6 +9,7 @@ import openvino as ov
 import pytest
 import torch
 
+from compress.export.onnx import export_onnx
 from compress.export.openvino import export_openvino
 from conftest import MODELS, TEXT, invoke
 from helpers import load, quantized, rel_err, run_ir
@@ -17,8 +18,10 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWa
 
 
 @pytest.mark.parametrize("name,bits,group,sym,ctype", [
-    ("stories260K", 4, 32, False, "u4"), ("stories260K", 2, 32, True, "u2"), ("stories260K", 8, -1, False, "u8"),
-    ("ref-llama-7m", 4, 128, True, "u4"), ("ref-llama-7m", 2, 64, False, "u2"),
+    ("stories260K", 2, 32, True, "u2"),
+    *(pytest.param(*case, marks=pytest.mark.slow) for case in  # each trace costs seconds: the rest in the slow tier
+      [("stories260K", 4, 32, False, "u4"), ("stories260K", 8, -1, False, "u8"), ("ref-llama-7m", 4, 128, True, "u4"),
+       ("ref-llama-7m", 2, 64, False, "u2")]),
 ])
 def test_openvino_matches_quantized_model(name, bits, group, sym, ctype, tmp_path):
     model = load(name)
@@ -36,6 +39,7 @@ def test_openvino_matches_quantized_model(name, bits, group, sym, ctype, tmp_pat
     assert info["format"] == "openvino-ir" and info["version"] == 1
 
 
+@pytest.mark.slow  # a run exporting openvino: tests/test_groups.py runs one in the default tier
 def test_recipe_exports_openvino(tmp_path):
     recipe = tmp_path / "r.yaml"
     recipe.write_text(f"""version: 1
@@ -122,10 +126,14 @@ def test_the_ir_carries_the_precision_it_was_validated_with(tmp_path):
     model = load("stories260K")
     qweights = quantized(model, 4, 32, False)
     core = ov.Core()
-    exact = core.compile_model(export_openvino(model, qweights, tmp_path / "a")["path"], "CPU")
+    graph = tmp_path / "graph"
+    export_onnx(model, qweights, graph)  # traced once, converted twice
+    exact = core.compile_model(export_openvino(model, qweights, tmp_path / "a", onnx_path=graph / "model.onnx")["path"],
+                               "CPU")
     assert exact.get_property("DYNAMIC_QUANTIZATION_GROUP_SIZE") == 0
     assert str(exact.get_property("INFERENCE_PRECISION_HINT")) in ("<Type: 'float32'>", "f32")
-    plain = core.compile_model(export_openvino(model, qweights, tmp_path / "b", exact=False)["path"], "CPU")
+    plain = core.compile_model(export_openvino(model, qweights, tmp_path / "b", exact=False,
+                                               onnx_path=graph / "model.onnx")["path"], "CPU")
     assert plain.get_property("DYNAMIC_QUANTIZATION_GROUP_SIZE") != 0
     ids = torch.randint(0, model.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

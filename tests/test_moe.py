@@ -199,12 +199,13 @@ def test_router_finetuning_needs_a_quantized_moe_model(tmp_path):
     assert rc != 0 and "needs a `quantize` stage before it" in err
 
 
-@pytest.mark.parametrize("model_type", MOE)
+@pytest.mark.parametrize("model_type", [pytest.param(m, marks=pytest.mark.slow) if m != "qwen3_moe" else m
+                                        for m in MOE])  # one trace each: the Llama-style MoE ones in the slow tier
 def test_per_expert_widths_survive_every_export(tmp_path, model_type):
     """Experts at 2, 3 and 4 bits (attention at 4): transformers with auto-round's loader, onnxruntime and
     OpenVINO give the in-memory model's logits (routing in the graphs); the hf checkpoint declares each width."""
     from compress.export.hf import export_hf
-    from compress.export.onnx import MODEL_TYPES, export_onnx
+    from compress.export.onnx import export_onnx
     from compress.export.openvino import export_openvino
     from helpers import check_reload, op_types, ort_logits, quantize_model, rel_err, run_ir
 
@@ -225,8 +226,6 @@ def test_per_expert_widths_survive_every_export(tmp_path, model_type):
     export_hf(model, qweights, None, tmp_path / "hf")
     _, back, _ = check_reload(model, qweights, tmp_path / "hf", 128)
     assert all(back[n].bits == b for n, b in widths.items())
-    if model_type not in MODEL_TYPES:  # qwen3_moe: hf only (neither graph path writes it yet)
-        return
     ids = torch.randint(0, 128, (2, 17), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         ref = model(ids).logits.numpy()
@@ -234,12 +233,12 @@ def test_per_expert_widths_survive_every_export(tmp_path, model_type):
     ops = op_types(res["path"])
     assert ops["TopK"] == 2 and ops["MatMulNBits"] == sum(1 for n, q in qweights.items() if q.bits != 3)
     assert rel_err(ort_logits(res["path"], ids), ref) < 1e-3
-    ov_res = export_openvino(model, qweights, tmp_path / "ov")
+    ov_res = export_openvino(model, qweights, tmp_path / "ov", onnx_path=res["path"])
     out, _ = run_ir(ov_res["path"], ids)
     assert rel_err(out, ref) < 1e-3
 
 
-def test_graph_exports_refuse_unknown_architectures_and_announce_dense_widths(tmp_path):
+def test_graph_exports_announce_dense_widths_and_take_every_decoder_family(tmp_path):
     rec = yaml.safe_load(moe_recipe(tmp_path).read_text())
     rec["export"] = {"formats": ["onnx"]}
     (tmp_path / "o.yaml").write_text(yaml.safe_dump(rec))
@@ -249,7 +248,7 @@ def test_graph_exports_refuse_unknown_architectures_and_announce_dense_widths(tm
     rec["stages"] = rec["stages"][1:]
     (tmp_path / "q.yaml").write_text(yaml.safe_dump(rec))
     rc, _, err = invoke("run", tmp_path / "q.yaml", "--output", tmp_path / "q", "--dry-run")
-    assert rc != 0 and "not `olmo2`" in err
+    assert rc == 0, err  # torch's exporter writes every decoder family
 
 
 @pytest.mark.parametrize("model_type", ["mixtral", pytest.param("qwen2_moe", marks=pytest.mark.e2e)])

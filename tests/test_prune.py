@@ -238,6 +238,6 @@ def test_onnx_and_openvino_hold_per_layer_ffn_widths_fewer_heads_and_blocks(tmp_
     assert rel_err(ort_logits(res["path"], ids), ref) < 1e-4
     import openvino as ov
 
-    xml = export_openvino(model, {}, tmp_path / "ov")["path"]
+    xml = export_openvino(model, {}, tmp_path / "ov", onnx_path=res["path"])["path"]
     compiled = ov.Core().compile_model(xml, "CPU")
     assert rel_err(compiled({"input_ids": ids.numpy()})[compiled.output("logits")], ref) < 1e-3

@@ -62,13 +62,15 @@ def low_bit_constants(ov_model) -> dict[str, int]:
 
 def export_openvino(model, qweights: dict[str, QuantizedWeight], out_dir: str | Path, meta: dict | None = None,
                     devices: tuple[str, ...] | list[str] = ("CPU",), kv_cache: bool = False,
-                    exact: bool = True) -> dict:
+                    exact: bool = True, onnx_path: str | Path | None = None) -> dict:
     """Write `out_dir/openvino_model.xml` (+ .bin) for the target `devices`; returns path, bytes, the
     low-bit constant counts, and the devices it was compiled on here / not compiled on. `kv_cache`: the
     inputs and outputs of `export_onnx(kv_cache=True)` (attention_mask, past / present key values).
     `exact`: `EXACT_CPU_CONFIG` is written into the IR's `runtime_options`, so a plain `compile_model` runs it
     at the precision it was validated with (f32 activations, no dynamic quantization) instead of the device's
-    default (bf16 on CPUs that have it); False leaves the device's defaults (faster, less exact)."""
+    default (bf16 on CPUs that have it); False leaves the device's defaults (faster, less exact).
+    `onnx_path`: a graph `export_onnx` wrote from these weights with this `kv_cache`, converted instead of tracing
+    the model again (a run exporting both formats traces once)."""
     import openvino as ov
 
     unknown = [d for d in devices if d not in DEVICES]
@@ -85,10 +87,15 @@ def export_openvino(model, qweights: dict[str, QuantizedWeight], out_dir: str | 
 
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.onnx.", suffix=".tmp") as tmp:
-        res = export_onnx(model, qweights, Path(tmp) / "onnx", meta=meta, kv_cache=kv_cache)
-        ov_model = ov.convert_model(res["path"])
-    info = {"format": FORMAT, "version": FORMAT_VERSION, "meta": meta or {}, "dense_layers": res["dense_layers"],
+    if onnx_path is not None:
+        ov_model = ov.convert_model(str(onnx_path))
+        dense = json.loads(onnx_meta(onnx_path)["compress.meta"])["dense_layers"]
+    else:
+        with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.onnx.", suffix=".tmp") as tmp:
+            res = export_onnx(model, qweights, Path(tmp) / "onnx", meta=meta, kv_cache=kv_cache)
+            ov_model = ov.convert_model(res["path"])
+            dense = json.loads(onnx_meta(res["path"])["compress.meta"])["dense_layers"]
+    info = {"format": FORMAT, "version": FORMAT_VERSION, "meta": meta or {}, "dense_layers": len(dense),
             "devices": list(devices), "kv_cache": kv_cache, "runtime_options": EXACT_CPU_CONFIG if exact else {}}
     ov_model.set_rt_info(FORMAT, ["compress", "format"])
     ov_model.set_rt_info(str(FORMAT_VERSION), ["compress", "version"])
@@ -102,8 +109,14 @@ def export_openvino(model, qweights: dict[str, QuantizedWeight], out_dir: str | 
     nbytes = path.stat().st_size + path.with_suffix(".bin").stat().st_size
     compiled, missing = compile_on(path, devices)
     return {"path": str(path), "bytes": nbytes, "low_bit_constants": low_bit_constants(ov_model),
-            "dense_layers": res["dense_layers"], "devices": list(devices), "compiled_on": compiled,
+            "dense_layers": len(dense), "devices": list(devices), "compiled_on": compiled,
             "not_compiled": missing}
+
+
+def onnx_meta(path) -> dict[str, str]:
+    import onnx
+
+    return {p.key: p.value for p in onnx.load(str(path), load_external_data=False).metadata_props}
 
 
 def compile_on(path: Path, devices) -> tuple[list[str], list[str]]:

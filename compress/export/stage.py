@@ -98,26 +98,25 @@ class OnnxExportConfig(ExportConfig):
     directory: str = "onnx"
     kv_cache: bool = Field(False, description="attention_mask and past/present key-value inputs and outputs, for "
                                               "incremental decoding")
+    builder: Literal["torch", "genai"] = Field(
+        "torch", description="`torch`: torch's exporter traces the model, every decoder family (model.onnx); `genai`: "
+                             "the ONNX Runtime GenAI model builder writes a directory `onnxruntime_genai` runs "
+                             "(genai_config.json, KV cache; llama, mistral, qwen2, qwen3, granite, phi3, gemma2)")
 
 
 def check_graph(adapter, cfg, facts) -> None:
-    """At plan time, for the graphs (onnx, and openvino built from it): the architecture must be one the graph
-    builder writes, and widths MatMulNBits cannot hold are announced before any calibration."""
+    """At plan time, for the graphs (onnx, and openvino converted from it): a decoder, and, for the GenAI builder,
+    a run it can take; widths MatMulNBits cannot hold are announced before any calibration."""
     import logging
 
     from compress.errors import BadInput
-    from compress.export.onnx import MODEL_TYPES, NBITS
+    from compress.export.onnx import NBITS
 
-    if adapter.model_type not in MODEL_TYPES:
-        if cfg.format == "onnx":
-            return check_builder(adapter, cfg, facts)
-        from compress.export.genai import BUILDER_TYPES
-
-        why = (" (OpenVINO runs the ONNX Runtime GenAI builder's graph of it from ONNX, but cannot reload its "
-               "GroupQueryAttention from a saved IR): export `onnx` instead or" if adapter.model_type in BUILDER_TYPES
-               else ";")
-        raise BadInput(f"the {cfg.format} export supports model types {', '.join(MODEL_TYPES)}, not "
-                       f"`{adapter.model_type}`{why} drop `openvino` from export.formats")
+    if adapter.arch.kind != "causal":
+        raise BadInput(f"the {cfg.format} export writes decoders (causal language models), not the "
+                       f"{adapter.arch.kind} `{adapter.model_type}`; drop `{cfg.format}` from export.formats")
+    if getattr(cfg, "builder", "torch") == "genai":
+        return check_builder(adapter, cfg, facts)
     dense = sorted(b for b in facts.widths if b not in NBITS and b != 16)
     if dense:
         logging.getLogger(__name__).warning(
@@ -126,31 +125,29 @@ def check_graph(adapter, cfg, facts) -> None:
 
 
 def check_builder(adapter, cfg, facts) -> None:
-    """At plan time, for a family the hand-written graph does not write: the ONNX Runtime GenAI builder path
-    (`compress/export/genai.py`) must hold every quantized layer."""
+    """At plan time, for `builder: genai`: the ONNX Runtime GenAI builder (`compress/export/genai.py`) must hold
+    every quantized layer."""
     from compress.errors import BadInput
     from compress.export.genai import why_not
     from compress.export.hf import planned_dense
     from compress.extras import require
-    from compress.export.onnx import MODEL_TYPES
 
     dense = planned_dense(adapter, facts.quantized)
     schemes = [(n, s.bits, s.group_size, n not in dense) for *_, layers in facts.quantized for n, s in layers.items()]
     why = "an `allocate` plan gives layers per-chunk bit widths" if facts.mixed else why_not(adapter.model.config,
                                                                                              schemes)
     if why:
-        raise BadInput(f"export {cfg.format}: `{adapter.model_type}` goes through the ONNX Runtime GenAI builder "
-                       f"(the hand-written graph covers {', '.join(MODEL_TYPES)}), which cannot take this run: {why}; "
-                       f"drop `{cfg.format}` from export.formats")
-    require(("onnxruntime_genai", "onnx_ir"), f"export {cfg.format} of `{adapter.model_type}` (the GenAI builder)")
+        raise BadInput(f"export {cfg.format} with `builder: genai`: the ONNX Runtime GenAI builder cannot take this "
+                       f"run: {why}; use `builder: torch` (the default), which writes every decoder family")
+    require(("onnxruntime_genai", "onnx_ir"), f"export {cfg.format} with `builder: genai`")
 
 
 @register("export", "onnx", OnnxExportConfig, "ONNX graph with com.microsoft::MatMulNBits linears (onnxruntime)",
-          check=check_graph, requires=("onnx",), **EXPORT)
+          check=check_graph, requires=("onnx", "onnxscript"), **EXPORT)
 def export_onnx_stage(ctx, cfg: OnnxExportConfig) -> dict:
-    from compress.export.onnx import MODEL_TYPES, export_onnx
+    from compress.export.onnx import export_onnx
 
-    if ctx.adapter.model_type not in MODEL_TYPES:  # the ONNX Runtime GenAI builder (check_builder)
+    if cfg.builder == "genai":
         from compress.export.genai import export_genai
 
         return export_genai(ctx.model, _qweights(ctx), ctx.tokenizer, ctx.workspace.path(cfg.directory),
@@ -211,12 +208,15 @@ def check_openvino_targets(adapter, cfg: OpenVINOExportConfig, facts) -> None:
 
 
 @register("export", "openvino", OpenVINOExportConfig, "OpenVINO IR with compressed u2/u4/u8 weight constants",
-          check=check_openvino_targets, requires=("openvino", "onnx"), **EXPORT)  # the IR is converted from the ONNX graph
+          check=check_openvino_targets, requires=("openvino", "onnx", "onnxscript"), **EXPORT)  # the IR is converted from the ONNX graph
 def export_openvino_stage(ctx, cfg: OpenVINOExportConfig) -> dict:
     from compress.export.openvino import export_openvino
 
+    onnx = ctx.exports.get("onnx", {})  # the run's onnx graph, when it has these inputs: converted, not traced again
+    graph = onnx.get("path") if onnx.get("graph") == "torch" and onnx.get("kv_cache") == cfg.kv_cache else None
     return export_openvino(ctx.model, _qweights(ctx), ctx.workspace.path(cfg.directory), meta=_meta(ctx),
-                           devices=tuple(cfg.device), kv_cache=cfg.kv_cache, exact=cfg.precision == "exact")
+                           devices=tuple(cfg.device), kv_cache=cfg.kv_cache, exact=cfg.precision == "exact",
+                           onnx_path=graph)
 
 
 def _meta(ctx) -> dict:
