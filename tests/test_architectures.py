@@ -134,7 +134,8 @@ def _feeds(session, ids, attention, past=None):
     return feeds
 
 
-@pytest.mark.parametrize("model_type", NEW)
+@pytest.mark.parametrize("model_type", NEW + [pytest.param(m, marks=pytest.mark.slow) for m in  # the earlier families
+                                              ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe")])
 def test_graph_exports_match_and_decode_with_a_kv_cache(model_type, tmp_path):
     """`onnx` (torch's exporter, MatMulNBits) and the `openvino` IR converted from it: prompt logits equal the
     in-memory quantized model's, then two decode steps through the KV cache, on a right-padded batch of two."""
