@@ -31,11 +31,12 @@ def gptq(
     damp: float = 0.01,
     block_size: int = 128,
     act_order: bool = False,
+    overwrite_h: bool = False,
 ) -> tuple[QuantizedWeight, float]:
     """Quantize `W` (d_out, d_in) column by column, pushing each rounding error onto later columns.
 
     `H` (d_in, d_in) is the input Hessian `2 X^T X / n` of the layer `y = x W^T`, accumulated by
-    the caller. Inputs are not modified. Dead inputs (`H[i,i] == 0`) get `H[i,i] = 1`, `W[:,i] = 0`;
+    the caller. Inputs are not modified (`overwrite_h`: H may be, which saves a copy of it). Dead inputs (`H[i,i] == 0`) get `H[i,i] = 1`, `W[:,i] = 0`;
     then `damp * mean(diag H)` is added to the diagonal (10x more per retry if Cholesky fails).
 
     Groups: qparams come from `choose_qparams` on the error-updated weights at each group's first
@@ -54,12 +55,16 @@ def gptq(
         raise RunFailure(f"GPTQ: Hessian shape {tuple(H.shape)} does not match weight {tuple(W.shape)}")
     if not torch.isfinite(H).all():
         raise RunFailure("GPTQ: the Hessian has NaN/inf entries; check the calibration activations")
-    W, H = _drop_dead_columns(W.detach().float().clone(), H.detach().float().clone())
+    H = H.detach().float()
+    W, H = _drop_dead_columns(W.detach().float().clone(), H if overwrite_h and H.dtype == torch.float32 else H.clone())
     groups = _Groups.create(W, bits, group_size, sym, static=act_order)
     perm = torch.arange(d_in, device=W.device)
     if act_order:
         perm = torch.argsort(torch.diag(H), descending=True, stable=True)
-    W, Hinv = W[:, perm], _inverse_cholesky(H[perm][:, perm], damp)
+    if act_order:
+        H = H[perm][:, perm]
+    W, Hinv = W[:, perm], _inverse_cholesky(H, damp)
+    del H
     codes = torch.zeros(d_out, d_in, dtype=torch.uint8, device=W.device)
     B = groups.aligned_block(block_size)
     error = torch.zeros((), device=W.device)
@@ -135,13 +140,18 @@ def _drop_dead_columns(W: torch.Tensor, H: torch.Tensor) -> tuple[torch.Tensor, 
 
 
 def _inverse_cholesky(H: torch.Tensor, damp: float) -> torch.Tensor:
-    """`Hinv`: upper Cholesky factor of `(H + lam I)^-1`, `lam = damp * mean(diag H)`, 10x per retry."""
-    mean_diag = torch.diag(H).mean()
-    eye = torch.eye(H.shape[0], dtype=H.dtype, device=H.device)
+    """`Hinv`: upper Cholesky factor of `(H + lam I)^-1`, `lam = damp * mean(diag H)`, 10x per retry. H's
+    diagonal is overwritten (the caller's copy); at most two (d_in, d_in) matrices are alive besides it."""
+    diag = torch.diag(H).clone()
+    mean_diag = diag.mean()
     for t in range(CHOLESKY_TRIES):
-        L, info = torch.linalg.cholesky_ex(H + damp * 10**t * mean_diag * eye)
+        H.diagonal().copy_(diag + damp * 10**t * mean_diag)
+        L, info = torch.linalg.cholesky_ex(H)
         if info == 0:
-            Hinv, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(L), upper=True)
+            inverse = torch.cholesky_inverse(L)
+            del L
+            Hinv, info = torch.linalg.cholesky_ex(inverse, upper=True)
+            del inverse
             if info == 0 and torch.isfinite(Hinv).all():
                 return Hinv
     raise RunFailure(
@@ -166,9 +176,10 @@ class GPTQ(Quantizer):
 
     def quantize_block(self, data) -> dict[str, QuantizedWeight]:
         c = self.cfg
-        return {
-            name: gptq(lin.weight.data, data.hessians[name], bits=s.bits, group_size=s.group_size, sym=s.sym,
-                       damp=c.damp, block_size=c.block_size, act_order=c.act_order)[0]
-            for name, lin in data.linears.items()
-            for s in [data.specs[name]]
-        }
+        out = {}
+        for name, lin in data.linears.items():  # each Hessian is consumed: freed once its layer is done
+            s = data.specs[name]
+            out[name] = gptq(lin.weight.data, data.hessians.pop(name), bits=s.bits, group_size=s.group_size,
+                             sym=s.sym, damp=c.damp, block_size=c.block_size, act_order=c.act_order,
+                             overwrite_h=True)[0]
+        return out
