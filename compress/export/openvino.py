@@ -24,6 +24,7 @@ not verified here (no NPU).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import tempfile
@@ -87,15 +88,14 @@ def export_openvino(model, qweights: dict[str, QuantizedWeight], out_dir: str | 
 
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
-    if onnx_path is not None:
+    with contextlib.ExitStack() as stack:
+        if onnx_path is None:  # trace into a temporary directory
+            tmp = stack.enter_context(tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.onnx.",
+                                                                  suffix=".tmp"))
+            onnx_path = export_onnx(model, qweights, Path(tmp) / "onnx", meta=meta, kv_cache=kv_cache)["path"]
         ov_model = ov.convert_model(str(onnx_path))
-        dense = json.loads(onnx_meta(onnx_path)["compress.meta"])["dense_layers"]
-    else:
-        with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.onnx.", suffix=".tmp") as tmp:
-            res = export_onnx(model, qweights, Path(tmp) / "onnx", meta=meta, kv_cache=kv_cache)
-            ov_model = ov.convert_model(res["path"])
-            dense = json.loads(onnx_meta(res["path"])["compress.meta"])["dense_layers"]
-    info = {"format": FORMAT, "version": FORMAT_VERSION, "meta": meta or {}, "dense_layers": len(dense),
+        dense = len(json.loads(onnx_meta(onnx_path)["compress.meta"])["dense_layers"])
+    info = {"format": FORMAT, "version": FORMAT_VERSION, "meta": meta or {}, "dense_layers": dense,
             "devices": list(devices), "kv_cache": kv_cache, "runtime_options": EXACT_CPU_CONFIG if exact else {}}
     ov_model.set_rt_info(FORMAT, ["compress", "format"])
     ov_model.set_rt_info(str(FORMAT_VERSION), ["compress", "version"])
@@ -109,7 +109,7 @@ def export_openvino(model, qweights: dict[str, QuantizedWeight], out_dir: str | 
     nbytes = path.stat().st_size + path.with_suffix(".bin").stat().st_size
     compiled, missing = compile_on(path, devices)
     return {"path": str(path), "bytes": nbytes, "low_bit_constants": low_bit_constants(ov_model),
-            "dense_layers": len(dense), "devices": list(devices), "compiled_on": compiled,
+            "dense_layers": dense, "devices": list(devices), "compiled_on": compiled,
             "not_compiled": missing}
 
 

@@ -55,8 +55,8 @@ def gptq(
         raise RunFailure(f"GPTQ: Hessian shape {tuple(H.shape)} does not match weight {tuple(W.shape)}")
     if not torch.isfinite(H).all():
         raise RunFailure("GPTQ: the Hessian has NaN/inf entries; check the calibration activations")
-    H = H.detach().float()
-    W, H = _drop_dead_columns(W.detach().float().clone(), H if overwrite_h and H.dtype == torch.float32 else H.clone())
+    H = H.detach().float() if overwrite_h else H.detach().float().clone()
+    W, H = _drop_dead_columns(W.detach().float().clone(), H)
     groups = _Groups.create(W, bits, group_size, sym, static=act_order)
     perm = torch.arange(d_in, device=W.device)
     if act_order:
