@@ -1,11 +1,13 @@
 """The `compress` command line: thin commands that parse, call `compress`, and print.
 
-Exit codes: 0 success, 1 bad input (recipe, path, option), 2 failure while running.
+Exit codes: 0 success, 1 bad input (recipe, path, option), 2 failure while running (or pushing),
+3 a quality gate failed (the run finished and wrote everything; compress/gates.py).
 A bad input never prints a traceback unless `--debug` is given.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 import traceback
@@ -78,11 +80,15 @@ def _main(debug: bool = typer.Option(False, "--debug", help="print tracebacks fo
     STATE["debug"] = debug
 
 
-def _setup_logging(quiet: bool) -> None:
-    """Logs go to stderr (warnings only with --quiet/--json); run.log still gets INFO."""
+def _setup_logging(quiet: bool, ci: bool = False) -> None:
+    """Logs go to stderr (warnings only with --quiet/--json; JSON lines in CI mode); run.log still gets INFO."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setLevel(logging.WARNING if quiet else logging.INFO)
     handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    if ci:
+        from compress.publish.ci import setup_logging
+
+        setup_logging(handler)
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(logging.INFO)
@@ -111,16 +117,22 @@ def run(
     seed: Optional[int] = typer.Option(None, "--seed", help="calibration seed; replaces the recipe's"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bars, warnings only"),
     as_json: bool = typer.Option(False, "--json", help="print the final report JSON on stdout (logs on stderr)"),
+    ci: bool = typer.Option(False, "--ci", help="CI mode (also when CI=true): no progress bars, JSON-lines log, "
+                            "SHA256SUMS and summary.md in OUTPUT, a one-screen summary on stdout"),
 ):
-    """Run a recipe: calibrate, compress, evaluate, export.
+    """Run a recipe: calibrate, compress, evaluate, export; check its `gates` (exit 3 when one fails) and
+    `push` to the Hub when they pass.
 
     Example: compress run recipes/quickstart.yaml --model ../shared/data/models/ref-llama-7m --output out/
     """
     from compress import pipeline
     from compress.eval.report import summary_lines
+    from compress.gates import GateFailure
+    from compress.publish import ci as ci_mode
     from compress.recipe import load_recipe, validate_paths
 
-    _setup_logging(quiet or as_json)
+    ci = ci_mode.enabled(ci)
+    _setup_logging(quiet or as_json, ci=ci)
     loaded = load_recipe(recipe, overrides=set_ or [], model=model, calibration=calibration or None,
                          eval_data=eval_data or None, seed=seed)
     validate_paths(loaded.recipe)
@@ -128,9 +140,17 @@ def run(
         p = pipeline.plan(loaded)
         _emit_json(p) if as_json else _print_plan(p)
         return
-    report = pipeline.run(loaded, output, resume=resume, force=force, quiet=quiet or as_json)
+    try:
+        report = pipeline.run(loaded, output, resume=resume, force=force, quiet=quiet or as_json or ci)
+    except GateFailure as e:
+        if ci:
+            report = json.loads((output / "report.json").read_text())
+            typer.echo(ci_mode.write_artifacts(output, report, error=str(e).splitlines()[0]))
+        raise
     if as_json:
         _emit_json(report)
+    elif ci:
+        typer.echo(ci_mode.write_artifacts(output, report))
     elif not quiet:
         typer.echo("\n".join(summary_lines(report) + [f"output: {output}"]), err=False)
 
@@ -321,6 +341,44 @@ def verify(directory: Path = typer.Argument(..., help="a run's output directory 
     if problems:
         raise typer.Exit(1)
     typer.echo(f"ok: {n} files match {root / MANIFEST}")
+
+
+@app.command()
+def push(
+    output: Path = typer.Argument(..., help="a finished run's output directory"),
+    repo: str = typer.Option(..., "--repo", help="Hub repository ORG/NAME (created when missing)"),
+    private: bool = typer.Option(False, "--private", help="create the repository private"),
+    revision: Optional[str] = typer.Option(None, "--revision", help="branch to push to (created from main)"),
+    create_pr: bool = typer.Option(False, "--create-pr", help="open a pull request instead of committing"),
+    base_model: Optional[str] = typer.Option(None, "--base-model", help="the card's base_model (default: the "
+                                             "recipe's model when it is a Hub id)"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="list the files, their sizes and the card; contact nothing"),
+    as_json: bool = typer.Option(False, "--json", help="print JSON on stdout"),
+):
+    """Push a run's exports, report and a generated model card to the Hugging Face Hub in one commit.
+
+    The `hf` export goes to the repository root (`from_pretrained("ORG/NAME")` works), `onnx/` and `openvino/`
+    to subfolders, the report and recipe to `compress/`. The token comes from HF_TOKEN or `hf auth login`;
+    HF_ENDPOINT points at another Hub. Exit 2 when the Hub refuses or cannot be reached (nothing is committed).
+
+    Example: compress push out/ --repo my-org/SmolLM2-135M-w4 --dry-run
+    """
+    from compress.publish.hub import push as push_run
+
+    _setup_logging(as_json)
+    res = push_run(output, repo, private=private, revision=revision, create_pr=create_pr, dry_run=dry_run,
+                   base_model=base_model)
+    if as_json:
+        _emit_json(res)
+    elif dry_run:
+        for f in res["files"]:
+            typer.echo(f"{f['bytes']:>14,}  {f['path']}")
+        typer.echo(f"{res['bytes']:>14,}  total, {len(res['files'])} files -> {repo}@{res['revision']} (dry run: "
+                   "nothing was sent)\n\n--- README.md ---\n" + res["card"])
+    else:
+        typer.echo(f"{repo}@{res['revision']}: commit {res['commit'][:12]}"
+                   + ("" if res["changed"] else " (nothing changed: no new commit)")
+                   + (f"\npull request: {res['pr_url']}" if res["pr_url"] else "") + f"\n{res['url']}")
 
 
 @app.command()

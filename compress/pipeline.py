@@ -176,6 +176,12 @@ def _plan(loaded) -> tuple[dict, Binding]:
     out = {"model": r.model.path, "model_type": config.model_type, "blocks": len(adapter.blocks),
            "parameters": n_params, "stages": stages, "export": r.export.names(),
            "estimated_peak_memory_mb": round(est / 2**20, 1)}
+    if r.gates:
+        from compress import gates
+
+        out["gates"] = [g.text for g in gates.check(r.gates, r, kind, r.export.names())]
+    if r.push:
+        out["push"] = r.push.model_dump()
     notes = [n for b in binding.exports for n in b.facts.notes]
     if notes:
         out["notes"] = notes
@@ -277,11 +283,17 @@ def _run(loaded, binding: Binding, ws: Workspace, quiet: bool) -> dict:
     report["peak_rss_mb"] = round(peak_rss_mb(), 1)
     ws.manifest["report"] = "report.json"
     # what each export wrote (the openvino one: target devices, compiled here or not); file lists stay in report
-    ws.manifest["exports"] = {k: {f: x for f, x in v.items() if f != "files"} for k, v in exports.items()}
+    ws.manifest["exports"] = {b.cfg.format: {**{f: x for f, x in exports[b.cfg.format].items() if f != "files"},
+                                             "directory": b.cfg.directory} for b in binding.exports}
     ws.save_manifest()
     bad = non_finite(report)
     if bad:
         report["non_finite"] = bad
+    if r.gates:
+        from compress import gates
+
+        report["gates"] = gates.evaluate(r.gates, r, adapter.kind, r.export.names(), report)
+        ws.write_text("gates.xml", gates.junit_xml(report["gates"]))
     ws.write_json("report.json", report)
     from compress.eval.report import render_markdown
 
@@ -296,6 +308,24 @@ def _run(loaded, binding: Binding, ws: Workspace, quiet: bool) -> dict:
     if bad:
         raise RunFailure(f"the run produced non-finite values ({', '.join(bad[:4])}): the compressed model is "
                          f"broken (NaN or overflow); they are null in {ws.path('report.json')}")
+    failed = [g for g in report.get("gates", []) if not g["passed"]]
+    if failed:
+        from compress.gates import GateFailure, failure_message
+
+        log.error("gates: %s", failure_message(report["gates"]))
+        if r.push:
+            log.warning("push to %s skipped: a gate failed", r.push.repo)
+        raise GateFailure(failure_message(report["gates"]) + f"\n(report: {ws.path('report.md')}, "
+                          f"JUnit: {ws.path('gates.xml')})")
+    if r.push:
+        from compress.publish.hub import PushFailure, push
+
+        try:
+            ws.manifest["push"] = push(ws.root, **r.push.model_dump())
+        except PushFailure as e:
+            raise PushFailure(f"{e}\nthe run itself finished: its outputs are complete in `{ws.root}`; push them "
+                              f"with `compress push {ws.root} --repo {r.push.repo}`") from None
+        ws.save_manifest()
     return report
 
 

@@ -25,6 +25,9 @@ Schema, version 1 (every mapping forbids unknown keys)::
       enabled: true
     export:
       formats: [hf]                      # names registered as ("export", name), or `- {format: hf, ...}`
+    gates:                               # checked against report.json; a failing gate exits 3 (docs/ci.md)
+      - eval.wiki.test.ppl_ratio <= 1.05
+    push: {repo: org/name, private: true}  # after every gate passed (docs/hub.md)
 
 Resolution order: YAML -> `${VAR}` / `${VAR:-default}` interpolation in string values (the default is
 used when VAR is unset or empty; `$${` writes a literal `${`; artifacts record `LoadedRecipe.recorded`, where
@@ -147,6 +150,14 @@ class ExportSpec(StrictModel):
         raise KeyError(name)
 
 
+class PushSpec(StrictModel):
+    repo: str = Field(..., pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]*/[A-Za-z0-9][A-Za-z0-9_.\-]*$",
+                      description="Hub repository `ORG/NAME` (created when missing)")
+    private: bool = Field(False, description="create the repository private")
+    revision: Optional[str] = Field(None, min_length=1, description="branch to push to (created from main when missing)")
+    create_pr: bool = Field(False, description="open a pull request instead of committing to the branch")
+
+
 class Recipe(StrictModel):
     version: Literal[1]
     description: str = ""
@@ -155,6 +166,19 @@ class Recipe(StrictModel):
     stages: list[SerializeAsAny[BaseModel]] = Field(..., description="stage configs, run in order")
     eval: EvalSpec = Field(default_factory=EvalSpec)
     export: ExportSpec = Field(default_factory=ExportSpec)
+    gates: list[str] = Field(default_factory=list, description="quality gates `PATH OP NUMBER` on report.json "
+                             "(compress/gates.py); a failing one exits 3 and skips `push`")
+    push: Optional[PushSpec] = Field(None, description="push the exports to the Hugging Face Hub after every gate "
+                                     "passed (compress/publish/hub.py)")
+
+    @field_validator("gates")
+    @classmethod
+    def _gates(cls, v):
+        from compress.gates import Gate
+
+        for g in v:
+            Gate.parse(g)
+        return v
 
     @field_validator("stages", mode="before")
     @classmethod

@@ -51,7 +51,8 @@ LOCK = ".compress.lock"
 RESERVED = frozenset({MANIFEST, LOCK, "stages", "figures", "run.log", "report.json", "report.md"})
 
 
-NOT_ARTIFACTS = (MANIFEST, LOCK, "run.log")  # what `manifest.files` does not list
+NOT_ARTIFACTS = (MANIFEST, LOCK, "run.log", "SHA256SUMS", "summary.md")  # what `manifest.files` does not list
+# (SHA256SUMS and summary.md: written from the manifest after a run in CI mode, compress/publish/ci.py)
 
 
 def is_run(root: Path) -> bool:

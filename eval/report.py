@@ -103,6 +103,10 @@ def render_markdown(report: dict) -> str:
                             "gen_agree", "gen_kl", "gen_top1", "cosine", "fp_probe_acc", "probe_acc")
                 if any(c in r for r in rows)]
         out.append("\n## Evaluation (full precision vs compressed, same tokens)\n\n" + _table(rows, cols))
+    if report.get("gates"):
+        from compress.gates import markdown
+
+        out.append(markdown(report["gates"]))
     size = dict(report.get("size") or {})
     stored = size.pop("stored", {})
     if size:
