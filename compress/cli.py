@@ -382,6 +382,67 @@ def push(
 
 
 @app.command()
+def compare(
+    runs: List[Path] = typer.Argument(..., help="run output directories"),
+    metric: str = typer.Option("ppl_ratio", "--metric", help="quality axis: ppl_ratio, kl, top1, gen_agree, cosine, "
+                               "probe_acc"),
+    size: str = typer.Option("bytes", "--size", help="size axis: bytes (MiB on disk) or effective_bits"),
+    data: Optional[str] = typer.Option(None, "--data", help="evaluation file to compare on (default: the first "
+                                       "file every run evaluated)"),
+    markdown: Optional[Path] = typer.Option(None, "--markdown", help="also write the markdown (a pull-request "
+                                            "comment) to this file"),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="write the size-vs-quality Pareto plot (PNG) here"),
+    as_json: bool = typer.Option(False, "--json", help="print JSON on stdout"),
+):
+    """Runs side by side: size, quality against full precision, gates, and the size-vs-quality Pareto front.
+
+    Example: compress compare out-w2/ out-w3/ out-w4/ --plot pareto.png --markdown compare.md
+    """
+    from compress.publish.compare import compare as compare_runs
+
+    res = compare_runs(runs, metric=metric, size=size, data=data, plot=plot)
+    if markdown:
+        markdown.write_text(res["markdown"])
+    _emit_json(res) if as_json else typer.echo(res["markdown"])
+
+
+@app.command()
+def sweep(
+    recipe: Path = typer.Argument(..., help="recipe YAML file"),
+    grid: List[str] = typer.Option(..., "--grid", help="dotted.key=v1,v2,... (repeatable; the grid is their product)"),
+    output: Path = typer.Option(Path("sweep"), "--output", "-o", help="directory: points/<point>/, compare.md, "
+                                "pareto.png, sweep.json"),
+    model: Optional[str] = typer.Option(None, "--model", help="model id or local path; replaces the recipe's"),
+    set_: Optional[List[str]] = typer.Option(None, "--set", help="override a recipe key for every point"),
+    executor: str = typer.Option("local", "--executor", help="local (one point after another) or ray"),
+    ray_address: Optional[str] = typer.Option(None, "--ray-address", help="Ray cluster to use (default: RAY_ADDRESS, "
+                                              "else a local Ray instance)"),
+    cpus_per_point: float = typer.Option(1, "--cpus-per-point", min=0.1, help="CPUs a Ray task reserves per point"),
+    metric: str = typer.Option("ppl_ratio", "--metric", help="quality axis of the compare report"),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="warnings only"),
+    as_json: bool = typer.Option(False, "--json", help="print the sweep's JSON on stdout"),
+):
+    """Run a recipe over a grid of settings, one output per point (resumable: rerun the same command), then
+    compare the points.
+
+    Example: compress sweep recipes/w4-gptq.yaml --model ../shared/data/models/ref-llama-7m --grid stages.0.bits=2,3,4 --grid stages.0.group_size=32,128 -o sweep/
+    """
+    from compress.publish.sweep import sweep as run_sweep
+
+    _setup_logging(quiet or as_json)
+    res = run_sweep(recipe, grid, output, overrides=set_ or [], replacements={"model": model} if model else {},
+                    executor=executor, ray_address=ray_address, cpus_per_point=cpus_per_point,
+                    quiet=True, metric=metric)
+    if as_json:
+        _emit_json(res)
+        return
+    for p in res["points"]:
+        typer.echo(f"{p['point']}: {p['status']}{' (earlier)' if p.get('earlier') else ''}")
+    if "compare" in res:
+        typer.echo("\n" + res["compare"]["markdown"])
+
+
+@app.command()
 def recipes():
     """List the bundled recipes with a one-line description each.
 
