@@ -326,3 +326,53 @@ def test_a_hub_model_path_is_the_cards_base_model():
 
     assert looks_like_hub_id("HuggingFaceTB/SmolLM2-135M")
     assert not looks_like_hub_id(str(STORIES260K)) and not looks_like_hub_id("./a/b") and not looks_like_hub_id("a/b/c")
+
+
+@pytest.mark.e2e  # GPTQ on ref-llama-7m and five interpreters (~90 s)
+def test_the_example_workflows_commands_run(hub, tmp_path):
+    """examples/ci/compress.yml, step by step: its `run` commands in bash with the job's environment, the base model
+    downloaded from (and the result pushed to) the loopback Hub; only the install step is left out."""
+    from huggingface_hub import HfApi
+
+    from conftest import MODELS, TEXT
+
+    api = HfApi(endpoint=hub.url)
+    api.create_repo("org/base", exist_ok=True)
+    api.upload_folder(folder_path=str(MODELS / "ref-llama-7m"), repo_id="org/base")
+    wf = yaml.safe_load((REPO / "examples" / "ci" / "compress.yml").read_text())
+    job = wf["jobs"]["compress"]
+    github = {"${{ vars.HUB_REPO }}": "org/from-ci", "${{ github.workspace }}": str(tmp_path),
+              "${{ secrets.HF_TOKEN }}": TOKEN}
+
+    def expand(value: str) -> str:
+        for k, v in github.items():
+            value = value.replace(k, v)
+        assert "${{" not in value, value
+        return value
+
+    env = {**os.environ, **{k: expand(str(v)) for k, v in job["env"].items()}, "HF_ENDPOINT": hub.url,
+           "HF_HUB_OFFLINE": "0", "HF_HUB_DISABLE_XET": "1", "MODEL": "org/base", "OUT": str(tmp_path / "out"),
+           "CALIBRATION": str(TEXT / "wikitext-2" / "valid.txt"),
+           "EVAL_DATA": str(TEXT / "wikitext-2-raw" / "wiki.test.raw")}
+    env.pop("HF_TOKEN", None)  # only the push step gets it, from its own env
+    assert env["HF_HOME"] == expand(next(s for s in job["steps"] if "cache" in s.get("name", ""))["with"]["path"])
+    ran = []
+    for step in job["steps"]:
+        if "run" not in step or step["name"] == "install":  # the packages are installed here already
+            continue
+        step_env = {**env, **{k: expand(str(v)) for k, v in (step.get("env") or {}).items()}}
+        res = subprocess.run(["bash", "-e", "-c", step["run"]], env=step_env, cwd=REPO, capture_output=True,
+                             text=True, timeout=600)
+        assert res.returncode == 0, f"{step['name']}: {res.stdout[-2000:]}{res.stderr[-3000:]}"
+        ran.append(step["name"])
+        if step["name"].startswith("compress,"):
+            assert "**gates: 3 of 3 passed**" in res.stdout and all(json.loads(x) for x in res.stderr.splitlines()
+                                                                   if x.startswith("{"))
+    assert len(ran) == 4
+    assert any(r["route"] == "resolve" and r["path"].startswith("/org/base/") for r in hub.requests)
+    files = hub.files("org/from-ci")
+    out = tmp_path / "out"
+    assert files["model.safetensors"] == (out / "hf" / "model.safetensors").read_bytes()
+    assert ET.parse(out / "gates.xml").getroot().find("testsuite").get("failures") == "0"
+    card = yaml.safe_load(files["README.md"].decode().split("---")[1])
+    assert card["base_model"] == "org/base"  # a Hub id: the card links it
