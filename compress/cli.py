@@ -363,9 +363,10 @@ def push(
 
     Example: compress push out/ --repo my-org/SmolLM2-135M-w4 --dry-run
     """
+    from compress.publish import ci
     from compress.publish.hub import push as push_run
 
-    _setup_logging(as_json)
+    _setup_logging(as_json, ci=ci.enabled(False))
     res = push_run(output, repo, private=private, revision=revision, create_pr=create_pr, dry_run=dry_run,
                    base_model=base_model)
     if as_json:

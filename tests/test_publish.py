@@ -376,3 +376,22 @@ def test_the_example_workflows_commands_run(hub, tmp_path):
     assert ET.parse(out / "gates.xml").getroot().find("testsuite").get("failures") == "0"
     card = yaml.safe_load(files["README.md"].decode().split("---")[1])
     assert card["base_model"] == "org/base"  # a Hub id: the card links it
+
+
+def test_the_card_copies_the_base_models_license_and_links_a_hub_base(tmp_path):
+    from compress.publish.card import render
+
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "README.md").write_text("---\nlicense: apache-2.0\n---\n# base\n")
+    manifest = {"recipe": {"model": {"path": str(base)}, "stages": [{"stage": "quantize", "method": "gptq", "bits": 3}]},
+                "exports": {"hf": {"directory": "hf"}}}
+    report = {"model": "base", "eval": {"wiki.test.raw": {"ppl_ratio": 1.01, "kl": 0.002, "top1": 0.97}},
+              "size": {"effective_bits": 3.125, "bytes": 2**20, "fp_bytes": 2**22, "quantized_layers": 7}}
+    meta = yaml.safe_load(render(manifest, report, "org/m", {"hf": ""}).split("---")[1])
+    assert meta["license"] == "apache-2.0" and "base_model" not in meta and {"gptq", "3-bit"} <= set(meta["tags"])
+    meta = yaml.safe_load(render(manifest, report, "org/m", {"hf": ""}, base_model="meta-llama/Llama-3.2-1B")
+                          .split("---")[1])
+    assert meta["base_model"] == "meta-llama/Llama-3.2-1B"
+    (base / "README.md").write_text("no front matter")
+    assert "license" not in yaml.safe_load(render(manifest, report, "org/m", {"hf": ""}).split("---")[1])
