@@ -243,6 +243,7 @@ def mixed_stories260k():
     return model, qweights
 
 
+@pytest.mark.slow  # two graph traces (~27 s)
 def test_mixed_onnx_and_openvino_reproduce_the_model(tmp_path):
     import openvino as ov
     from compress.kernels.backends import quantize_model

@@ -139,7 +139,7 @@ def test_env_references_not_values_go_into_artifacts(tmp_path, monkeypatch):
 
 
 # -- exports are written whole or not at all ------------------------------------------------------------
-@pytest.mark.parametrize("fmt, save", [("onnx", "onnx_ir.save"),
+@pytest.mark.parametrize("fmt, save", [pytest.param("onnx", "onnx_ir.save", marks=pytest.mark.slow),
                                        pytest.param("openvino", "openvino.save_model", marks=pytest.mark.slow)])
 def test_a_kill_while_exporting_leaves_no_half_written_file(tmp_path, monkeypatch, fmt, save):
     import importlib
@@ -187,6 +187,7 @@ def test_the_report_states_layers_stored_dense(tmp_path):
     assert rc == 0 and "group_size adapted to 35 layers" in stdout and "stored dense: 15 quantized layers" in stdout
 
 
+@pytest.mark.slow  # two runs with every export (~30 s)
 def test_a_gguf_model_exports_like_its_safetensors_twin(tmp_path):
     gguf = STORIES260K / "stories260K-f32.gguf"
     a, b = tmp_path / "gguf", tmp_path / "st"

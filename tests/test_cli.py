@@ -384,6 +384,7 @@ def test_help_shows_flags_without_a_type():
     assert "<bool>" not in out and "<path>" in out
 
 
+@pytest.mark.slow  # a measured run (~40 s)
 def test_dry_run_memory_estimate_is_within_a_third_of_the_measured_peak(tmp_path):
     """The plan's estimate counts the process and the libraries a run imports, not only the model (it said
     76 MB for a run that peaked at 1182 MB). Both measured in fresh processes."""

@@ -126,7 +126,7 @@ def ort_decode_inputs(model, ids, mask, past=None):
     return feed
 
 
-@pytest.mark.parametrize("name,bits,group", [("stories260K", 4, 32),
+@pytest.mark.parametrize("name,bits,group", [pytest.param("stories260K", 4, 32, marks=pytest.mark.slow),
                                              pytest.param("ref-llama-7m", 2, 64, marks=pytest.mark.slow)])
 def test_onnx_kv_cache_decodes_incrementally(name, bits, group, tmp_path):
     """Prefill, then one token per call with the returned present key values: each step's logits equal

@@ -251,7 +251,8 @@ def test_graph_exports_announce_dense_widths_and_take_every_decoder_family(tmp_p
     assert rc == 0, err  # torch's exporter writes every decoder family
 
 
-@pytest.mark.parametrize("model_type", ["mixtral", pytest.param("qwen2_moe", marks=pytest.mark.e2e)])
+@pytest.mark.parametrize("model_type", [pytest.param("mixtral", marks=pytest.mark.e2e),
+                                        pytest.param("qwen2_moe", marks=pytest.mark.e2e)])
 def test_the_bundled_gemq_recipe_runs_on_tiny_moe_models(tmp_path, model_type):
     """recipes/moe-2.5-gemq.yaml as written, shrunk, with the tiny model's narrower groups (32: its experts are
     64 and 128 wide) and a budget they can meet; the exports give the in-run model's predictions."""

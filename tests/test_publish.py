@@ -41,10 +41,12 @@ def hub():
         yield server
 
 
-def _recipe(tmp: Path, *, gates=GATES, push=None, formats=("hf",)) -> Path:
+def _recipe(tmp: Path, *, gates=GATES, push=None, formats=("hf",), generation=False) -> Path:
     path = recipe(tmp, formats=formats, eval_data=[CAL])
     doc = yaml.safe_load(path.read_text())
     doc["gates"] = list(gates)
+    if generation:
+        doc["eval"]["generation"] = {"prompts": 2, "prompt_tokens": 8, "new_tokens": 8}
     if push:
         doc["push"] = push
     path.write_text(yaml.safe_dump(doc, sort_keys=False))
@@ -55,7 +57,7 @@ def _recipe(tmp: Path, *, gates=GATES, push=None, formats=("hf",)) -> Path:
 def pushed(hub, tmp_path_factory):
     """A run whose recipe pushes to the loopback Hub after its gates passed: (output, stderr)."""
     tmp = tmp_path_factory.mktemp("pushed")
-    path = _recipe(tmp, push={"repo": REPO_ID}, formats=("hf", "onnx", "openvino"))
+    path = _recipe(tmp, push={"repo": REPO_ID}, formats=("hf", "onnx", "openvino"), generation=True)
     rc, out, err = invoke("run", path, "-o", tmp / "out", "--ci")
     assert rc == 0, err
     return tmp / "out", out + err
@@ -287,18 +289,13 @@ def test_ci_mode_logs_json_lines_and_writes_checksums_and_a_summary(tmp_path, mo
     assert invoke("verify", out)[0] == 0  # SHA256SUMS and summary.md are not foreign files
 
 
-def test_report_paths_name_exactly_what_a_run_reports(tmp_path):
-    """The gates' plan-time schema and report.json agree (both ways) for eval and size."""
+def test_report_paths_name_exactly_what_a_run_reports(pushed):
+    """The gates' plan-time schema and report.json agree (both ways) for eval (with generation) and size."""
     from compress.gates import report_paths
     from compress.recipe import load_recipe
 
-    path = _recipe(tmp_path, formats=("hf", "onnx"))
-    doc = yaml.safe_load(path.read_text())
-    doc["eval"]["generation"] = {"prompts": 2, "prompt_tokens": 8, "new_tokens": 8}
-    path.write_text(yaml.safe_dump(doc))
-    rc, _, err = invoke("run", path, "-o", tmp_path / "out", "--quiet")
-    assert rc == 0, err
-    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    out, _ = pushed
+    report = json.loads((out / "report.json").read_text())
     numeric = set()
 
     def walk(node, prefix):
@@ -311,7 +308,7 @@ def test_report_paths_name_exactly_what_a_run_reports(tmp_path):
     walk({k: report[k] for k in ("eval", "size", "seconds", "peak_rss_mb")}, "")
     numeric -= {"eval.tinystories_val.txt.gen_prompts", "eval.tinystories_val.txt.gen_new_tokens",
                 "size.stored.hf.tensor_bytes"}  # settings echoed and a layout detail: not gated on
-    paths = report_paths(load_recipe(path).recipe, "causal", ["hf", "onnx"])
+    paths = report_paths(load_recipe(next(out.parent.glob("recipe-*.yaml"))).recipe, "causal", ["hf", "onnx", "openvino"])
     schema = {f"{s}.{m}".lstrip(".") for s, ms in paths.items() for m in ms}
     assert schema == numeric
 

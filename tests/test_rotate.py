@@ -317,7 +317,8 @@ def test_size_report_compares_against_the_model_as_loaded(tmp_path):
     assert abs(size["packed_bytes"] - (fp_bytes + head.numel() * 4 - replaced + qbytes)) <= 4  # effective_bits is rounded
 
 
-@pytest.mark.parametrize("name", ["stories260K", pytest.param("stories-llama-1m", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("name", [pytest.param("stories260K", marks=pytest.mark.slow),
+                                  pytest.param("stories-llama-1m", marks=pytest.mark.slow)])
 def test_fused_rotated_quantized_model_runs_in_onnxruntime_and_openvino(name, tmp_path):
     """The fused variant is an ordinary Llama at full compression: the ONNX (MatMulNBits) and OpenVINO
     (compressed constants) exports of the rotated, quantized model reproduce its logits."""

@@ -55,7 +55,7 @@ def tensor_hashes(directory):
     return out
 
 
-@pytest.mark.parametrize("method,extra", [("gptq", ""), pytest.param("autoround", ", iters: 4, batch_size: 4",
+@pytest.mark.parametrize("method,extra", [pytest.param("gptq", "", marks=pytest.mark.slow), pytest.param("autoround", ", iters: 4, batch_size: 4",
                                                                      marks=pytest.mark.e2e)])
 def test_streamed_export_equals_in_memory_export(tmp_path, method, extra):
     """GPTQ, and AutoRound with its default final block (LFQ: the last block tuned through the streamed
