@@ -41,6 +41,7 @@ class Repo:
     refs: dict = field(default_factory=dict)  # branch or refs/pr/N -> commit sha
     commits: dict = field(default_factory=dict)  # sha -> {"parent", "files": {path: Entry}, "message"}
     prs: int = 0
+    lfs: set = field(default_factory=set)  # LFS objects uploaded to this repository (the Hub keeps them per repo)
 
     def tree(self, rev: str) -> dict | None:
         sha = self.refs.get(rev, rev)
@@ -107,7 +108,7 @@ ROUTES = [
     ("POST", "preupload", re.compile(rf"^/api/models/{_REPO}/preupload/(?P<rev>[^/]+)$")),
     ("POST", "commit", re.compile(rf"^/api/models/{_REPO}/commit/(?P<rev>[^/]+)$")),
     ("POST", "batch", re.compile(rf"^/{_REPO}\.git/info/lfs/objects/batch$")),
-    ("PUT", "upload", re.compile(r"^/lfs-upload/(?P<oid>[0-9a-f]{64})$")),
+    ("PUT", "upload", re.compile(rf"^/lfs-upload/{_REPO}/(?P<oid>[0-9a-f]{{64}})$")),
     ("GET", "resolve", re.compile(rf"^/{_REPO}/resolve/(?P<rev>[^/]+)/(?P<path>.+)$")),
     ("HEAD", "resolve", re.compile(rf"^/{_REPO}/resolve/(?P<rev>[^/]+)/(?P<path>.+)$")),
 ]
@@ -268,13 +269,13 @@ def _handler(hub: HubServer):
             return _Reply(200, {"files": out})
 
         def _batch(self, args, query, body, method):
-            self._repo(args["repo"], write=True)
+            repo = self._repo(args["repo"], write=True)
             doc = json.loads(body)
             objects = []
             for o in doc["objects"]:
                 item = {"oid": o["oid"], "size": o["size"]}
-                if o["oid"] not in hub.blobs:
-                    item["actions"] = {"upload": {"href": f"{hub.url}/lfs-upload/{o['oid']}"}}
+                if o["oid"] not in repo.lfs:
+                    item["actions"] = {"upload": {"href": f"{hub.url}/lfs-upload/{args['repo']}/{o['oid']}"}}
                 objects.append(item)
             return _Reply(200, {"transfer": "basic", "objects": objects})
 
@@ -282,6 +283,7 @@ def _handler(hub: HubServer):
             if hashlib.sha256(body).hexdigest() != args["oid"]:
                 raise _Reply(400, {"error": "sha256 mismatch"})
             hub.blobs[args["oid"]] = body
+            hub.repos[args["repo"]].lfs.add(args["oid"])
             return _Reply(200, {})
 
         def _commit(self, args, query, body, method):
@@ -304,7 +306,7 @@ def _handler(hub: HubServer):
                     staged[key] = data
                     files[v["path"]] = Entry(len(data), git_oid(data), False, key)
                 elif x["key"] == "lfsFile":
-                    if v["oid"] not in hub.blobs:
+                    if v["oid"] not in repo.lfs:
                         raise _Reply(422, {"error": f"LFS object {v['oid']} of {v['path']} was never uploaded"})
                     files[v["path"]] = Entry(v["size"], v["oid"], True, v["oid"])
                 elif x["key"] in ("deletedFile", "deletedFolder"):

@@ -189,7 +189,7 @@ def test_dry_run_lists_files_sizes_and_the_card_without_contacting_anything(push
     assert re.search(rf"{size:,}\s+model.safetensors", stdout)
 
 
-@pytest.mark.parametrize("case", ["401", "403", "404", "503-retried", "503-persistent", "refused"])
+@pytest.mark.parametrize("case", ["401", "403", "404", "upload-403", "503-retried", "503-persistent", "refused"])
 def test_push_errors_exit_2_with_a_clear_message_and_leave_no_half_pushed_revision(pushed, hub, monkeypatch, case):
     import huggingface_hub.constants as C
 
@@ -201,6 +201,8 @@ def test_push_errors_exit_2_with_a_clear_message_and_leave_no_half_pushed_revisi
         repo = "someone-else/model"
     elif case == "404":
         hub.fail("preupload", 404)
+    elif case == "upload-403":  # a large file's upload refused (huggingface_hub wraps it in a RuntimeError)
+        hub.fail("upload", 403, times=10)
     elif case == "503-retried":
         hub.fail("commit", 503, times=1)
     elif case == "503-persistent":
@@ -218,7 +220,8 @@ def test_push_errors_exit_2_with_a_clear_message_and_leave_no_half_pushed_revisi
         return
     assert rc == 2, err
     expected = {"401": "authentication failed: set HF_TOKEN", "403": "no write access to `someone-else/model`",
-                "404": "was not found", "503-persistent": "answered 503 after 3 attempts",
+                "404": "was not found", "upload-403": "no write access to `org/errors-upload-403`",
+                "503-persistent": "answered 503 after 3 attempts",
                 "refused": "cannot reach http://127.0.0.1"}[case]
     assert expected in err and "nothing was committed" in err and "Traceback" not in err
     assert TOKEN not in err

@@ -115,8 +115,18 @@ def push(root: Path, repo: str, *, private: bool = False, revision: str | None =
     return out
 
 
+def _cause(e: BaseException) -> BaseException:
+    """The HTTP or network error behind `e` (huggingface_hub wraps an upload's failure in a RuntimeError)."""
+    seen = e
+    while seen is not None:
+        if getattr(seen, "response", None) is not None or isinstance(seen, _network_errors()):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return e
+
+
 def _status(e) -> int | None:
-    response = getattr(e, "response", None)
+    response = getattr(_cause(e), "response", None)
     return getattr(response, "status_code", None)
 
 
@@ -138,7 +148,7 @@ def _network_errors() -> tuple[type, ...]:
 
 def _transient(e) -> bool:
     s = _status(e)
-    return (s is not None and s >= 500) or s == 429 or isinstance(e, _network_errors())
+    return (s is not None and s >= 500) or s == 429 or isinstance(_cause(e), _network_errors())
 
 
 class _errors:
@@ -155,6 +165,7 @@ class _errors:
             return False
         from huggingface_hub.errors import HfHubHTTPError
 
+        e = _cause(e)
         if isinstance(e, _network_errors()):
             raise PushFailure(f"push: cannot reach {self.endpoint} ({type(e).__name__}: {e}); nothing was "
                               "committed. Check the network (and HF_ENDPOINT), then rerun `compress push`") from None
