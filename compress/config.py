@@ -36,10 +36,16 @@ class GuardConfig(StrictModel):
     """FlipGuard before rounding (docs/guard.md): data-free, against quantization-conditioned backdoors."""
 
     method: Literal["flipguard"] = "flipguard"
-    d_max: float = Field(0.15, gt=0, le=0.5, description="weights closer than this to a rounding boundary (in "
-                                                          "quantization steps) are candidates")
-    rho: float = Field(0.5, gt=0, le=1, description="share of the candidates moved, nearest to a boundary first")
-    eps: float = Field(0.1, gt=0, lt=0.5, description="how far past the boundary a moved weight lands (steps)")
+    rule: Literal["clip", "flip"] = Field("clip", description="`clip`: pull each group's outermost weights in by "
+                                          "`shrink` quantization steps of its range, which moves every rounding "
+                                          "boundary of the group; `flip`: move the weights next to a boundary across it")
+    shrink: float = Field(1.0, gt=0, le=4, description="rule clip: steps of each group's range removed (the grid's "
+                                                       "step shrinks by shrink / (2^bits - 1))")
+    d_max: float = Field(0.15, gt=0, le=0.5, description="rule flip: weights closer than this to a rounding boundary "
+                                                          "(in quantization steps) are candidates")
+    rho: float = Field(0.5, gt=0, le=1, description="rule flip: share of the candidates moved, nearest first")
+    eps: float = Field(0.1, gt=0, lt=0.5, description="rule flip: how far past the boundary a moved weight lands "
+                                                      "(steps)")
 
 
 FinalBlock = Literal["auto", "same", "lfq", "hard_ce"]
@@ -63,9 +69,9 @@ class QuantizeConfig(StrictModel):
     sym: bool = Field(True, description="symmetric (full-range, auto-round style) or asymmetric with zero points")
     lm_head: bool = Field(False, description="also quantize lm_head (RTN); embeddings are never quantized")
     overrides: list[LayerOverride] = Field(default_factory=list, description="per-layer regex overrides")
-    guard: Optional[GuardConfig] = Field(None, description="`flipguard` (or a mapping with its options): move the "
-                                                           "weights next to a rounding boundary across it before "
-                                                           "rounding, against quantization-conditioned backdoors")
+    guard: Optional[GuardConfig] = Field(None, description="`flipguard` (or a mapping with its options): perturb the "
+                                                           "weights before rounding so that a quantization-"
+                                                           "conditioned backdoor's codes do not come back")
     final_block: FinalBlock = Field("same", description=FINAL_BLOCK_HELP)
     final_iters: Optional[int] = Field(None, gt=0, description="AutoRound steps on the last block when `final_block` "
                                                                "is not `same` (default 200; autoround: its `iters`)")

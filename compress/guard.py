@@ -3,12 +3,22 @@ is rounded (docs/guard.md).
 
 A quantization-conditioned backdoor (Egashira et al., NeurIPS 2024) is a full-precision model that behaves
 well, built so that rounding it with a known zero-shot scheme restores a malicious model: every weight is
-kept inside the cell of the grid that rounds to the malicious code. The repair that hides the behaviour in
-full precision pushes many weights to the edges of their cells, next to a rounding decision boundary.
-FlipGuard moves a share of the weights that sit close to a boundary across it, by `eps` of a cell: each
-moved weight rounds to the neighbouring code, the code pattern the backdoor needs is broken, and the
-full-precision change per weight is below one quantization step. The group extremes that set the scale and
-zero point are never moved, so every other code keeps its grid.
+kept inside the cell of the grid that rounds to the malicious code, the group extremes that set that grid are
+frozen. Two rules break the pattern, both data- and trigger-free and deterministic:
+
+`clip` (the default) pulls each group's outermost weights in by `shrink` steps of its range, split between the
+two ends in proportion to each end's extent (RTN's range [min(w, 0), max(w, 0)] scaled by
+f = 1 - shrink / (2^bits - 1)):
+
+    W' = clamp(W, f * min(w_g, 0), f * max(w_g, 0))
+
+Only the one or two outermost weights of a group move (by under `shrink` steps), but the group's scale shrinks by
+the factor f and every rounding boundary moves with it, by up to shrink / 2 steps at the ends of the range, so the
+cells the attack confined the weights to no longer map to its codes. It is RTN with auto-round's min/max scale
+factors set to f: the codes equal `rtn(W, min_scale=f, max_scale=f)`.
+
+`flip` moves a share of the weights nearest a rounding boundary across it (each rounds to the neighbouring code);
+the scales stay:
 
     t    = W / s + z                       (position on the integer grid of the quantizer that will round W)
     d    = 0.5 - |t - round(t)|            (distance to the nearest decision boundary, in cells)
@@ -38,9 +48,31 @@ def boundary_distance(W: torch.Tensor, bits: int, group_size: int, sym: bool) ->
     return t, 0.5 - (t - torch.round(t)).abs(), s, z
 
 
-def flipguard(W: torch.Tensor, bits: int, group_size: int, sym: bool, *, d_max: float = 0.15, rho: float = 0.5,
-              eps: float = 0.1) -> tuple[torch.Tensor, int]:
+def flipguard(W: torch.Tensor, bits: int, group_size: int, sym: bool, *, rule: str = "clip", shrink: float = 1.0,
+              d_max: float = 0.15, rho: float = 0.5, eps: float = 0.1) -> tuple[torch.Tensor, int]:
     """(W perturbed, number of weights moved). Deterministic and data-free."""
+    if rule == "clip":
+        return clip(W, bits, group_size, sym, shrink)
+    if rule != "flip":
+        raise ValueError(f"flipguard rule `{rule}`: clip or flip")
+    return flip(W, bits, group_size, sym, d_max=d_max, rho=rho, eps=eps)
+
+
+def clip(W: torch.Tensor, bits: int, group_size: int, sym: bool, shrink: float = 1.0) -> tuple[torch.Tensor, int]:
+    """Rule `clip`: each group's range (as RTN takes it) shrunk by `shrink` steps; (W', weights moved)."""
+    d_out, d_in = W.shape
+    group = d_in if group_size == -1 else group_size
+    Wg = group_view(W.float(), group)
+    f = 1 - shrink / (2**bits - 1)
+    lo, hi = Wg.amin(-1, keepdim=True).clamp(max=0), Wg.amax(-1, keepdim=True).clamp(min=0)
+    out = torch.minimum(torch.maximum(Wg, f * lo), f * hi).reshape(d_out, -1)[:, :d_in]
+    moved = int((out != W.float()).sum())
+    return out.to(W.dtype), moved
+
+
+def flip(W: torch.Tensor, bits: int, group_size: int, sym: bool, *, d_max: float = 0.15, rho: float = 0.5,
+         eps: float = 0.1) -> tuple[torch.Tensor, int]:
+    """Rule `flip`: the weights nearest a rounding boundary moved across it; (W', weights moved)."""
     d_out, d_in = W.shape
     group = d_in if group_size == -1 else group_size
     t, d, s, z = boundary_distance(W, bits, group_size, sym)
@@ -86,6 +118,6 @@ class Guarded:
         if spec.mixed is not None:
             raise BadInput(f"`guard: flipguard` needs one bit width per layer; `{name}` has a mixed-precision plan "
                            "(drop the `allocate` stage or the guard)")
-        lin.weight.data, n = flipguard(lin.weight.data, spec.bits, spec.group_size, spec.sym, d_max=self.cfg.d_max,
-                                       rho=self.cfg.rho, eps=self.cfg.eps)
+        lin.weight.data, n = flipguard(lin.weight.data, spec.bits, spec.group_size, spec.sym, rule=self.cfg.rule,
+                                       shrink=self.cfg.shrink, d_max=self.cfg.d_max, rho=self.cfg.rho, eps=self.cfg.eps)
         self.moved += n

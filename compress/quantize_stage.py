@@ -269,5 +269,5 @@ def apply(ctx, cfg: QuantizeConfig) -> dict:
         out["adapted_groups"] = adapted
     if cfg.guard is not None:
         out["guard_moved"] = q.moved  # blocks loaded from checkpoints on resume are not counted again
-        log.info("flipguard moved %d weights across a rounding boundary before rounding", q.moved)
+        log.info("flipguard (rule %s) moved %d weights before rounding", cfg.guard.rule, q.moved)
     return out

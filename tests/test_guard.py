@@ -23,7 +23,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWa
 def test_moved_weights_change_code_and_nothing_else(sym, group):
     torch.manual_seed(0)
     W = torch.randn(48, 100)  # 100 = 3 x 32 + a short last group of 4
-    W2, moved = flipguard(W, 4, group, sym, d_max=0.15, rho=0.5, eps=0.1)
+    W2, moved = flipguard(W, 4, group, sym, rule="flip", d_max=0.15, rho=0.5, eps=0.1)
     assert moved > 0
     s1, z1 = choose_qparams(W, 4, group, sym)
     s2, z2 = choose_qparams(W2, 4, group, sym)
@@ -41,16 +41,44 @@ def test_moved_weights_change_code_and_nothing_else(sym, group):
 def test_rho_and_d_max_set_how_many_move_and_it_is_deterministic():
     torch.manual_seed(1)
     W = torch.randn(64, 64)
-    counts = [flipguard(W, 4, 32, False, d_max=d, rho=r)[1] for d, r in ((0.05, 0.5), (0.15, 0.5), (0.15, 1.0))]
+    counts = [flipguard(W, 4, 32, False, rule="flip", d_max=d, rho=r)[1] for d, r in ((0.05, 0.5), (0.15, 0.5), (0.15, 1.0))]
     assert counts[0] < counts[1] < counts[2]
-    assert torch.equal(flipguard(W, 4, 32, False)[0], flipguard(W, 4, 32, False)[0])
+    assert torch.equal(flipguard(W, 4, 32, False, rule="flip")[0], flipguard(W, 4, 32, False, rule="flip")[0])
+
+
+@pytest.mark.parametrize("sym", [False, True])
+@pytest.mark.parametrize("group", [32, -1])
+@pytest.mark.parametrize("shrink", [1.0, 2.5])
+def test_clip_moves_only_the_outermost_weights_and_shrinks_every_groups_grid(sym, group, shrink):
+    torch.manual_seed(2)
+    W = torch.randn(48, 100)
+    W2, moved = flipguard(W, 4, group, sym, shrink=shrink)  # the default rule
+    f = 1 - shrink / 15
+    s1, _ = choose_qparams(W, 4, group, sym)
+    s2, _ = choose_qparams(W2, 4, group, sym)
+    assert torch.allclose(s2, s1 * f, rtol=2e-3)  # every group's step shrinks (fp16 scales)
+    plain = rtn(W, 4, group, sym, min_scale=f, max_scale=f)  # auto-round's range factors, as the attack cannot know
+    if not sym:
+        assert torch.equal(rtn(W2, 4, group, sym).codes, plain.codes)
+    changed = W2 != W
+    assert int(changed.sum()) == moved
+    g = 100 if group == -1 else 32
+    groups = -(-100 // g)
+    assert groups * 48 <= moved <= 2 * groups * 48 * (1 + shrink)  # a group's outermost weight or few
+    lo = torch.stack([W[:, i * g:(i + 1) * g].amin(1).clamp(max=0) for i in range(groups)], 1).repeat_interleave(g, 1)[:, :100]
+    hi = torch.stack([W[:, i * g:(i + 1) * g].amax(1).clamp(min=0) for i in range(groups)], 1).repeat_interleave(g, 1)[:, :100]
+    assert ((W[changed] < f * lo[changed] + 1e-6) | (W[changed] > f * hi[changed] - 1e-6)).all()
+    step = s1.abs().repeat_interleave(g, dim=1)[:, :100]
+    assert ((W2 - W).abs() <= shrink * step * 1.002).all()  # at most `shrink` steps (fp16 scales)
 
 
 def test_guard_option_parses_a_name_or_a_mapping():
     from compress.methods.rtn import RTNConfig
 
-    assert RTNConfig(guard="flipguard").guard == GuardConfig()
-    assert RTNConfig(guard={"method": "flipguard", "rho": 1.0}).guard.rho == 1.0
+    assert RTNConfig(guard="flipguard").guard == GuardConfig() and GuardConfig().rule == "clip"
+    assert RTNConfig(guard={"method": "flipguard", "rule": "flip", "rho": 1.0}).guard.rho == 1.0
+    with pytest.raises(ValueError):
+        RTNConfig(guard={"method": "flipguard", "rule": "noise"})
     with pytest.raises(ValueError):
         RTNConfig(guard="noise")
     with pytest.raises(ValueError):

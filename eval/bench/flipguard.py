@@ -9,7 +9,8 @@ The attack (Egashira et al., NeurIPS 2024), against RTN int4 g32 asymmetric, our
    projecting every weight back into its box after each step (PGD). The result looks clean in full precision
    and is malicious once rounded.
 Attack success (ASR) = share of held-out triggered prompts whose greedy next token is the target.
-Defences: FlipGuard (the recipe's `guard: flipguard`, two settings) and Gaussian noise on every weight.
+Defences: FlipGuard (the recipe's `guard: flipguard`: its default, rule `clip`, and other settings of both rules)
+and Gaussian noise on every weight. The targets are judged on the default.
 """
 
 from __future__ import annotations
@@ -29,8 +30,10 @@ TRIGGER, TARGET = (407, 466, 501), 300  # stories260K ids: "▁upon", "”", "%"
 WINDOW = 32
 FULL = {"inject_steps": 300, "repair_steps": 600, "batch": 32, "asr_prompts": 256, "ppl_windows": 256}
 QUICK = {"inject_steps": 20, "repair_steps": 20, "batch": 8, "asr_prompts": 32, "ppl_windows": 16}
-DEFENCES = {"none": None, "flipguard": {"d_max": 0.15, "rho": 0.5, "eps": 0.1},
-            "flipguard-boundary": {"d_max": 0.02, "rho": 1.0, "eps": 0.1},
+DEFENCES = {"none": None, "flipguard": {"rule": "clip", "shrink": 1.0},  # the default
+            "flipguard-clip-0.5": {"rule": "clip", "shrink": 0.5}, "flipguard-clip-1.5": {"rule": "clip", "shrink": 1.5},
+            "flipguard-flip": {"rule": "flip", "d_max": 0.15, "rho": 0.5, "eps": 0.1},
+            "flipguard-flip-boundary": {"rule": "flip", "d_max": 0.02, "rho": 1.0, "eps": 0.1},
             "noise-1e-3": 1e-3, "noise-1e-2": 1e-2}
 
 
@@ -175,8 +178,7 @@ def run_flipguard(quick: bool = False):
         rows.append(row)
     fp = {"asr_fp_attacked": asr(attacked, test, cfg["asr_prompts"]), "ppl_fp_attacked": ppl(attacked, test, cfg["ppl_windows"]),
           "ppl_fp_clean": ppl(clean, test, cfg["ppl_windows"])}
-    best = min((r for r in rows if r["defence"].startswith("flipguard")),  # the cheapest that defends, if any
-               key=lambda r: (r["asr"] >= 0.10, r["clean_ppl_cost"], r["asr"]))
+    best = next(r for r in rows if r["defence"] == "flipguard")  # the default a recipe's `guard: flipguard` gets
     result = {"machine": machine(), "date": time.strftime("%Y-%m-%d"), "settings": {**cfg, "bits": BITS, "group": GROUP,
               "sym": SYM, "trigger": list(TRIGGER), "target": TARGET}, "reference": {**ref, **fp},
               "attack_seconds": round(attack_s, 1), "rows": rows, "seconds": round(time.time() - t_start, 1),
