@@ -395,3 +395,28 @@ def test_the_card_copies_the_base_models_license_and_links_a_hub_base(tmp_path):
     assert meta["base_model"] == "meta-llama/Llama-3.2-1B"
     (base / "README.md").write_text("no front matter")
     assert "license" not in yaml.safe_load(render(manifest, report, "org/m", {"hf": ""}).split("---")[1])
+
+
+def test_an_encoders_card_says_feature_extraction_and_its_snippet_runs(tmp_path):
+    """An encoder run (a tiny BERT with stories260K's tokenizer, RTN W4): the card's transformers snippet, pointed at
+    the local export instead of the Hub, embeds a sentence."""
+    import shutil
+
+    import transformers as T
+
+    from compress.publish.hub import plan
+
+    bert = tmp_path / "bert"
+    T.BertModel(T.BertConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                             vocab_size=512, max_position_embeddings=128)).save_pretrained(bert)
+    for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"):
+        shutil.copy(STORIES260K / f, bert)
+    rc, _, err = invoke("run", recipe(tmp_path), "--model", bert, "-o", tmp_path / "out", "--quiet")
+    assert rc == 0, err
+    _, card = plan(tmp_path / "out", "org/enc")
+    assert yaml.safe_load(card.split("---")[1])["pipeline_tag"] == "feature-extraction"
+    (code,) = re.findall(r"```python\n(.*?)```", card, re.S)
+    res = subprocess.run([sys.executable, "-c", code.replace('"org/enc"', repr(str(tmp_path / "out" / "hf")))],
+                         capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "embedding: (1, 64)" in res.stdout

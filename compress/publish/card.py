@@ -92,6 +92,25 @@ def snippets(repo: str, formats: dict[str, str], kind: str) -> str:
     """How to load each pushed format from `repo`; `formats`: format -> directory in the repository ("" for
     the root). Each block runs as written (a test runs them)."""
     out = []
+    if "hf" in formats and kind == "encoder":
+        out.append(f"""### transformers
+
+The packed layers are in auto-round's format: `pip install auto-round` lets transformers read them.
+
+```python
+import torch
+from transformers import AutoModel, AutoTokenizer
+
+tokenizer = AutoTokenizer.from_pretrained("{repo}")
+model = AutoModel.from_pretrained("{repo}").eval()
+batch = tokenizer(["A sentence to embed."], return_tensors="pt")
+with torch.no_grad():
+    hidden = model(**batch).last_hidden_state
+mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
+embedding = (hidden * mask).sum(1) / mask.sum(1)  # mean pooling
+print("embedding:", tuple(embedding.shape))
+```
+""")
     if "hf" in formats and kind == "causal":
         out.append(f"""### transformers
 
@@ -159,14 +178,26 @@ logits = compiled(feeds)["logits"]
 print("next token:", int(logits[0, -1].argmax()))
 ```
 """)
-    return "\n".join(out)
+    return "\n".join(out) if out else "The repository holds the exported files as listed; no loading snippet for " \
+                                        "this combination of model and formats.\n"
 
 
-def render(manifest: dict, report: dict, repo: str, formats: dict[str, str], *, base_model: str | None = None) -> str:
-    """README.md for `repo`: metadata front matter and the body."""
+def model_kind(root: Path, exports: dict) -> str:
+    """`causal` or `encoder`, from the `hf` export's config.json (graph exports are decoders only)."""
+    hf = exports.get("hf")
+    config = Path(root) / (hf.get("directory", "hf") if hf else "hf") / "config.json"
+    try:
+        archs = json.loads(config.read_text()).get("architectures") or []
+    except (OSError, ValueError):
+        return "causal"
+    return "causal" if not archs or any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs) else "encoder"
+
+
+def render(manifest: dict, report: dict, repo: str, formats: dict[str, str], *, base_model: str | None = None,
+           kind: str = "causal") -> str:
+    """README.md for `repo`: metadata front matter and the body; `kind` causal or encoder (`model_kind`)."""
     from huggingface_hub import ModelCard
 
-    kind = "encoder" if any("cosine" in v for v in (report.get("eval") or {}).values()) else "causal"
     data = metadata(manifest, report, repo, kind, base_model)
     recipe = manifest.get("recipe") or {}
     stages = ", ".join(f"{s['stage']} `{s['method']}`" + (f" W{s['bits']}" if s.get("bits") else "")

@@ -33,7 +33,7 @@ class PushFailure(RunFailure):
 
 def plan(root: Path, repo: str, *, base_model: str | None = None) -> tuple[list[tuple[str, object, int]], str]:
     """([(path in the repository, local path or bytes, size)], model card) of the finished run in `root`."""
-    from compress.publish.card import render
+    from compress.publish.card import model_kind, render
     from compress.verify import verify
 
     root = Path(root)
@@ -68,7 +68,7 @@ def plan(root: Path, repo: str, *, base_model: str | None = None) -> tuple[list[
             files.append((f"compress/{name}", root / name, (root / name).stat().st_size))
     recipe = yaml.safe_dump(manifest.get("recipe") or {}, sort_keys=False).encode()
     files.append(("compress/recipe.yaml", recipe, len(recipe)))
-    card = render(manifest, report, repo, formats, base_model=base_model)
+    card = render(manifest, report, repo, formats, base_model=base_model, kind=model_kind(root, exports))
     files.append(("README.md", card.encode(), len(card.encode())))
     clash = [p for p in {f[0] for f in files} if sum(f[0] == p for f in files) > 1]
     if clash:
