@@ -81,7 +81,7 @@ def _eval_files(paths: dict) -> list[str]:
 def resolve(gate: Gate, paths: dict[str, list[str]], dirs: dict[str, str]) -> list[tuple[str, str]]:
     """The (section, metric) pairs `gate` reads; BadInput naming what exists when its path matches nothing."""
     head, _, metric = gate.path.rpartition(".")
-    if head.startswith("eval.") or head in ("eval", "eval.*"):
+    if head == "eval" or head.startswith("eval."):
         name = head[len("eval."):] if head.startswith("eval.") else ""
         files = _eval_files(paths)
         if name == "*":
@@ -109,13 +109,11 @@ def resolve(gate: Gate, paths: dict[str, list[str]], dirs: dict[str, str]) -> li
     return [(s, metric) for s in sections]
 
 
-def check(gates: list[str], recipe, kind: str, exports: list[str]) -> list[Gate]:
-    """Parse and resolve every gate against this recipe's report (plan time)."""
+def check(gates: list[str], recipe, kind: str, exports: list[str]) -> list[tuple[Gate, list[tuple[str, str]]]]:
+    """Parse every gate and resolve it against this recipe's report (plan time): [(gate, its (section, metric)
+    pairs)]."""
     paths, dirs = report_paths(recipe, kind, exports), _dirs(recipe)
-    parsed = [Gate.parse(g) for g in gates]
-    for g in parsed:
-        resolve(g, paths, dirs)
-    return parsed
+    return [(g, resolve(g, paths, dirs)) for g in map(Gate.parse, gates)]
 
 
 def _dirs(recipe) -> dict[str, str]:
@@ -136,11 +134,9 @@ def _lookup(report: dict, section: str, metric: str):
 def evaluate(gates: list[str], recipe, kind: str, exports: list[str], report: dict) -> list[dict]:
     """Each gate with its measured value, margin (how far inside the threshold: negative when failing) and
     verdict. With several files (`*`), the worst file's value is the measured one."""
-    parsed = check(gates, recipe, kind, exports)
-    paths, dirs = report_paths(recipe, kind, exports), _dirs(recipe)
     out = []
-    for g in parsed:
-        values = [(s, _lookup(report, s, m)) for s, m in resolve(g, paths, dirs)]
+    for g, pairs in check(gates, recipe, kind, exports):
+        values = [(s, _lookup(report, s, m)) for s, m in pairs]
         missing = [s for s, v in values if not isinstance(v, (int, float)) or isinstance(v, bool)
                    or not math.isfinite(v)]
         row = {"gate": g.text, "op": g.op, "threshold": g.threshold}
@@ -193,11 +189,16 @@ def _text(r: dict) -> str:
     return escape(f"{r['path']} = {r['value']} ({r['op']} {r['threshold']:g})")
 
 
-def markdown(results: list[dict]) -> str:
-    """report.md's Gates section."""
+def table(results: list[dict]) -> str:
+    """The gates as a markdown table (report.md, the CI summary and the model card show the same one)."""
     def num(v, fmt):
         return "" if v is None else format(v, fmt)
 
     rows = "".join(f"| {'PASS' if r['passed'] else 'FAIL'} | `{r['gate']}` | {r['path']} | {num(r['value'], '.6g')} | "
                    f"{num(r['margin'], '+.6g')} |\n" for r in results)
-    return "\n## Gates\n\n| | gate | measured | value | margin |\n|---|---|---|---|---|\n" + rows
+    return "| | gate | measured | value | margin |\n|---|---|---|---|---|\n" + rows
+
+
+def markdown(results: list[dict]) -> str:
+    """report.md's Gates section."""
+    return "\n## Gates\n\n" + table(results)

@@ -179,7 +179,7 @@ def _plan(loaded) -> tuple[dict, Binding]:
     if r.gates:
         from compress import gates
 
-        out["gates"] = [g.text for g in gates.check(r.gates, r, kind, r.export.names())]
+        out["gates"] = [g.text for g, _ in gates.check(r.gates, r, kind, r.export.names())]
     if r.push:
         out["push"] = r.push.model_dump()
     notes = [n for b in binding.exports for n in b.facts.notes]
@@ -312,10 +312,11 @@ def _run(loaded, binding: Binding, ws: Workspace, quiet: bool) -> dict:
     if failed:
         from compress.gates import GateFailure, failure_message
 
-        log.error("gates: %s", failure_message(report["gates"]))
+        message = failure_message(report["gates"])
+        log.error("gates: %s", message)
         if r.push:
             log.warning("push to %s skipped: a gate failed", r.push.repo)
-        raise GateFailure(failure_message(report["gates"]) + f"\n(report: {ws.path('report.md')}, "
+        raise GateFailure(message + f"\n(report: {ws.path('report.md')}, "
                           f"JUnit: {ws.path('gates.xml')})")
     if r.push:
         from compress.publish.hub import PushFailure, push

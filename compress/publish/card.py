@@ -223,9 +223,9 @@ def render(manifest: dict, report: dict, repo: str, formats: dict[str, str], *, 
         body.append("## Size\n\n" + _table([r for r in rows if r[1] is not None], ["", "value"]))
     gates = report.get("gates")
     if gates:
-        body.append("## Quality gates\n\n" + _table(
-            [["pass" if g["passed"] else "FAIL", f"`{g['gate']}`", _fmt(g["value"]), _fmt(g["margin"])] for g in gates],
-            ["", "gate", "measured", "margin"]))
+        from compress.gates import table
+
+        body.append("## Quality gates\n\n" + table(gates))
     body.append("## Use it\n\n" + snippets(repo, formats, kind))
     body.append("## Recipe\n\nThe resolved recipe of the run (`compress/recipe.yaml` in this repository; "
                 "`compress run compress/recipe.yaml` reproduces it):\n\n```yaml\n"
@@ -236,6 +236,3 @@ def render(manifest: dict, report: dict, repo: str, formats: dict[str, str], *, 
     body.append("The full report is `compress/report.md` (`compress/report.json`).\n")
     return ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(body)).content
 
-
-def load_json(path: Path) -> dict:
-    return json.loads(Path(path).read_text())

@@ -54,6 +54,7 @@ def sha256sums(root: Path) -> str:
 def summary(root: Path, report: dict | None, error: str | None = None) -> str:
     """A one-screen markdown summary: model, quality, size, gates, exports, push."""
     from compress.eval.report import summary_lines
+    from compress.gates import table as gates_table
 
     manifest = json.loads((Path(root) / "manifest.json").read_text())
     recipe = manifest.get("recipe") or {}
@@ -65,11 +66,7 @@ def summary(root: Path, report: dict | None, error: str | None = None) -> str:
         gates = report.get("gates") or []
         if gates:
             passed = sum(g["passed"] for g in gates)
-            lines += ["", f"**gates: {passed} of {len(gates)} passed**", "", "| | gate | measured | margin |",
-                      "|---|---|---|---|"]
-            lines += [f"| {'pass' if g['passed'] else 'FAIL'} | `{g['gate']}` | "
-                      f"{'-' if g['value'] is None else format(g['value'], '.6g')} | "
-                      f"{'-' if g['margin'] is None else format(g['margin'], '+.6g')} |" for g in gates]
+            lines += ["", f"**gates: {passed} of {len(gates)} passed**", "", gates_table(gates).rstrip("\n")]
         exports = report.get("exports") or {}
         if exports:
             lines += ["", "exports: " + ", ".join(f"`{k}`" for k in exports)]
