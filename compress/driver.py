@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import logging
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
@@ -118,40 +119,83 @@ def propagate(block: nn.Module, inputs: list[torch.Tensor], kwargs: list[dict]) 
 
 
 @torch.no_grad()
+def advance(block: nn.Module, acts: list[torch.Tensor], kwargs: list[dict]) -> None:
+    """`propagate` in place: each batch is replaced by the block's output, so the calibration activations
+    exist once (plus one batch), not as inputs and outputs side by side."""
+    for j, kw in enumerate(kwargs):
+        acts[j] = block_forward(block, acts[j], kw)
+
+
+@torch.no_grad()
+def _forward_only(block: nn.Module, inputs: list[torch.Tensor], kwargs: list[dict]) -> None:
+    """Run the block for its hooks; the outputs are dropped batch by batch."""
+    for x, kw in zip(inputs, kwargs):
+        block_forward(block, x, kw)
+
+
+@torch.no_grad()
 def collect_hessians(block, linears: dict[str, nn.Linear], inputs, kwargs, cover=None) -> dict[str, torch.Tensor]:
-    """H = 2/n * sum x x^T over every calibration row reaching each linear (docs/quantize.md#gptq). `cover`
-    (MoE blocks, compress.moe.Coverage) adds forced rows for the experts that too few rows reached."""
-    H = {n: torch.zeros(m.in_features, m.in_features, dtype=torch.float64) for n, m in linears.items()}
+    """H = 2/n * sum x x^T over every calibration row reaching each linear (docs/quantize.md#gptq), accumulated
+    in fp32 as the GPTQ reference does. Linears fed the same tensor (q/k/v, gate/up) share one Hessian: the
+    returned dict then maps their names to the same tensor object. `cover` (MoE blocks, compress.moe.Coverage)
+    adds forced rows for the experts that too few rows reached."""
+    H = _accumulate(block, linears, inputs, kwargs, cover, share=True)
+    if H is None:  # a linear's input was not always its group's: collect again, one Hessian per linear
+        H = _accumulate(block, linears, inputs, kwargs, cover, share=False)
+    return H
+
+
+def _accumulate(block, linears, inputs, kwargs, cover, share: bool) -> dict[str, torch.Tensor] | None:
+    """One propagation with a hook per linear. With `share`, a linear whose input is the very tensor another
+    linear's hook last saw (a weak reference: identity, never a freed tensor's address, at the same version)
+    adds nothing of its own; it must then see its leader's input on every call and as many rows, else None
+    (the caller collects again)."""
+    H: dict[str, torch.Tensor] = {}
     count = {n: 0 for n in linears}
+    leader: dict[str, str] = {}
+    last: dict[str, tuple[weakref.ref, int]] = {}  # leader -> its latest input and that input's version
+    broken = False
 
     def make_hook(name):
         def hook(_m, args, _out):
-            x = args[0].reshape(-1, args[0].shape[-1]).double()
-            H[name].addmm_(x.T, x, alpha=2)  # in place: no (d_in, d_in) temporary (512 MB at d_in 8192)
-            count[name] += x.shape[0]
+            nonlocal broken
+            x = args[0]
+            count[name] += x.numel() // x.shape[-1]
+            if name not in leader:
+                leader[name] = next((n for n, (r, v) in last.items() if r() is x and x._version == v), name) \
+                    if share else name
+                if leader[name] == name:
+                    H[name] = torch.zeros(x.shape[-1], x.shape[-1], dtype=torch.float32)
+            lead = leader[name]
+            if lead != name:
+                ref, version = last[lead]
+                broken |= ref() is not x or x._version != version  # not the same tensor, or changed in place
+                return
+            if share:
+                last[name] = (weakref.ref(x), x._version)
+            x = x.reshape(-1, x.shape[-1]).float()
+            H[name].addmm_(x.T, x, alpha=2)  # in place: no (d_in, d_in) temporary
 
         return hook
 
     handles = [m.register_forward_hook(make_hook(n)) for n, m in linears.items()]
     try:
         if cover is None:
-            propagate(block, inputs, kwargs)
+            _forward_only(block, inputs, kwargs)
         else:
             with cover:
-                propagate(block, inputs, kwargs)
+                _forward_only(block, inputs, kwargs)
             if forced := cover.finish(count):
                 log.warning("block %d: experts %s received fewer than %d calibration rows; their statistics use "
                             "the rows their router scores highest (forced routing)", cover.i, forced, cover.min_tokens)
     finally:
         for h in handles:
             h.remove()
-    out = {}
-    for n in linears:  # one fp64 Hessian at a time becomes fp32: never the whole block's in both precisions
-        h = H.pop(n)
+    if broken or any(count[n] != count[lead] for n, lead in leader.items()):
+        return None
+    for n, h in H.items():
         h /= max(count[n], 1)
-        out[n] = h.float()
-        del h
-    return out
+    return {n: H[leader[n]] if n in leader else torch.zeros(m.in_features, m.in_features) for n, m in linears.items()}
 
 
 def set_weight(linear: nn.Linear, qw: QuantizedWeight) -> None:
@@ -217,7 +261,7 @@ def run_blockwise(
             for name, qw in done.items():
                 set_weight(linears[name], qw)
         if q_in is not None and i + 1 < n:
-            q_in = propagate(block, q_in, kw)
+            advance(block, q_in, kw)
         fp_in = fp_out
         if release:
             release(i)

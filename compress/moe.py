@@ -184,7 +184,8 @@ class Coverage:
         self.rows: list[torch.Tensor] = []
         self.forced: list[int] = []
 
-    def __enter__(self):
+    def __enter__(self):  # re-entered when collect_hessians collects again
+        self.rows, self.forced = [], []
         moe = _moe_module(self.adapter, self.i)
         self._hook = moe.register_forward_pre_hook(
             lambda _m, args: self.rows.append(args[0].reshape(-1, args[0].shape[-1]).detach()))

@@ -2,9 +2,12 @@
 
 import json
 
+import pytest
+
 from conftest import invoke
 
 
+@pytest.mark.e2e  # a quick benchmark suite, like the others: CI runs -m e2e
 def test_bench_decode_quick(tmp_path):
     js, md = tmp_path / "d.json", tmp_path / "d.md"
     rc, stdout, err = invoke("bench", "decode", "--quick", "--threads", "1", "--json", js, "--markdown", md)

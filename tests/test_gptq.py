@@ -118,6 +118,25 @@ def test_cholesky_retries_with_more_damping():
     assert qw.codes.shape == (4, 2)
 
 
+def test_cholesky_of_the_inverse_failing_retries_from_a_rebuilt_hessian(monkeypatch):
+    """H is freed once factored; if the inverse's factor then fails, H is rebuilt from the inverse and the next
+    damping gives the same result as starting from the original H at that damping."""
+    X = correlated(512, 40, seed=5)
+    W = torch.randn(8, 40, generator=torch.Generator().manual_seed(6))
+    expected = gptq(W, hessian(X), bits=4, group_size=8, sym=True, damp=0.1)[0]
+    real, calls = torch.linalg.cholesky_ex, []
+
+    def flaky(A, upper=False, **kw):
+        calls.append(upper)
+        L, info = real(A, upper=upper, **kw)
+        return (L, torch.ones_like(info)) if upper and calls.count(True) == 1 else (L, info)
+
+    monkeypatch.setattr(torch.linalg, "cholesky_ex", flaky)
+    qw = gptq(W, hessian(X), bits=4, group_size=8, sym=True, damp=0.01)[0]
+    assert calls == [False, True, False, True]
+    assert (qw.codes != expected.codes).float().mean() < 0.01  # the rebuilt H differs from the original by round-off
+
+
 def test_cholesky_failure_raises_clear_error():
     H = torch.tensor([[1.0, 100.0], [100.0, 1.0]])  # eigenvalue -99: no retry damping fixes it
     with pytest.raises(RunFailure, match="Cholesky"):
@@ -171,3 +190,75 @@ def test_real_layer_beats_rtn(down_proj_activations, bits, group_size, sym, act_
     W_rtn = rtn(W, bits, group_size, sym).dequantize()
     assert output_error(X_calib, W, qw.dequantize()) < 0.75 * output_error(X_calib, W, W_rtn)  # measured 0.35-0.52
     assert output_error(X_heldout, W, qw.dequantize()) < 0.9 * output_error(X_heldout, W, W_rtn)  # 0.64-0.81
+
+
+def _block_inputs(model, tokens):
+    from compress.driver import capture_block0_inputs
+
+    return capture_block0_inputs(model, model.model.layers[0], tokens, 4)
+
+
+def test_hessians_shared_by_linears_fed_the_same_tensor():
+    """q/k/v and gate/up get one Hessian object each; every Hessian equals 2 X^T X / n of its own inputs."""
+    from compress.driver import collect_hessians
+    from tests.tiny import tiny_llama
+
+    model = tiny_llama(seed=3)
+    block = model.model.layers[0]
+    linears = {n: m for n, m in block.named_modules() if isinstance(m, torch.nn.Linear)}
+    inputs, kw = _block_inputs(model, torch.randint(0, 64, (8, 16), generator=torch.Generator().manual_seed(0)))
+    seen = {n: [] for n in linears}
+    handles = [m.register_forward_hook(lambda _m, a, _o, n=n: seen[n].append(a[0].reshape(-1, a[0].shape[-1])))
+               for n, m in linears.items()]
+    try:
+        H = collect_hessians(block, linears, inputs, kw)
+    finally:
+        for h in handles:
+            h.remove()
+    assert H["self_attn.q_proj"] is H["self_attn.k_proj"] is H["self_attn.v_proj"]
+    assert H["mlp.gate_proj"] is H["mlp.up_proj"]
+    assert len({id(h) for h in H.values()}) == 4  # qkv, o, gate/up, down
+    for n in linears:  # each collect_hessians call ran the block once: the first len(inputs) calls are its own
+        X = torch.cat(seen[n][: len(inputs)]).double()
+        assert torch.allclose(H[n].double(), hessian(X), rtol=1e-4, atol=1e-6), n
+
+
+def test_hessians_collected_again_when_an_input_is_not_shared_every_time():
+    """A linear fed its neighbour's tensor on the first call only must not keep the neighbour's Hessian."""
+    from compress.driver import collect_hessians
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(6, 3), torch.nn.Linear(6, 3)
+            self.calls = 0
+
+        def forward(self, x):
+            self.calls += 1
+            y = self.a(x)
+            return y.sum() + self.b(x if self.calls == 1 else 2 * x).sum()
+
+    block = Block()
+    inputs = [torch.randn(5, 6, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    H = collect_hessians(block, {"a": block.a, "b": block.b}, inputs, [{}] * 3)
+    assert H["a"] is not H["b"]
+    X = torch.cat(inputs).double()
+    # the first pass (shared, 3 calls) was discarded; the second pass saw calls 4-6: b got 2x every time
+    assert torch.allclose(H["a"].double(), hessian(X), rtol=1e-5)
+    assert torch.allclose(H["b"].double(), 4 * hessian(X), rtol=1e-5)
+
+
+def test_gptq_on_shared_hessians_equals_gptq_on_copies():
+    """GPTQConfig.quantize_block consumes a shared Hessian only at its last user."""
+    from compress.driver import BlockData, LayerSpec
+    from compress.methods.gptq import GPTQ, GPTQConfig
+
+    X = correlated(256, 48, seed=4)
+    lins = {n: torch.nn.Linear(48, 16) for n in ("q", "k", "v")}
+    H = hessian(X).float()
+    specs = {n: LayerSpec(bits=4, group_size=16, sym=True) for n in lins}
+    data = BlockData(0, torch.nn.Module(), lins, specs, [], [], hessians={n: H for n in lins})
+    out = GPTQ(GPTQConfig(bits=4, group_size=16)).quantize_block(data)
+    for n, lin in lins.items():
+        ref = gptq(lin.weight.data, hessian(X).float(), bits=4, group_size=16, sym=True)[0]
+        assert torch.equal(out[n].codes, ref.codes), n

@@ -53,18 +53,22 @@ def gptq(
     d_out, d_in = W.shape
     if H.shape != (d_in, d_in):
         raise RunFailure(f"GPTQ: Hessian shape {tuple(H.shape)} does not match weight {tuple(W.shape)}")
-    if not torch.isfinite(H).all():
+    if not torch.isfinite(torch.stack(torch.aminmax(H))).all():
         raise RunFailure("GPTQ: the Hessian has NaN/inf entries; check the calibration activations")
     H = H.detach().float() if overwrite_h else H.detach().float().clone()
-    W, H = _drop_dead_columns(W.detach().float().clone(), H)
-    groups = _Groups.create(W, bits, group_size, sym, static=act_order)
-    perm = torch.arange(d_in, device=W.device)
+    dead = _dead_inputs(H)
+    perm = torch.arange(d_in, device=H.device)
     if act_order:
         perm = torch.argsort(torch.diag(H), descending=True, stable=True)
-    if act_order:
         H = H[perm][:, perm]
-    W, Hinv = W[:, perm], _inverse_cholesky(H, damp)
+    box = [H]  # the caller's H, if it passed its only reference (overwrite_h), is freed once factored
     del H
+    Hinv = _inverse_cholesky(box, damp)
+    W = W.detach().float().clone()  # after the factorisation: not alive beside the two (d_in, d_in) matrices
+    W[:, dead] = 0
+    groups = _Groups.create(W, bits, group_size, sym, static=act_order)
+    if act_order:
+        W = W[:, perm]
     codes = torch.zeros(d_out, d_in, dtype=torch.uint8, device=W.device)
     B = groups.aligned_block(block_size)
     error = torch.zeros((), device=W.device)
@@ -131,29 +135,40 @@ class _Groups:
         return QuantizedWeight(codes=codes, scales=self.S, zeros=Z, bits=self.bits, group_size=g, sym=self.sym)
 
 
-def _drop_dead_columns(W: torch.Tensor, H: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inputs never seen in calibration (`H[i,i] == 0`): zero their weights, set `H[i,i] = 1`."""
+def _dead_inputs(H: torch.Tensor) -> torch.Tensor:
+    """Inputs never seen in calibration (`H[i,i] == 0`) get `H[i,i] = 1`; returns their mask (their weights are
+    zeroed)."""
     dead = torch.diag(H) == 0
     H[dead, dead] = 1
-    W[:, dead] = 0
-    return W, H
+    return dead
 
 
-def _inverse_cholesky(H: torch.Tensor, damp: float) -> torch.Tensor:
-    """`Hinv`: upper Cholesky factor of `(H + lam I)^-1`, `lam = damp * mean(diag H)`, 10x per retry. H's
-    diagonal is overwritten (the caller's copy); at most two (d_in, d_in) matrices are alive besides it."""
+def _inverse_cholesky(box: list[torch.Tensor], damp: float) -> torch.Tensor:
+    """`Hinv`: upper Cholesky factor of `(H + lam I)^-1`, `lam = damp * mean(diag H)`, 10x per retry.
+
+    `box` holds the only reference to H (the caller's copy), which is consumed: its diagonal is overwritten and
+    it is freed as soon as its Cholesky factor exists, so at most two (d_in, d_in) matrices are ever alive (the
+    inverse is formed in place of the factor). Should the inverse's own factorisation fail (fp32 round-off on
+    an ill-conditioned H), H is rebuilt from the inverse for the next, larger damping."""
+    H = box.pop()
     diag = torch.diag(H).clone()
     mean_diag = diag.mean()
     for t in range(CHOLESKY_TRIES):
         H.diagonal().copy_(diag + damp * 10**t * mean_diag)
         L, info = torch.linalg.cholesky_ex(H)
-        if info == 0:
-            inverse = torch.cholesky_inverse(L)
-            del L
-            Hinv, info = torch.linalg.cholesky_ex(inverse, upper=True)
-            del inverse
-            if info == 0 and torch.isfinite(Hinv).all():
-                return Hinv
+        if info != 0:
+            continue
+        del H
+        inverse = torch.cholesky_inverse(L, out=L)
+        del L
+        Hinv, info = torch.linalg.cholesky_ex(inverse, upper=True)
+        if info == 0 and torch.isfinite(torch.stack(torch.aminmax(Hinv))).all():  # NaN/inf without a (d, d) mask
+            return Hinv
+        del Hinv
+        if not torch.isfinite(inverse).all():
+            break
+        H = torch.linalg.inv(inverse)  # noqa: F841 (read by the next iteration)
+        del inverse
     raise RunFailure(
         f"GPTQ: Cholesky of the damped Hessian failed even at damp={damp * 10 ** (CHOLESKY_TRIES - 1):g} "
         "(non-finite or degenerate calibration statistics?); check the calibration data or raise `damp`"
@@ -172,14 +187,16 @@ class GPTQ(Quantizer):
     """Hessians of each block's linears from the quantized-model inputs, then `gptq`."""
 
     needs_hessian = needs_data = True
-    batch_size = 8
+    batch_size = 2  # windows per forward pass: the block's intermediate activations stay small (docs/scale.md)
 
     def quantize_block(self, data) -> dict[str, QuantizedWeight]:
         c = self.cfg
         out = {}
-        for name, lin in data.linears.items():  # each Hessian is consumed: freed once its layer is done
-            s = data.specs[name]
+        for name, lin in data.linears.items():  # each Hessian is consumed: freed once its last layer is done
+            s, H = data.specs[name], data.hessians[name]
+            shared = sum(h is H for h in data.hessians.values()) > 1  # q/k/v, gate/up: one tensor (collect_hessians)
+            del H  # the popped Hessian below is gptq's only reference: freed as soon as it is factored
             out[name] = gptq(lin.weight.data, data.hessians.pop(name), bits=s.bits, group_size=s.group_size,
                              sym=s.sym, damp=c.damp, block_size=c.block_size, act_order=c.act_order,
-                             overwrite_h=True)[0]
+                             overwrite_h=not shared)[0]
         return out

@@ -11,7 +11,7 @@ run's own report:
 * `load_rss_mb`: peak RSS after the load stage (Python, torch, transformers and the resident non-block
   tensors: embeddings, final norm, head), `peak_rss_mb` the run's peak;
 * `block_mb` (one block's fp32 weights, as the stage holds them) and `act_mb` (the calibration activations
-  of one block: inputs and outputs, `nsamples x seqlen x hidden x 4` bytes each), and
+  of one block, `nsamples x seqlen x hidden x 4` bytes), and
   `rss_over_block` = (peak - load) / (block + activations): the issue's bound is 1.5;
 * `disk_mb`: bytes the run wrote (export, block checkpoints, report).
 
@@ -62,6 +62,9 @@ TARGETS = {  # extrapolated only
     "llama-3.1-70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
                           num_key_value_heads=8, head_dim=128, vocab_size=128256, tie_word_embeddings=False),
 }
+# calibration activations a method holds: the quantized-model inputs, replaced batch by batch by the block's
+# outputs; AutoRound also the full-precision inputs and targets
+ACT_COPIES = {"autoround": 3}
 LIBRARIES_MB = 1200  # Python + torch + transformers + the run's imports, as measured by the load stage
 BITS, GROUP = 4, 128
 
@@ -162,7 +165,7 @@ def run(models: list[str], methods: list[str], *, nsamples: int, seqlen: int, it
             built = round(time.time() - t0, 1)
             P, F = features(s, nsamples * seqlen)
             block_mb = P * 4 / 2**20
-            act_mb = 2 * nsamples * seqlen * s["hidden_size"] * 4 / 2**20
+            act_mb = nsamples * seqlen * s["hidden_size"] * 4 / 2**20  # the calibration activations, once
             for method in methods:
                 n = min(measured.get(method) or s["num_hidden_layers"], s["num_hidden_layers"])
                 if n < s["num_hidden_layers"]:  # the first n blocks of these shapes, extrapolated to the depth
@@ -233,13 +236,14 @@ def extrapolate(rows: list[dict], tokens: int, iters: int) -> list[dict]:
 
 
 def working_mb(s: dict, tokens: int, method: str) -> float:
-    """One block's fp32 weights and calibration activations (inputs and outputs), and for GPTQ the Hessians of
-    its linears plus the largest one's inverse (held while that layer is rounded)."""
+    """One block's fp32 weights and the calibration activations it holds (`ACT_COPIES`), and for GPTQ the
+    larger of its Hessians (one per distinct input: q/k/v share one, gate/up one, while they are collected) and
+    the largest one twice (its Cholesky factor beside it while that layer is rounded)."""
     P, _ = features(s, tokens)
-    mb = (P + 2 * tokens * s["hidden_size"]) * 4 / 2**20
+    mb = (P + ACT_COPIES.get(method, 1) * tokens * s["hidden_size"]) * 4 / 2**20
     if method == "gptq":
-        ins = [i for _, i in block_linears(s)]
-        mb += (sum(i * i for i in ins) + max(ins) ** 2) * 4 / 2**20
+        h, f, q = s["hidden_size"], s["intermediate_size"], s["num_attention_heads"] * s["head_dim"]
+        mb += max(h * h + q * q + h * h + f * f, 2 * f * f) * 4 / 2**20
     return mb
 
 
