@@ -53,7 +53,7 @@ def gptq(
     d_out, d_in = W.shape
     if H.shape != (d_in, d_in):
         raise RunFailure(f"GPTQ: Hessian shape {tuple(H.shape)} does not match weight {tuple(W.shape)}")
-    if not torch.isfinite(torch.stack(torch.aminmax(H))).all():
+    if not _finite(H):
         raise RunFailure("GPTQ: the Hessian has NaN/inf entries; check the calibration activations")
     H = H.detach().float() if overwrite_h else H.detach().float().clone()
     dead = _dead_inputs(H)
@@ -135,6 +135,11 @@ class _Groups:
         return QuantizedWeight(codes=codes, scales=self.S, zeros=Z, bits=self.bits, group_size=g, sym=self.sym)
 
 
+def _finite(A: torch.Tensor) -> bool:
+    """No NaN/inf in A, from its min and max (NaN propagates): no (d_in, d_in) mask."""
+    return bool(torch.isfinite(torch.stack(torch.aminmax(A))).all())
+
+
 def _dead_inputs(H: torch.Tensor) -> torch.Tensor:
     """Inputs never seen in calibration (`H[i,i] == 0`) get `H[i,i] = 1`; returns their mask (their weights are
     zeroed)."""
@@ -162,10 +167,10 @@ def _inverse_cholesky(box: list[torch.Tensor], damp: float) -> torch.Tensor:
         inverse = torch.cholesky_inverse(L, out=L)
         del L
         Hinv, info = torch.linalg.cholesky_ex(inverse, upper=True)
-        if info == 0 and torch.isfinite(torch.stack(torch.aminmax(Hinv))).all():  # NaN/inf without a (d, d) mask
+        if info == 0 and _finite(Hinv):
             return Hinv
         del Hinv
-        if not torch.isfinite(inverse).all():
+        if not _finite(inverse):
             break
         H = torch.linalg.inv(inverse)  # noqa: F841 (read by the next iteration)
         del inverse
@@ -193,9 +198,10 @@ class GPTQ(Quantizer):
         c = self.cfg
         out = {}
         for name, lin in data.linears.items():  # each Hessian is consumed: freed once its last layer is done
-            s, H = data.specs[name], data.hessians[name]
-            shared = sum(h is H for h in data.hessians.values()) > 1  # q/k/v, gate/up: one tensor (collect_hessians)
-            del H  # the popped Hessian below is gptq's only reference: freed as soon as it is factored
+            s = data.specs[name]
+            # q/k/v, gate/up share one tensor (collect_hessians): only its last user may consume it; the popped
+            # Hessian is then gptq's only reference, freed as soon as it is factored
+            shared = sum(h is data.hessians[name] for h in data.hessians.values()) > 1
             out[name] = gptq(lin.weight.data, data.hessians.pop(name), bits=s.bits, group_size=s.group_size,
                              sym=s.sym, damp=c.damp, block_size=c.block_size, act_order=c.act_order,
                              overwrite_h=not shared)[0]
