@@ -21,7 +21,7 @@ from typing import Callable
 
 import torch
 
-from compress import inputs, prunepath
+from compress import inputs, prunepath, rss
 from compress.bind import Binding, Bound, Facts, bind
 from compress.calibration import calibration_tokens, tokens_hash
 from compress.errors import BadInput, RunFailure
@@ -31,7 +31,7 @@ from compress.models.adapters import ModelAdapter
 from compress.models.loading import load_config, load_model, max_positions
 from compress.files import non_finite
 from compress.quantize_stage import adapted_groups
-from compress.workspace import Workspace, peak_rss_mb
+from compress.workspace import Workspace
 
 log = logging.getLogger("compress")
 
@@ -118,12 +118,6 @@ def versions() -> dict:
 _LIBRARIES_MB = 250  # auto-round, safetensors, the kernels and each graph exporter, imported during a run (measured)
 
 
-def current_rss() -> int:
-    import psutil
-
-    return psutil.Process().memory_info().rss
-
-
 def plan(loaded) -> dict:
     """Stages, layers touched and an estimate of peak memory, from the config alone."""
     return _plan(loaded)[0]
@@ -172,7 +166,8 @@ def _plan(loaded) -> tuple[dict, Binding]:
         est += 4 * r.eval.window * getattr(config, "vocab_size", 0) * 4
     # the process as it stands (Python, torch, transformers) plus what the run imports later: the libraries
     # are most of a small model's peak (a 0.9M-parameter run peaks near 1 GB)
-    est += current_rss() + _LIBRARIES_MB * 2**20 * (1 + sum(f in ("onnx", "openvino") for f in r.export.names()))
+    graphs = sum(f in ("onnx", "openvino") for f in r.export.names())
+    est += (rss.resident_mb() + _LIBRARIES_MB * (1 + graphs)) * 2**20
     out = {"model": r.model.path, "model_type": config.model_type, "blocks": len(adapter.blocks),
            "parameters": n_params, "stages": stages, "export": r.export.names(),
            "estimated_peak_memory_mb": round(est / 2**20, 1)}
@@ -280,7 +275,7 @@ def _run(loaded, binding: Binding, ws: Workspace, quiet: bool) -> dict:
     report["size"] = size_report(ctx, qweights, exports)
     report["exports"] = {k: v.get("path") for k, v in exports.items()}
     report["seconds"] = round(time.time() - t0, 2)
-    report["peak_rss_mb"] = round(peak_rss_mb(), 1)
+    report["peak_rss_mb"] = round(rss.run_peak_mb(), 1)
     ws.manifest["report"] = "report.json"
     # what each export wrote (the openvino one: target devices, compiled here or not); file lists stay in report
     ws.manifest["exports"] = {b.cfg.format: {**{f: x for f, x in exports[b.cfg.format].items() if f != "files"},
@@ -385,7 +380,7 @@ def _run_stage(ctx: StageContext, b: Bound, inputs_hash: str, handoffs: dict, ti
         handoffs.setdefault(type(v), []).append(v)
     st = ws.manifest["stages"][b.key]
     timings.append({"name": b.cfg.stage, "method": b.cfg.method, "seconds": st["seconds"],
-                    "peak_rss_mb": st["peak_rss_mb"], "resumed": resumed})
+                    "peak_rss_mb": st["peak_rss_mb"], "rss_mb": st.get("rss_mb"), "resumed": resumed})
 
 
 def _facts_digest(facts: Facts) -> str:
@@ -400,11 +395,12 @@ class _timed:
 
     def __enter__(self):
         self.t = time.time()
+        rss.new_stage()
 
     def __exit__(self, *exc):
         if exc[0] is None:
             self.timings.append({"name": self.name, "method": self.method, "seconds": round(time.time() - self.t, 3),
-                                 "peak_rss_mb": round(peak_rss_mb(), 1)})
+                                 "peak_rss_mb": round(rss.peak_mb(), 1), "rss_mb": round(rss.resident_mb(), 1)})
 
 
 def _attach_log(ws: Workspace) -> logging.Handler:

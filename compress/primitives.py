@@ -59,11 +59,18 @@ def choose_qparams(
 def quantize_codes(
     W: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int, group_size: int
 ) -> torch.Tensor:
-    """Codes (d_out, d_in) uint8 for given per-group scales and zero points."""
-    d_in = W.shape[1]
-    g_idx = torch.arange(d_in, device=W.device) // resolve_group(d_in, group_size)
-    q = torch.round(W.float() / scales[:, g_idx]) + zeros[:, g_idx]
-    return q.clamp(0, 2**bits - 1).to(torch.uint8)
+    """Codes (d_out, d_in) uint8 for given per-group scales and zero points. One (d_out, d_in) fp32 temporary:
+    the qparams broadcast over each group, the rest in place (docs/scale.md)."""
+    d_out, d_in = W.shape
+    g = resolve_group(d_in, group_size)
+    if d_in % g:
+        g_idx = torch.arange(d_in, device=W.device) // g
+        q = W.float() / scales[:, g_idx]
+        q.round_().add_(zeros[:, g_idx])
+    else:
+        q = W.float().reshape(d_out, d_in // g, g) / scales[:, :, None]
+        q.round_().add_(zeros[:, :, None])
+    return q.clamp_(0, 2**bits - 1).to(torch.uint8).reshape(d_out, d_in)
 
 
 def rtn(W: torch.Tensor, bits: int, group_size: int, sym: bool, min_scale=1.0, max_scale=1.0) -> QuantizedWeight:

@@ -125,10 +125,15 @@ class QuantizedWeight:
         return torch.arange(self.in_features) // self.group
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        g_idx = self.group_index()
-        s = self.scales.to(torch.float32)[:, g_idx]
-        z = self.zeros.to(torch.float32)[:, g_idx]
-        W = s * (self.codes.to(torch.float32) - z)
+        d_out, d_in, g = self.out_features, self.in_features, self.group
+        W = self.codes.to(torch.float32)  # the only (d_out, d_in) temporary: qparams broadcast per group, in place
+        s, z = self.scales.to(torch.float32), self.zeros.to(torch.float32)
+        if d_in % g:
+            g_idx = self.group_index()
+            W.sub_(z[:, g_idx]).mul_(s[:, g_idx])
+        else:
+            Wg = W.view(d_out, d_in // g, g)
+            Wg.sub_(z[:, :, None]).mul_(s[:, :, None])
         if self.kept is not None and self.kept.numel():
             W[:, self.column_bits() == KEEP_BITS] = self.kept.to(torch.float32)
         return W.to(dtype)

@@ -11,15 +11,13 @@ import hashlib
 import json
 import logging
 import os
-import resource
 import shutil
-import sys
 import time
 from pathlib import Path
 
 from safetensors.torch import load_file, save_file
 
-from compress import locking
+from compress import locking, rss
 from compress.errors import BadInput, RunFailure
 from compress.inputs import file_sha256
 from compress.files import STAGING, atomic_write_bytes, strict_json
@@ -29,21 +27,6 @@ log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
 FORMAT = {"name": "compress-workspace", "version": 1}
-
-
-def peak_rss_mb() -> float:
-    """Peak resident set size of this process so far. On Linux, /proc's VmHWM: getrusage's ru_maxrss survives
-    fork and exec, so a run started from a large process (a test runner, a notebook) would report the
-    parent's size."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return kb / 1024 if sys.platform != "darwin" else kb / 2**20
 
 
 LOCK = ".compress.lock"
@@ -282,10 +265,12 @@ class Workspace:
         self.manifest["stages"][key] = {"name": name, "method": method, "status": "running",
                                        "inputs_hash": inputs_hash, "started": time.time()}
         self.save_manifest()
+        rss.new_stage()  # the stage's peak_rss_mb is its own
 
     def stage_end(self, key: str, seconds: float, metrics: dict | None = None) -> None:
         st = self.manifest["stages"][key]
-        st.update(status="done", seconds=round(seconds, 3), peak_rss_mb=round(peak_rss_mb(), 1), metrics=metrics or {})
+        st.update(status="done", seconds=round(seconds, 3), peak_rss_mb=round(rss.peak_mb(), 1),
+                  rss_mb=round(rss.resident_mb(), 1), metrics=metrics or {})
         self.save_manifest()
 
     # -- per-block checkpoints -----------------------------------------------------------------

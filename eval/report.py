@@ -68,7 +68,7 @@ def render_markdown(report: dict) -> str:
     model = (report.get("inputs") or {}).get("model") or {}
     digest = f" (sha256 `{model['sha256'][:16]}`)" if model.get("sha256") else ""
     out = [f"# compress report\n\nmodel: `{report.get('model')}`{digest}  \nrecipe sha256: `{report.get('recipe_sha256')}`\n"]
-    out.append("\n## Stages\n\n" + _table(report.get("stages", []), ["name", "method", "seconds", "peak_rss_mb"]))
+    out.append("\n## Stages\n\n" + _table(report.get("stages", []), ["name", "method", "seconds", "peak_rss_mb", "rss_mb"]))
     cal = report.get("calibration")
     if cal:
         out.append("\n## Calibration\n\nWindows drawn from each source (`format` chat: conversations rendered with "

@@ -149,8 +149,8 @@ def test_run_json_report(short_run):
     names = [s["name"] for s in report["stages"]]
     assert "quantize" in names and "export" in names and "eval" in names
     for s in report["stages"]:
-        assert {"name", "method", "seconds", "peak_rss_mb"} <= set(s)
-        assert s["seconds"] >= 0 and s["peak_rss_mb"] > 0
+        assert {"name", "method", "seconds", "peak_rss_mb", "rss_mb"} <= set(s)
+        assert s["seconds"] >= 0 and report["peak_rss_mb"] >= s["peak_rss_mb"] > 0 and s["rss_mb"] > 0
     q = next(s for s in report["stages"] if s["name"] == "quantize")
     assert q["method"] == "autoround" and q["resumed"] is False
     ev = report["eval"][WIKI.name]

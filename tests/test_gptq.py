@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from compress.errors import RunFailure
+from compress.methods import gptq as gptq_module
 from compress.methods.gptq import gptq
 from compress.primitives import rtn
 
@@ -118,23 +119,52 @@ def test_cholesky_retries_with_more_damping():
     assert qw.codes.shape == (4, 2)
 
 
-def test_cholesky_of_the_inverse_failing_retries_from_a_rebuilt_hessian(monkeypatch):
-    """H is freed once factored; if the inverse's factor then fails, H is rebuilt from the inverse and the next
-    damping gives the same result as starting from the original H at that damping."""
+@pytest.mark.parametrize("steps", ["lapack", "torch"])
+def test_a_failed_step_retries_from_the_hessian_kept_in_the_lower_triangle(monkeypatch, steps):
+    """Hinv is formed in H's storage; when the inverse's factorisation fails, H is restored from the strictly
+    lower triangle and the next damping gives exactly what starting from the original H at that damping gives."""
+    if steps == "torch":  # the accelerator path, exercised on the CPU
+        monkeypatch.setattr(gptq_module, "_InPlaceLapack", gptq_module._TorchSteps)
     X = correlated(512, 40, seed=5)
     W = torch.randn(8, 40, generator=torch.Generator().manual_seed(6))
     expected = gptq(W, hessian(X), bits=4, group_size=8, sym=True, damp=0.1)[0]
-    real, calls = torch.linalg.cholesky_ex, []
+    cls = gptq_module._InPlaceLapack
+    real, calls = cls.factor, []
 
-    def flaky(A, upper=False, **kw):
-        calls.append(upper)
-        L, info = real(A, upper=upper, **kw)
-        return (L, torch.ones_like(info)) if upper and calls.count(True) == 1 else (L, info)
+    def flaky(A):
+        calls.append(real(A))
+        return calls[-1] and len(calls) != 2  # the factor of the first inverse "fails" (after writing)
 
-    monkeypatch.setattr(torch.linalg, "cholesky_ex", flaky)
+    monkeypatch.setattr(cls, "factor", staticmethod(flaky))
     qw = gptq(W, hessian(X), bits=4, group_size=8, sym=True, damp=0.01)[0]
-    assert calls == [False, True, False, True]
-    assert (qw.codes != expected.codes).float().mean() < 0.01  # the rebuilt H differs from the original by round-off
+    assert len(calls) == 4
+    assert torch.equal(qw.codes, expected.codes) and torch.equal(qw.scales, expected.scales)
+
+
+@pytest.mark.parametrize("n", [1, 7, 300])
+def test_inverse_cholesky_is_formed_in_the_hessians_storage(n):
+    X = correlated(4 * n + 8, n, seed=n)
+    H = hessian(X)
+    lam = 0.01 * H.diagonal().mean()
+    expected = torch.linalg.cholesky(torch.linalg.inv((H + lam * torch.eye(n)).double()), upper=True)
+    ptr = H.data_ptr()
+    Hinv = gptq_module._inverse_cholesky(H, 0.01)
+    assert Hinv.data_ptr() == ptr
+    torch.testing.assert_close(Hinv.double(), expected, rtol=1e-3, atol=1e-4 * float(expected.abs().max()))
+    torch_steps = gptq_module._TorchSteps
+    A = hessian(X)
+    A.diagonal().add_(lam)
+    assert torch_steps.factor(A) and torch_steps.inverse(A) and torch_steps.factor(A)
+    torch.testing.assert_close(A.triu().double(), expected, rtol=1e-3, atol=1e-4 * float(expected.abs().max()))
+
+
+def test_upper_triangle_restored_from_the_lower_one_in_row_chunks():
+    A = torch.randn(11, 11)
+    S = A.tril() + A.tril(-1).T
+    B = S.clone()
+    B.triu_(1).mul_(-7).add_(S.tril())  # garbage above the diagonal
+    gptq_module._upper_from_lower(B, rows=3)
+    assert torch.equal(B, S)
 
 
 def test_cholesky_failure_raises_clear_error():

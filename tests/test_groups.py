@@ -147,3 +147,18 @@ def test_the_quickstart_runs_on_a_96_wide_model_and_reports_the_adapted_layers(q
     assert len(report["adapted_groups"]) == 12 and report["size"]["stored"]["hf"]["dense_layers"] == 0
     assert "## Group sizes adapted" in (tmp_path / "o" / "report.md").read_text()
     assert report["eval"]["wiki.test.raw"]["ppl_ratio"] < 1.1
+
+
+@pytest.mark.parametrize("d_in,group", [(256, 32), (100, 32), (96, -1), (130, 64)])
+@pytest.mark.parametrize("sym", [True, False])
+def test_codes_and_dequantize_broadcast_per_group_equal_the_per_column_formula(d_in, group, sym):
+    """quantize_codes and dequantize broadcast qparams over group views (one fp32 temporary); a short last group
+    takes the per-column path. Both equal `round(W / s[:, g]) + z[:, g]` and `s[:, g] * (c - z[:, g])` bit for bit."""
+    from compress.primitives import choose_qparams, quantize_codes, rtn
+
+    W = torch.randn(17, d_in, generator=torch.Generator().manual_seed(d_in))
+    s, z = choose_qparams(W, 3, group, sym)
+    g = torch.arange(d_in) // (d_in if group == -1 else group)
+    assert torch.equal(quantize_codes(W, s, z, 3, group), (torch.round(W / s[:, g]) + z[:, g]).clamp(0, 7).to(torch.uint8))
+    qw = rtn(W, 3, group, sym)
+    assert torch.equal(qw.dequantize(), qw.scales[:, g] * (qw.codes.float() - qw.zeros.float()[:, g]))

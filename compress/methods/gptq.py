@@ -9,8 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
 import torch
 from pydantic import Field
+from scipy.linalg import lapack
 
 from compress.config import QuantizeConfig
 from compress.errors import RunFailure
@@ -55,16 +57,15 @@ def gptq(
         raise RunFailure(f"GPTQ: Hessian shape {tuple(H.shape)} does not match weight {tuple(W.shape)}")
     if not _finite(H):
         raise RunFailure("GPTQ: the Hessian has NaN/inf entries; check the calibration activations")
-    H = H.detach().float() if overwrite_h else H.detach().float().clone()
+    H = H.detach().float()
+    H = H.contiguous() if overwrite_h else H.clone(memory_format=torch.contiguous_format)
     dead = _dead_inputs(H)
     perm = torch.arange(d_in, device=H.device)
     if act_order:
         perm = torch.argsort(torch.diag(H), descending=True, stable=True)
         H = H[perm][:, perm]
-    box = [H]  # the caller's H, if it passed its only reference (overwrite_h), is freed once factored
-    del H
-    Hinv = _inverse_cholesky(box, damp)
-    W = W.detach().float().clone()  # after the factorisation: not alive beside the two (d_in, d_in) matrices
+    Hinv = _inverse_cholesky(H, damp)  # in H's storage: one (d_in, d_in) matrix (on the CPU)
+    W = W.detach().float().clone()
     W[:, dead] = 0
     groups = _Groups.create(W, bits, group_size, sym, static=act_order)
     if act_order:
@@ -75,7 +76,7 @@ def gptq(
     for i1 in range(0, d_in, B):
         i2 = min(i1 + B, d_in)
         Err1 = _quantize_block(W[:, i1:i2].clone(), Hinv[i1:i2, i1:i2], perm[i1:i2], groups, codes)
-        W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]  # lazy batch update of all later columns
+        W[:, i2:].addmm_(Err1, Hinv[i1:i2, i2:], alpha=-1)  # lazy batch update of all later columns, in place
         error += Err1.square().sum() / 2
     return groups.quantized_weight(codes), float(error)
 
@@ -148,36 +149,82 @@ def _dead_inputs(H: torch.Tensor) -> torch.Tensor:
     return dead
 
 
-def _inverse_cholesky(box: list[torch.Tensor], damp: float) -> torch.Tensor:
+def _inverse_cholesky(H: torch.Tensor, damp: float) -> torch.Tensor:
     """`Hinv`: upper Cholesky factor of `(H + lam I)^-1`, `lam = damp * mean(diag H)`, 10x per retry.
 
-    `box` holds the only reference to H (the caller's copy), which is consumed: its diagonal is overwritten and
-    it is freed as soon as its Cholesky factor exists, so at most two (d_in, d_in) matrices are ever alive (the
-    inverse is formed in place of the factor). Should the inverse's own factorisation fail (fp32 round-off on
-    an ill-conditioned H), H is rebuilt from the inverse for the next, larger damping."""
-    H = box.pop()
+    H (gptq's own copy, or the caller's with `overwrite_h`) is consumed: Hinv is formed in its storage.
+    Every step (factor, inverse from the factor, factor of the inverse) reads and writes only the upper
+    triangle, so the strictly lower triangle keeps H; should a step fail (fp32 round-off on an ill-conditioned
+    H), H's upper triangle is restored from it and the next, larger damping starts over. On the CPU the steps are
+    LAPACK's `potrf`/`potri` in place: one (d_in, d_in) matrix, whatever fails (docs/scale.md#gptq-memory)."""
+    steps = _InPlaceLapack if H.device.type == "cpu" else _TorchSteps
     diag = torch.diag(H).clone()
     mean_diag = diag.mean()
     for t in range(CHOLESKY_TRIES):
+        if t:
+            _upper_from_lower(H)
         H.diagonal().copy_(diag + damp * 10**t * mean_diag)
-        L, info = torch.linalg.cholesky_ex(H)
-        if info != 0:
-            continue
-        del H
-        inverse = torch.cholesky_inverse(L, out=L)
-        del L
-        Hinv, info = torch.linalg.cholesky_ex(inverse, upper=True)
-        if info == 0 and _finite(Hinv):
-            return Hinv
-        del Hinv
-        if not _finite(inverse):
-            break
-        H = torch.linalg.inv(inverse)  # noqa: F841 (read by the next iteration)
-        del inverse
+        if steps.factor(H) and steps.inverse(H) and steps.factor(H) and _finite(H):
+            return H.triu_()
     raise RunFailure(
         f"GPTQ: Cholesky of the damped Hessian failed even at damp={damp * 10 ** (CHOLESKY_TRIES - 1):g} "
         "(non-finite or degenerate calibration statistics?); check the calibration data or raise `damp`"
     )
+
+
+def _upper_from_lower(A: torch.Tensor, rows: int = 256) -> None:
+    """Mirror A's strictly lower triangle onto its upper one, in place, `rows` rows at a time (the diagonal
+    is left to the caller)."""
+    n = A.shape[0]
+    for a in range(0, n, rows):
+        b = min(a + rows, n)
+        A[a:b, b:] = A[b:, a:b].mT
+        blk = A[a:b, a:b]
+        blk.copy_(blk.tril() + blk.tril(-1).mT)
+
+
+class _InPlaceLapack:
+    """LAPACK on the storage of a C-contiguous fp32 CPU tensor `A`: Fortran sees `A^T`, so its lower triangle is
+    A's upper one. `factor`: A's upper triangle becomes U with `sym(A) = U^T U` (torch's `upper=True`);
+    `inverse`: from that U, A's upper triangle becomes `(U^T U)^-1`. False when LAPACK reports failure."""
+
+    @staticmethod
+    def _run(routine, A: torch.Tensor, **kw) -> bool:
+        if not (A.is_contiguous() and A.dtype == torch.float32):
+            raise ValueError("in-place LAPACK needs a contiguous float32 matrix")
+        M = A.numpy().T  # Fortran-ordered view of the same memory
+        out, info = routine(M, lower=1, **kw)
+        if not np.shares_memory(out, M):  # f2py copies silently when the layout does not fit
+            raise RuntimeError(f"LAPACK {routine.__name__} did not work in place")
+        return info == 0
+
+    @classmethod
+    def factor(cls, A: torch.Tensor) -> bool:
+        return cls._run(lapack.spotrf, A, clean=0, overwrite_a=1)
+
+    @classmethod
+    def inverse(cls, A: torch.Tensor) -> bool:
+        return cls._run(lapack.spotri, A, overwrite_c=1)
+
+
+class _TorchSteps:
+    """The same steps with torch.linalg, for tensors on an accelerator (not in place: temporaries of A's size)."""
+
+    @staticmethod
+    def _write_upper(A: torch.Tensor, B: torch.Tensor) -> None:
+        A.copy_(torch.where(torch.ones_like(A, dtype=torch.bool).triu_(), B, A))
+
+    @classmethod
+    def factor(cls, A: torch.Tensor) -> bool:
+        U, info = torch.linalg.cholesky_ex(A.triu() + A.triu(1).mT, upper=True)
+        cls._write_upper(A, U)
+        return info == 0
+
+    @classmethod
+    def inverse(cls, A: torch.Tensor) -> bool:
+        B = torch.cholesky_inverse(A.triu(), upper=True)
+        cls._write_upper(A, B)
+        return _finite(B)
 
 
 class GPTQConfig(QuantizeConfig):

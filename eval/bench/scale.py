@@ -8,11 +8,12 @@ run's own report:
 
 * `s_per_block`: the median time between consecutive block checkpoints (one block measured: the quantize stage's
   seconds, setup included);
-* `load_rss_mb`: peak RSS after the load stage (Python, torch, transformers and the resident non-block
-  tensors: embeddings, final norm, head), `peak_rss_mb` the run's peak;
+* `load_rss_mb`: RSS resident once the load stage is done (Python, torch, transformers and the resident
+  non-block tensors: embeddings, final norm, head; not the load's own transient peak),
+  `quantize_peak_rss_mb` the quantize stage's own peak (compress.rss), `peak_rss_mb` the run's peak;
 * `block_mb` (one block's fp32 weights, as the stage holds them) and `act_mb` (the calibration activations
   of one block, `nsamples x seqlen x hidden x 4` bytes), and
-  `rss_over_block` = (peak - load) / (block + activations): the issue's bound is 1.5;
+  `rss_over_block` = (quantize peak - load) / (block + activations): the issue's bound is 1.5;
 * `disk_mb`: bytes the run wrote (export, block checkpoints, report).
 
 GPTQ and AutoRound can be measured on the first blocks only (`--blocks gptq=3` and AutoRound 1 by default: a
@@ -23,8 +24,9 @@ Extrapolation to Llama-3.1-8B and 70B shapes: per-block seconds are fitted, per 
 `t = a * P + b * F` over the measured models, where P is the block's weight count (reading, rounding and
 writing them; the forward passes) and F the GPTQ work `sum over linears of d_out * d_in^2 + tokens * d_in^2`
 (the column-by-column updates and the Hessian); RTN and AutoRound (whose steps are forward and backward
-passes through the block) use P only. Totals are per-block x blocks. Peak RSS is
-predicted as load (non-block tensors at fp32 + 1.2 GB of libraries) + 1.5 x (block + activations).
+passes through the block) use P only. Totals are per-block x blocks. Peak RSS is predicted as the libraries
+(`LIBRARIES_MB`) + the non-block tensors at fp32 + the quantize stage's growth per MB of working set, measured on
+the largest shape, x the target's working set (`working_mb`).
 """
 
 from __future__ import annotations
@@ -144,7 +146,8 @@ def run_cell(model: Path, method: str, work: Path, cal: str, nsamples: int, seql
     shutil.rmtree(out)
     return {"wall_s": round(time.time() - t0, 1), "quantize_s": stages["quantize"]["seconds"],
             "block_s": round(float(np.median(gaps)), 3) if len(gaps) else None,
-            "load_rss_mb": stages["load"]["peak_rss_mb"], "peak_rss_mb": report["peak_rss_mb"],
+            "load_rss_mb": stages["load"]["rss_mb"], "quantize_peak_rss_mb": stages["quantize"]["peak_rss_mb"],
+            "peak_rss_mb": report["peak_rss_mb"],
             "disk_mb": round(disk / 2**20, 1)}
 
 
@@ -178,7 +181,7 @@ def run(models: list[str], methods: list[str], *, nsamples: int, seqlen: int, it
                 cell.update(measured_blocks=n, extrapolated_s=round(per_block * s["num_hidden_layers"], 1))
                 if method == "autoround":
                     cell["extrapolated_200_iters_s"] = round(per_block * s["num_hidden_layers"] * 200 / iters, 1)
-                grown = cell["peak_rss_mb"] - cell["load_rss_mb"]
+                grown = cell["quantize_peak_rss_mb"] - cell["load_rss_mb"]
                 rows.append({"model": name, "method": method, "blocks": s["num_hidden_layers"],
                              "hidden": s["hidden_size"], "ffn": s["intermediate_size"], "build_s": built,
                              "block_params": int(P), "gptq_work": F, "s_per_block": round(per_block, 3),
@@ -220,7 +223,7 @@ def extrapolate(rows: list[dict], tokens: int, iters: int) -> list[dict]:
         coef = np.linalg.lstsq(X, y, rcond=None)[0] if len(mine) >= 2 else np.array([0.0, y[0] / X[0, 1]])
         scale = 200 / iters if method == "autoround" else 1
         big = max(mine, key=lambda r: r["block_params"])
-        growth = (big["peak_rss_mb"] - big["load_rss_mb"]) / working_mb(SHAPES[big["model"]], tokens, method)
+        growth = (big["quantize_peak_rss_mb"] - big["load_rss_mb"]) / working_mb(SHAPES[big["model"]], tokens, method)
         for name, s in {**{r["model"]: SHAPES[r["model"]] for r in mine}, **TARGETS}.items():
             P, F = features(s, tokens)
             per_block = max(float(coef @ np.array([1.0, F if gptq else P])), 0.0)
@@ -237,13 +240,13 @@ def extrapolate(rows: list[dict], tokens: int, iters: int) -> list[dict]:
 
 def working_mb(s: dict, tokens: int, method: str) -> float:
     """One block's fp32 weights and the calibration activations it holds (`ACT_COPIES`), and for GPTQ the
-    larger of its Hessians (one per distinct input: q/k/v share one, gate/up one, while they are collected) and
-    the largest one twice (its Cholesky factor beside it while that layer is rounded)."""
+    Hessians (one per distinct input, while they are collected: q/k/v share one, gate/up one; each is then
+    factored in its own storage)."""
     P, _ = features(s, tokens)
     mb = (P + ACT_COPIES.get(method, 1) * tokens * s["hidden_size"]) * 4 / 2**20
     if method == "gptq":
         h, f, q = s["hidden_size"], s["intermediate_size"], s["num_attention_heads"] * s["head_dim"]
-        mb += max(h * h + q * q + h * h + f * f, 2 * f * f) * 4 / 2**20
+        mb += (h * h + q * q + h * h + f * f) * 4 / 2**20
     return mb
 
 
@@ -254,18 +257,18 @@ def markdown(result: dict) -> str:
              f"g{result['group_size']} sym, calibration {result['nsamples']} x {result['seqlen']} tokens, `hf` export, "
              f"{result['date']}; AutoRound {result['autoround_iters']} iterations, `final_block: same`."
              f"{machine_text(result.get('machine'))}", "",
-             "| model | method | blocks | hidden | FFN | s / block | quantize s | peak RSS MB | after load MB | "
-             "block + act MB | (peak - load) / (block + act) | disk MB |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| model | method | blocks | hidden | FFN | s / block | quantize s | run peak RSS MB | quantize peak MB | "
+             "resident after load MB | block + act MB | (quantize peak - load) / (block + act) | disk MB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         q = f"{r['quantize_s']}" if r["measured_blocks"] == r["blocks"] else \
             f"{r['quantize_s']} ({r['measured_blocks']} blocks; {r['extrapolated_s']} for {r['blocks']})"
         lines.append(f"| {r['model']} | {r['method']} | {r['blocks']} | {r['hidden']} | {r['ffn']} | "
-                     f"{r['s_per_block']} | {q} | {r['peak_rss_mb']} | {r['load_rss_mb']} | "
+                     f"{r['s_per_block']} | {q} | {r['peak_rss_mb']} | {r['quantize_peak_rss_mb']} | {r['load_rss_mb']} | "
                      f"{r['block_mb'] + r['act_mb']:.1f} | {r['rss_over_block']} | {r['disk_mb']} |")
     lines += ["", "Extrapolation (per-block seconds fitted as `c + a x` on the measured shapes, x the block's weights, "
               "GPTQ's `sum d_out d_in^2 + tokens d_in^2`; AutoRound at 200 iterations; peak RSS = libraries + "
-              "non-block tensors at fp32 + the growth per MB of working set measured on the largest shape x the "
+              "non-block tensors at fp32 + the quantize stage's growth per MB of working set measured on the largest shape x the "
               "target's working set: block + activations, GPTQ also its Hessians):", "",
               "| shape | method | measured | params / block | s / block | total hours | working set MB | "
               "peak RSS GB |", "|---|---|---|---|---|---|---|---|"]
