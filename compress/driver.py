@@ -26,6 +26,7 @@ from typing import Callable, Protocol
 import torch
 from torch import nn
 
+from compress.hessian import gram_store
 from compress.models.adapters import accepts_use_cache
 from compress.qweight import QuantizedWeight
 
@@ -134,10 +135,11 @@ def _forward_only(block: nn.Module, inputs: list[torch.Tensor], kwargs: list[dic
 
 
 @torch.no_grad()
-def collect_hessians(block, linears: dict[str, nn.Linear], inputs, kwargs, cover=None) -> dict[str, torch.Tensor]:
+def collect_hessians(block, linears: dict[str, nn.Linear], inputs, kwargs, cover=None) -> dict:
     """H = 2/n * sum x x^T over every calibration row reaching each linear (docs/quantize.md#gptq), accumulated
-    in fp32 as the GPTQ reference does. Linears fed the same tensor (q/k/v, gate/up) share one Hessian: the
-    returned dict then maps their names to the same tensor object. `cover` (MoE blocks, compress.moe.Coverage)
+    in fp32 as the GPTQ reference does, in a `compress.hessian` store (on the CPU: the packed upper triangle).
+    Linears fed the same tensor (q/k/v, gate/up) share one Hessian: the returned dict then maps their names to
+    the same store object. `cover` (MoE blocks, compress.moe.Coverage)
     adds forced rows for the experts that too few rows reached."""
     H = _accumulate(block, linears, inputs, kwargs, cover, share=True)
     if H is None:  # a linear's input was not always its group's: collect again, one Hessian per linear
@@ -165,7 +167,7 @@ def _accumulate(block, linears, inputs, kwargs, cover, share: bool) -> dict[str,
                 leader[name] = next((n for n, (r, v) in last.items() if r() is x and x._version == v), name) \
                     if share else name
                 if leader[name] == name:
-                    H[name] = torch.zeros(x.shape[-1], x.shape[-1], dtype=torch.float32)
+                    H[name] = gram_store(x.shape[-1], x.device)
             lead = leader[name]
             if lead != name:
                 ref, version = last[lead]
@@ -173,8 +175,7 @@ def _accumulate(block, linears, inputs, kwargs, cover, share: bool) -> dict[str,
                 return
             if share:
                 last[name] = (weakref.ref(x), x._version)
-            x = x.reshape(-1, x.shape[-1]).float()
-            H[name].addmm_(x.T, x, alpha=2)  # in place: no (d_in, d_in) temporary
+            H[name].add_gram_(x.reshape(-1, x.shape[-1]), 2)  # in place: no (d_in, d_in) temporary
 
         return hook
 
@@ -194,13 +195,13 @@ def _accumulate(block, linears, inputs, kwargs, cover, share: bool) -> dict[str,
     if broken or any(count[n] != count[lead] for n, lead in leader.items()):
         return None
     for n, h in H.items():
-        h /= max(count[n], 1)
-    return {n: H[leader[n]] if n in leader else torch.zeros(m.in_features, m.in_features) for n, m in linears.items()}
+        h.scale_(1 / max(count[n], 1))
+    return {n: H[leader[n]] if n in leader else gram_store(m.in_features, m.weight.device) for n, m in linears.items()}
 
 
 def set_weight(linear: nn.Linear, qw: QuantizedWeight) -> None:
     with torch.no_grad():
-        linear.weight.copy_(qw.dequantize(linear.weight.dtype))
+        qw.dequantize(out=linear.weight.data)  # row chunks straight into the weight: no copy of its size
 
 
 def light(qw: QuantizedWeight) -> QuantizedWeight:

@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from compress.qweight import QuantizedWeight
+from compress.qweight import QuantizedWeight, row_chunks
 
 SCALE_EPS = 1e-5
 
@@ -59,18 +59,22 @@ def choose_qparams(
 def quantize_codes(
     W: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int, group_size: int
 ) -> torch.Tensor:
-    """Codes (d_out, d_in) uint8 for given per-group scales and zero points. One (d_out, d_in) fp32 temporary:
-    the qparams broadcast over each group, the rest in place (docs/scale.md)."""
+    """Codes (d_out, d_in) uint8 for given per-group scales and zero points. Rows go in chunks with one fp32
+    temporary of at most `CHUNK_ELEMENTS`: the qparams broadcast over each group, the rest in place
+    (docs/scale.md)."""
     d_out, d_in = W.shape
     g = resolve_group(d_in, group_size)
-    if d_in % g:
-        g_idx = torch.arange(d_in, device=W.device) // g
-        q = W.float() / scales[:, g_idx]
-        q.round_().add_(zeros[:, g_idx])
-    else:
-        q = W.float().reshape(d_out, d_in // g, g) / scales[:, :, None]
-        q.round_().add_(zeros[:, :, None])
-    return q.clamp_(0, 2**bits - 1).to(torch.uint8).reshape(d_out, d_in)
+    codes = torch.empty(d_out, d_in, dtype=torch.uint8, device=W.device)
+    g_idx = torch.arange(d_in, device=W.device) // g if d_in % g else None
+    for r in row_chunks(d_out, d_in):
+        if g_idx is not None:
+            q = W[r].float() / scales[r][:, g_idx]
+            q.round_().add_(zeros[r][:, g_idx])
+        else:
+            q = W[r].float().reshape(-1, d_in // g, g) / scales[r, :, None]
+            q.round_().add_(zeros[r, :, None])
+        codes[r] = q.clamp_(0, 2**bits - 1).reshape(-1, d_in)
+    return codes
 
 
 def rtn(W: torch.Tensor, bits: int, group_size: int, sym: bool, min_scale=1.0, max_scale=1.0) -> QuantizedWeight:

@@ -45,6 +45,15 @@ def unit_storage_bits(d_out: int, width: int, group: int, bits: int, sym: bool, 
     return d_out * width * bits + d_out * n_groups * (SCALE_BITS + (0 if sym else bits)) + map_bits
 
 
+CHUNK_ELEMENTS = 1 << 22  # a 16 MB fp32 temporary
+
+
+def row_chunks(d_out: int, d_in: int) -> list[slice]:
+    """Row slices of at most CHUNK_ELEMENTS elements (one row at least)."""
+    rows = max(1, CHUNK_ELEMENTS // max(d_in, 1))
+    return [slice(a, min(a + rows, d_out)) for a in range(0, d_out, rows)]
+
+
 @dataclass(frozen=True)
 class QuantizedWeight:
     codes: torch.Tensor
@@ -124,19 +133,26 @@ class QuantizedWeight:
         """`g_idx`: the group of each input column, shape (d_in,)."""
         return torch.arange(self.in_features) // self.group
 
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    def dequantize(self, dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The weights (d_out, d_in) in `dtype`, or written into `out` (a linear's weight: no copy of its size).
+        Computed in fp32, rows in chunks: one temporary of at most `CHUNK_ELEMENTS` (docs/scale.md)."""
         d_out, d_in, g = self.out_features, self.in_features, self.group
-        W = self.codes.to(torch.float32)  # the only (d_out, d_in) temporary: qparams broadcast per group, in place
+        if out is None:
+            out = torch.empty(d_out, d_in, dtype=dtype, device=self.codes.device)
         s, z = self.scales.to(torch.float32), self.zeros.to(torch.float32)
-        if d_in % g:
-            g_idx = self.group_index()
-            W.sub_(z[:, g_idx]).mul_(s[:, g_idx])
-        else:
-            Wg = W.view(d_out, d_in // g, g)
-            Wg.sub_(z[:, :, None]).mul_(s[:, :, None])
-        if self.kept is not None and self.kept.numel():
-            W[:, self.column_bits() == KEEP_BITS] = self.kept.to(torch.float32)
-        return W.to(dtype)
+        g_idx = self.group_index() if d_in % g else None
+        kept = self.column_bits() == KEEP_BITS if self.kept is not None and self.kept.numel() else None
+        for r in row_chunks(d_out, d_in):
+            W = self.codes[r].to(torch.float32)
+            if g_idx is not None:
+                W.sub_(z[r][:, g_idx]).mul_(s[r][:, g_idx])
+            else:
+                Wg = W.view(-1, d_in // g, g)
+                Wg.sub_(z[r, :, None]).mul_(s[r, :, None])
+            if kept is not None:
+                W[:, kept] = self.kept[r].to(torch.float32)
+            out[r] = W
+        return out
 
     def storage_bits(self) -> int:
         """Bits this weight takes in a packed export: codes, fp16 scales, zero points if asymmetric

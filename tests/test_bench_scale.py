@@ -30,7 +30,9 @@ def test_extrapolation_recovers_an_exact_cost_model():
                      "quantize_peak_rss_mb": 1000 + 2 * working_mb(SHAPES[name], tokens, "gptq")})
         rows.append({**base, "method": "rtn", "s_per_block": c + a * P, "quantize_peak_rss_mb": 1010.0})
     out = {(e["model"], e["method"]): e for e in extrapolate(rows, tokens, iters=10)}
-    for target, s in TARGETS.items():
+    for target in TARGETS:
+        s = SHAPES[target]
+        assert not out[(target, "gptq")]["measured"]
         P, F = features(s, tokens)
         assert out[(target, "gptq")]["s_per_block"] == pytest.approx(c + b * F, rel=1e-2)
         assert out[(target, "rtn")]["s_per_block"] == pytest.approx(c + a * P, rel=1e-2)
@@ -43,12 +45,19 @@ def test_extrapolation_recovers_an_exact_cost_model():
 
 @pytest.mark.e2e
 def test_bench_scale_quick_runs_streamed_cells(tmp_path):
-    rc, stdout, err = invoke("bench", "scale", "--quick", "--json", tmp_path / "s.json")
+    rc, stdout, err = invoke("bench", "scale", "--quick", "--blocks", "tiny/rtn=2", "--json", tmp_path / "s.json")
     assert rc == 0, err
     result = json.loads((tmp_path / "s.json").read_text())
     assert {(r["model"], r["method"]) for r in result["rows"]} == {("tiny", m) for m in ("rtn", "gptq", "autoround")}
+    assert {r["method"]: r["measured_blocks"] for r in result["rows"]} == {"rtn": 2, "gptq": 3, "autoround": 1}
     for r in result["rows"]:
         assert r["s_per_block"] > 0 and r["disk_mb"] > 0
         assert r["peak_rss_mb"] >= r["quantize_peak_rss_mb"] > r["load_rss_mb"] > 0
     assert {e["model"] for e in result["extrapolation"]} >= set(TARGETS)
     assert "| llama-3.1-70b |" in stdout
+
+
+@pytest.mark.parametrize("spec", ["nope/rtn=2", "rtn=0", "tiny/bogus=1"])
+def test_bench_scale_refuses_a_bad_blocks_spec(spec):
+    rc, _, err = invoke("bench", "scale", "--quick", "--blocks", spec)
+    assert rc != 0 and "--blocks" in err

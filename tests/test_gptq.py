@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from compress.errors import RunFailure
+from compress.hessian import DenseSym, PackedSym
 from compress.methods import gptq as gptq_module
 from compress.methods.gptq import gptq
 from compress.primitives import rtn
@@ -119,24 +120,23 @@ def test_cholesky_retries_with_more_damping():
     assert qw.codes.shape == (4, 2)
 
 
-@pytest.mark.parametrize("steps", ["lapack", "torch"])
-def test_a_failed_step_retries_from_the_hessian_kept_in_the_lower_triangle(monkeypatch, steps):
-    """Hinv is formed in H's storage; when the inverse's factorisation fails, H is restored from the strictly
-    lower triangle and the next damping gives exactly what starting from the original H at that damping gives."""
-    if steps == "torch":  # the accelerator path, exercised on the CPU
-        monkeypatch.setattr(gptq_module, "_InPlaceLapack", gptq_module._TorchSteps)
+@pytest.mark.parametrize("store", [PackedSym, DenseSym])
+def test_a_failed_step_retries_from_the_spilled_hessian(monkeypatch, store):
+    """Hinv is formed in H's storage; when the inverse's factorisation fails (after writing), H is restored from
+    its spilled copy and the next damping gives exactly what starting from the original H at that damping gives.
+    DenseSym is the accelerator path, exercised on the CPU."""
+    make = PackedSym.from_dense if store is PackedSym else DenseSym
     X = correlated(512, 40, seed=5)
     W = torch.randn(8, 40, generator=torch.Generator().manual_seed(6))
-    expected = gptq(W, hessian(X), bits=4, group_size=8, sym=True, damp=0.1)[0]
-    cls = gptq_module._InPlaceLapack
-    real, calls = cls.factor, []
+    expected = gptq(W, make(hessian(X)), bits=4, group_size=8, sym=True, damp=0.1)[0]
+    real, calls = store.factor_, []
 
-    def flaky(A):
-        calls.append(real(A))
+    def flaky(self):
+        calls.append(real(self))
         return calls[-1] and len(calls) != 2  # the factor of the first inverse "fails" (after writing)
 
-    monkeypatch.setattr(cls, "factor", staticmethod(flaky))
-    qw = gptq(W, hessian(X), bits=4, group_size=8, sym=True, damp=0.01)[0]
+    monkeypatch.setattr(store, "factor_", flaky)
+    qw = gptq(W, make(hessian(X)), bits=4, group_size=8, sym=True, damp=0.01)[0]
     assert len(calls) == 4
     assert torch.equal(qw.codes, expected.codes) and torch.equal(qw.scales, expected.scales)
 
@@ -147,24 +147,34 @@ def test_inverse_cholesky_is_formed_in_the_hessians_storage(n):
     H = hessian(X)
     lam = 0.01 * H.diagonal().mean()
     expected = torch.linalg.cholesky(torch.linalg.inv((H + lam * torch.eye(n)).double()), upper=True)
-    ptr = H.data_ptr()
-    Hinv = gptq_module._inverse_cholesky(H, 0.01)
-    assert Hinv.data_ptr() == ptr
-    torch.testing.assert_close(Hinv.double(), expected, rtol=1e-3, atol=1e-4 * float(expected.abs().max()))
-    torch_steps = gptq_module._TorchSteps
-    A = hessian(X)
-    A.diagonal().add_(lam)
-    assert torch_steps.factor(A) and torch_steps.inverse(A) and torch_steps.factor(A)
-    torch.testing.assert_close(A.triu().double(), expected, rtol=1e-3, atol=1e-4 * float(expected.abs().max()))
+    tol = dict(rtol=1e-3, atol=1e-4 * float(expected.abs().max()))
+    P = PackedSym.from_dense(H)
+    ptr = P.data.data_ptr()
+    Hinv = gptq_module._inverse_cholesky(P, 0.01)
+    assert Hinv is P and P.data.data_ptr() == ptr and P.data.numel() == n * (n + 1) // 2
+    torch.testing.assert_close(Hinv.upper_rows(0, n).double(), expected, **tol)
+    Hinv = gptq_module._inverse_cholesky(DenseSym(H.clone()), 0.01)
+    torch.testing.assert_close(Hinv.upper_rows(0, n).double(), expected, **tol)
 
 
-def test_upper_triangle_restored_from_the_lower_one_in_row_chunks():
-    A = torch.randn(11, 11)
-    S = A.tril() + A.tril(-1).T
-    B = S.clone()
-    B.triu_(1).mul_(-7).add_(S.tril())  # garbage above the diagonal
-    gptq_module._upper_from_lower(B, rows=3)
-    assert torch.equal(B, S)
+def test_packed_and_dense_hessians_give_the_same_codes():
+    """The CPU (packed) and accelerator (dense) stores are two storages of one computation."""
+    X = correlated(2048, 96, seed=9)
+    W = torch.randn(16, 96, generator=torch.Generator().manual_seed(9))
+    for act_order in (False, True):
+        a, ea = gptq(W, PackedSym.from_dense(hessian(X)), bits=3, group_size=32, sym=False, act_order=act_order)
+        b, eb = gptq(W, DenseSym(hessian(X)), bits=3, group_size=32, sym=False, act_order=act_order)
+        assert (a.codes != b.codes).float().mean() < 0.01 and ea == pytest.approx(eb, rel=1e-3)
+
+
+def test_overwrite_w_gives_the_same_codes_in_the_callers_storage():
+    X = correlated(1024, 256, seed=3)  # two blocks of 128 columns: the second is updated in W's storage
+    W = torch.randn(16, 256, generator=torch.Generator().manual_seed(3))
+    W0 = W.clone()
+    a = gptq(W, hessian(X), bits=3, group_size=16, sym=False)[0]
+    assert torch.equal(W, W0)  # inputs are not modified by default
+    b = gptq(W, hessian(X), bits=3, group_size=16, sym=False, overwrite_w=True)[0]
+    assert torch.equal(a.codes, b.codes) and torch.equal(a.scales, b.scales) and not torch.equal(W, W0)
 
 
 def test_cholesky_failure_raises_clear_error():
@@ -250,7 +260,7 @@ def test_hessians_shared_by_linears_fed_the_same_tensor():
     assert len({id(h) for h in H.values()}) == 4  # qkv, o, gate/up, down
     for n in linears:  # each collect_hessians call ran the block once: the first len(inputs) calls are its own
         X = torch.cat(seen[n][: len(inputs)]).double()
-        assert torch.allclose(H[n].double(), hessian(X), rtol=1e-4, atol=1e-6), n
+        assert torch.allclose(H[n].to_dense().double(), hessian(X), rtol=1e-4, atol=1e-6), n
 
 
 def test_hessians_collected_again_when_an_input_is_not_shared_every_time():
@@ -274,8 +284,8 @@ def test_hessians_collected_again_when_an_input_is_not_shared_every_time():
     assert H["a"] is not H["b"]
     X = torch.cat(inputs).double()
     # the first pass (shared, 3 calls) was discarded; the second pass saw calls 4-6: b got 2x every time
-    assert torch.allclose(H["a"].double(), hessian(X), rtol=1e-5)
-    assert torch.allclose(H["b"].double(), 4 * hessian(X), rtol=1e-5)
+    assert torch.allclose(H["a"].to_dense().double(), hessian(X), rtol=1e-5)
+    assert torch.allclose(H["b"].to_dense().double(), 4 * hessian(X), rtol=1e-5)
 
 
 def test_gptq_on_shared_hessians_equals_gptq_on_copies():

@@ -9,13 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-import numpy as np
 import torch
 from pydantic import Field
-from scipy.linalg import lapack
 
 from compress.config import QuantizeConfig
 from compress.errors import RunFailure
+from compress.hessian import as_store
 from compress.primitives import choose_qparams, quantize_codes, resolve_group
 from compress.qweight import QuantizedWeight
 from compress.quantize_stage import Quantizer, quantizer
@@ -25,7 +24,7 @@ CHOLESKY_TRIES = 4  # damp, then 10x, 100x, 1000x damp
 
 def gptq(
     W: torch.Tensor,
-    H: torch.Tensor,
+    H,
     *,
     bits: int,
     group_size: int,
@@ -34,11 +33,14 @@ def gptq(
     block_size: int = 128,
     act_order: bool = False,
     overwrite_h: bool = False,
+    overwrite_w: bool = False,
 ) -> tuple[QuantizedWeight, float]:
     """Quantize `W` (d_out, d_in) column by column, pushing each rounding error onto later columns.
 
-    `H` (d_in, d_in) is the input Hessian `2 X^T X / n` of the layer `y = x W^T`, accumulated by
-    the caller. Inputs are not modified (`overwrite_h`: H may be, which saves a copy of it). Dead inputs (`H[i,i] == 0`) get `H[i,i] = 1`, `W[:,i] = 0`;
+    `H` (d_in, d_in) is the input Hessian `2 X^T X / n` of the layer `y = x W^T`, accumulated by the caller:
+    a symmetric tensor or a `compress.hessian` store. Inputs are not modified (`overwrite_h`: a store may be,
+    `overwrite_w`: an fp32 W may be, left holding the error-updated weights; each saves a copy). Dead inputs
+    (`H[i,i] == 0`) get `H[i,i] = 1`, `W[:,i] = 0`;
     then `damp * mean(diag H)` is added to the diagonal (10x more per retry if Cholesky fails).
 
     Groups: qparams come from `choose_qparams` on the error-updated weights at each group's first
@@ -53,20 +55,23 @@ def gptq(
     error `||X W^T - X Q^T||_F^2 / n` plus the dampening term. Not normalised by d_out.
     """
     d_out, d_in = W.shape
-    if H.shape != (d_in, d_in):
+    if tuple(H.shape) != (d_in, d_in):
         raise RunFailure(f"GPTQ: Hessian shape {tuple(H.shape)} does not match weight {tuple(W.shape)}")
-    if not _finite(H):
+    H = as_store(H, copy=not overwrite_h)
+    if not H.finite():
         raise RunFailure("GPTQ: the Hessian has NaN/inf entries; check the calibration activations")
-    H = H.detach().float()
-    H = H.contiguous() if overwrite_h else H.clone(memory_format=torch.contiguous_format)
-    dead = _dead_inputs(H)
-    perm = torch.arange(d_in, device=H.device)
-    if act_order:
-        perm = torch.argsort(torch.diag(H), descending=True, stable=True)
-        H = H[perm][:, perm]
-    Hinv = _inverse_cholesky(H, damp)  # in H's storage: one (d_in, d_in) matrix (on the CPU)
-    W = W.detach().float().clone()
-    W[:, dead] = 0
+    diag = H.diag()
+    dead = diag == 0  # inputs never seen in calibration: H[i,i] = 1, their weights zeroed
+    if dead.any():
+        H.set_diag_(torch.where(dead, torch.ones_like(diag), diag))
+    perm = torch.arange(d_in, device=W.device)
+    if act_order:  # a dense permuted copy for the moment (act_order is off by default)
+        perm = torch.argsort(H.diag(), descending=True, stable=True).to(W.device)
+        p = perm.to(H.device)
+        H = as_store(H.to_dense()[p][:, p], copy=False)
+    Hinv = _inverse_cholesky(H, damp)  # in H's storage (on the CPU: packed, half a dense matrix)
+    W = W.detach() if overwrite_w and W.dtype == torch.float32 else W.detach().float().clone()
+    W[:, dead.to(W.device)] = 0
     groups = _Groups.create(W, bits, group_size, sym, static=act_order)
     if act_order:
         W = W[:, perm]
@@ -75,8 +80,9 @@ def gptq(
     error = torch.zeros((), device=W.device)
     for i1 in range(0, d_in, B):
         i2 = min(i1 + B, d_in)
-        Err1 = _quantize_block(W[:, i1:i2].clone(), Hinv[i1:i2, i1:i2], perm[i1:i2], groups, codes)
-        W[:, i2:].addmm_(Err1, Hinv[i1:i2, i2:], alpha=-1)  # lazy batch update of all later columns, in place
+        rows = Hinv.upper_rows(i1, i2).to(W.device)  # Hinv[i1:i2, i1:]
+        Err1 = _quantize_block(W[:, i1:i2].clone(), rows[:, : i2 - i1], perm[i1:i2], groups, codes)
+        W[:, i2:].addmm_(Err1, rows[:, i2 - i1 :], alpha=-1)  # lazy batch update of all later columns, in place
         error += Err1.square().sum() / 2
     return groups.quantized_weight(codes), float(error)
 
@@ -136,95 +142,30 @@ class _Groups:
         return QuantizedWeight(codes=codes, scales=self.S, zeros=Z, bits=self.bits, group_size=g, sym=self.sym)
 
 
-def _finite(A: torch.Tensor) -> bool:
-    """No NaN/inf in A, from its min and max (NaN propagates): no (d_in, d_in) mask."""
-    return bool(torch.isfinite(torch.stack(torch.aminmax(A))).all())
-
-
-def _dead_inputs(H: torch.Tensor) -> torch.Tensor:
-    """Inputs never seen in calibration (`H[i,i] == 0`) get `H[i,i] = 1`; returns their mask (their weights are
-    zeroed)."""
-    dead = torch.diag(H) == 0
-    H[dead, dead] = 1
-    return dead
-
-
-def _inverse_cholesky(H: torch.Tensor, damp: float) -> torch.Tensor:
+def _inverse_cholesky(H, damp: float):
     """`Hinv`: upper Cholesky factor of `(H + lam I)^-1`, `lam = damp * mean(diag H)`, 10x per retry.
 
-    H (gptq's own copy, or the caller's with `overwrite_h`) is consumed: Hinv is formed in its storage.
-    Every step (factor, inverse from the factor, factor of the inverse) reads and writes only the upper
-    triangle, so the strictly lower triangle keeps H; should a step fail (fp32 round-off on an ill-conditioned
-    H), H's upper triangle is restored from it and the next, larger damping starts over. On the CPU the steps are
-    LAPACK's `potrf`/`potri` in place: one (d_in, d_in) matrix, whatever fails (docs/scale.md#gptq-memory)."""
-    steps = _InPlaceLapack if H.device.type == "cpu" else _TorchSteps
-    diag = torch.diag(H).clone()
+    H (a `compress.hessian` store: gptq's own copy, or the caller's with `overwrite_h`) is consumed: Hinv is
+    formed in its storage (factor, inverse from the factor, factor of the inverse). A failed step (fp32
+    round-off on an ill-conditioned H) has overwritten it, so H is spilled first (a temporary file) and
+    restored for the next, larger damping (docs/quantize.md#gptq)."""
+    diag = H.diag()
     mean_diag = diag.mean()
-    for t in range(CHOLESKY_TRIES):
-        if t:
-            _upper_from_lower(H)
-        H.diagonal().copy_(diag + damp * 10**t * mean_diag)
-        if steps.factor(H) and steps.inverse(H) and steps.factor(H) and _finite(H):
-            return H.triu_()
+    saved = H.spill()
+    try:
+        for t in range(CHOLESKY_TRIES):
+            if t:
+                H.restore(saved)
+            H.set_diag_(diag + damp * 10**t * mean_diag)
+            if H.factor_() and H.inverse_() and H.factor_() and H.finite():
+                return H
+    finally:
+        if hasattr(saved, "close"):
+            saved.close()
     raise RunFailure(
         f"GPTQ: Cholesky of the damped Hessian failed even at damp={damp * 10 ** (CHOLESKY_TRIES - 1):g} "
         "(non-finite or degenerate calibration statistics?); check the calibration data or raise `damp`"
     )
-
-
-def _upper_from_lower(A: torch.Tensor, rows: int = 256) -> None:
-    """Mirror A's strictly lower triangle onto its upper one, in place, `rows` rows at a time (the diagonal
-    is left to the caller)."""
-    n = A.shape[0]
-    for a in range(0, n, rows):
-        b = min(a + rows, n)
-        A[a:b, b:] = A[b:, a:b].mT
-        blk = A[a:b, a:b]
-        blk.copy_(blk.tril() + blk.tril(-1).mT)
-
-
-class _InPlaceLapack:
-    """LAPACK on the storage of a C-contiguous fp32 CPU tensor `A`: Fortran sees `A^T`, so its lower triangle is
-    A's upper one. `factor`: A's upper triangle becomes U with `sym(A) = U^T U` (torch's `upper=True`);
-    `inverse`: from that U, A's upper triangle becomes `(U^T U)^-1`. False when LAPACK reports failure."""
-
-    @staticmethod
-    def _run(routine, A: torch.Tensor, **kw) -> bool:
-        if not (A.is_contiguous() and A.dtype == torch.float32):
-            raise ValueError("in-place LAPACK needs a contiguous float32 matrix")
-        M = A.numpy().T  # Fortran-ordered view of the same memory
-        out, info = routine(M, lower=1, **kw)
-        if not np.shares_memory(out, M):  # f2py copies silently when the layout does not fit
-            raise RuntimeError(f"LAPACK {routine.__name__} did not work in place")
-        return info == 0
-
-    @classmethod
-    def factor(cls, A: torch.Tensor) -> bool:
-        return cls._run(lapack.spotrf, A, clean=0, overwrite_a=1)
-
-    @classmethod
-    def inverse(cls, A: torch.Tensor) -> bool:
-        return cls._run(lapack.spotri, A, overwrite_c=1)
-
-
-class _TorchSteps:
-    """The same steps with torch.linalg, for tensors on an accelerator (not in place: temporaries of A's size)."""
-
-    @staticmethod
-    def _write_upper(A: torch.Tensor, B: torch.Tensor) -> None:
-        A.copy_(torch.where(torch.ones_like(A, dtype=torch.bool).triu_(), B, A))
-
-    @classmethod
-    def factor(cls, A: torch.Tensor) -> bool:
-        U, info = torch.linalg.cholesky_ex(A.triu() + A.triu(1).mT, upper=True)
-        cls._write_upper(A, U)
-        return info == 0
-
-    @classmethod
-    def inverse(cls, A: torch.Tensor) -> bool:
-        B = torch.cholesky_inverse(A.triu(), upper=True)
-        cls._write_upper(A, B)
-        return _finite(B)
 
 
 class GPTQConfig(QuantizeConfig):
@@ -251,5 +192,5 @@ class GPTQ(Quantizer):
             shared = sum(h is data.hessians[name] for h in data.hessians.values()) > 1
             out[name] = gptq(lin.weight.data, data.hessians.pop(name), bits=s.bits, group_size=s.group_size,
                              sym=s.sym, damp=c.damp, block_size=c.block_size, act_order=c.act_order,
-                             overwrite_h=not shared)[0]
+                             overwrite_h=not shared, overwrite_w=True)[0]  # the driver sets the weight next
         return out

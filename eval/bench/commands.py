@@ -233,15 +233,16 @@ def bench_scale(
     json_out: Optional[Path] = JSON_OUT,
     md_out: Optional[Path] = MARKDOWN_OUT,
     model: Optional[List[str]] = typer.Option(None, "--model", help="shapes to run (repeatable): smollm2-135m, "
-                                              "qwen3-0.6b, llama-3.2-1b (default: all three), tiny"),
+                                              "qwen3-0.6b, llama-3.2-1b (default: all three), llama-3.1-8b, "
+                                              "llama-3.1-70b (with --blocks for every method), tiny"),
     method: Optional[List[str]] = typer.Option(None, "--method", help="rtn, gptq, autoround (repeatable; default: "
                                                "all three; autoround is measured on one block)"),
     nsamples: int = typer.Option(16, "--nsamples", help="calibration windows"),
     seqlen: int = typer.Option(256, "--seqlen", help="tokens per calibration window"),
     iters: int = typer.Option(10, "--iters", help="AutoRound iterations on the measured block (extrapolated to 200)"),
-    blocks: Optional[List[str]] = typer.Option(None, "--blocks", help="METHOD=N: run only the first N blocks of "
-                                               "each shape and extrapolate to its depth (repeatable; default "
-                                               "autoround=1, gptq=3)"),
+    blocks: Optional[List[str]] = typer.Option(None, "--blocks", help="[MODEL/]METHOD=N: run only the first N "
+                                               "blocks (of MODEL's shapes, or of each) and extrapolate to the "
+                                               "depth (repeatable; default autoround=1, gptq=3)"),
     keep: Optional[Path] = typer.Option(None, "--keep", help="write (and reuse) the random models here"),
     quick: bool = typer.Option(False, "--quick", help="the tiny shapes only, a smoke test"),
 ):
@@ -263,10 +264,11 @@ def bench_scale(
                        "autoround)")
     measured = {"autoround": 1, "gptq": 3}
     for spec in blocks or ():
-        m, _, n = spec.partition("=")
-        if m not in methods or not n.isdigit() or int(n) < 1:
-            raise BadInput(f"--blocks `{spec}`: give METHOD=N with a method being run and N >= 1")
-        measured[m] = int(n)
+        key, _, n = spec.partition("=")
+        shape, _, m = key.rpartition("/")
+        if m not in methods or (shape and shape not in models) or not n.isdigit() or int(n) < 1:
+            raise BadInput(f"--blocks `{spec}`: give [MODEL/]METHOD=N with a model and method being run and N >= 1")
+        measured[key] = int(n)
     cal = str(TEXT / "tinystories" / "tinystories_val.txt")
     result = run_scale(models, methods, nsamples=4 if quick else nsamples, seqlen=64 if quick else seqlen,
                        iters=2 if quick else iters, cal=cal, keep=keep, measured=measured)

@@ -57,13 +57,14 @@ SHAPES = {  # the real configs' shapes (hidden, FFN, blocks, heads, KV heads, he
                          tie_word_embeddings=True),
     "tiny": dict(model_type="llama", hidden_size=128, intermediate_size=256, num_hidden_layers=3,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=512, tie_word_embeddings=True),
+    "llama-3.1-8b": dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256,
+                         tie_word_embeddings=False),
+    "llama-3.1-70b": dict(model_type="llama", hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                          num_attention_heads=64, num_key_value_heads=8, head_dim=128, vocab_size=128256,
+                          tie_word_embeddings=False),
 }
-TARGETS = {  # extrapolated only
-    "llama-3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                         num_key_value_heads=8, head_dim=128, vocab_size=128256, tie_word_embeddings=False),
-    "llama-3.1-70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
-                          num_key_value_heads=8, head_dim=128, vocab_size=128256, tie_word_embeddings=False),
-}
+TARGETS = ("llama-3.1-8b", "llama-3.1-70b")  # always in the extrapolation table, measured or not
 # calibration activations a method holds: the quantized-model inputs, replaced batch by batch by the block's
 # outputs; AutoRound also the full-precision inputs and targets
 ACT_COPIES = {"autoround": 3}
@@ -153,7 +154,7 @@ def run_cell(model: Path, method: str, work: Path, cal: str, nsamples: int, seql
 
 def run(models: list[str], methods: list[str], *, nsamples: int, seqlen: int, iters: int, cal: str,
         keep: Path | None = None, measured: dict | None = None) -> dict:
-    """`measured`: method -> blocks to run (the first ones of each model's shapes; None or missing: all)."""
+    """`measured`: method or "model/method" -> blocks to run (the first ones of the shapes; missing: all)."""
     measured = measured or {}
     from compress.eval.bench.quality import machine
 
@@ -162,20 +163,23 @@ def run(models: list[str], methods: list[str], *, nsamples: int, seqlen: int, it
     try:
         for name in models:
             s = SHAPES[name]
-            t0 = time.time()
-            model = build(name, (keep or work) / name) if not (keep and (keep / name / "config.json").exists()) \
-                else keep / name
-            built = round(time.time() - t0, 1)
+            model, built = None, 0.0
             P, F = features(s, nsamples * seqlen)
             block_mb = P * 4 / 2**20
             act_mb = nsamples * seqlen * s["hidden_size"] * 4 / 2**20  # the calibration activations, once
             for method in methods:
-                n = min(measured.get(method) or s["num_hidden_layers"], s["num_hidden_layers"])
+                n = measured.get(f"{name}/{method}") or measured.get(method) or s["num_hidden_layers"]
+                n = min(n, s["num_hidden_layers"])
                 if n < s["num_hidden_layers"]:  # the first n blocks of these shapes, extrapolated to the depth
                     part = build_blocks(name, n, work)
                     cell = run_cell(part, method, work, cal, nsamples, seqlen, iters)
                     shutil.rmtree(part)
                 else:
+                    if model is None:  # the whole model, built only when a method runs every block
+                        t0 = time.time()
+                        model = keep / name if keep and (keep / name / "config.json").exists() else \
+                            build(name, (keep or work) / name)
+                        built = round(time.time() - t0, 1)
                     cell = run_cell(model, method, work, cal, nsamples, seqlen, iters)
                 per_block = cell["block_s"] or cell["quantize_s"] / n  # one block: setup included
                 cell.update(measured_blocks=n, extrapolated_s=round(per_block * s["num_hidden_layers"], 1))
@@ -189,7 +193,7 @@ def run(models: list[str], methods: list[str], *, nsamples: int, seqlen: int, it
                              "rss_over_block": round(grown / (block_mb + act_mb), 3), **cell})
                 logger.info("scale %s/%s: %.2f s per block, peak RSS %.0f MB (load %.0f MB)", name, method,
                             per_block, cell["peak_rss_mb"], cell["load_rss_mb"])
-            if keep is None:
+            if keep is None and model is not None:
                 shutil.rmtree(model, ignore_errors=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -224,12 +228,13 @@ def extrapolate(rows: list[dict], tokens: int, iters: int) -> list[dict]:
         scale = 200 / iters if method == "autoround" else 1
         big = max(mine, key=lambda r: r["block_params"])
         growth = (big["quantize_peak_rss_mb"] - big["load_rss_mb"]) / working_mb(SHAPES[big["model"]], tokens, method)
-        for name, s in {**{r["model"]: SHAPES[r["model"]] for r in mine}, **TARGETS}.items():
+        for name in dict.fromkeys([*(r["model"] for r in mine), *TARGETS]):
+            s = SHAPES[name]
             P, F = features(s, tokens)
             per_block = max(float(coef @ np.array([1.0, F if gptq else P])), 0.0)
             rest = (s["vocab_size"] * s["hidden_size"] * (1 if s.get("tie_word_embeddings") else 2)
                     + s["hidden_size"]) * 4 / 2**20
-            out.append({"model": name, "method": method, "measured": name in SHAPES,
+            out.append({"model": name, "method": method, "measured": any(r["model"] == name for r in mine),
                         "block_params": int(P), "blocks": s["num_hidden_layers"],
                         "s_per_block": round(per_block, 2),
                         "total_h": round(per_block * s["num_hidden_layers"] * scale / 3600, 2),
@@ -240,13 +245,13 @@ def extrapolate(rows: list[dict], tokens: int, iters: int) -> list[dict]:
 
 def working_mb(s: dict, tokens: int, method: str) -> float:
     """One block's fp32 weights and the calibration activations it holds (`ACT_COPIES`), and for GPTQ the
-    Hessians (one per distinct input, while they are collected: q/k/v share one, gate/up one; each is then
-    factored in its own storage)."""
+    Hessians (one per distinct input, while they are collected: q/k/v share one, gate/up one; each packed, an
+    upper triangle, and factored in its own storage)."""
     P, _ = features(s, tokens)
     mb = (P + ACT_COPIES.get(method, 1) * tokens * s["hidden_size"]) * 4 / 2**20
     if method == "gptq":
         h, f, q = s["hidden_size"], s["intermediate_size"], s["num_attention_heads"] * s["head_dim"]
-        mb += (h * h + q * q + h * h + f * f) * 4 / 2**20
+        mb += sum(n * (n + 1) // 2 for n in (h, q, h, f)) * 4 / 2**20
     return mb
 
 
