@@ -75,10 +75,6 @@ class PackedSym:
         U = self.upper_rows(0, self.n)
         return U + U.triu(1).mT
 
-    @property
-    def nbytes(self) -> int:
-        return self.data.numel() * 4
-
     def _lapack(self, routine, *args, **kw) -> int:
         a = self.data.numpy()
         out = routine(*args, **kw)
@@ -158,10 +154,6 @@ class DenseSym:
 
     def to_dense(self) -> torch.Tensor:
         return self.H.triu() + self.H.triu(1).mT
-
-    @property
-    def nbytes(self) -> int:
-        return self.H.numel() * self.H.element_size()
 
     def add_gram_(self, x: torch.Tensor, alpha: float) -> None:
         x = x.detach().float()
