@@ -181,11 +181,10 @@ class Coverage:
 
     def __init__(self, adapter, i: int, min_tokens: int = 16):
         self.adapter, self.i, self.min_tokens = adapter, i, min_tokens
+
+    def __enter__(self):  # re-entered when collect_hessians collects again: starts over
         self.rows: list[torch.Tensor] = []
         self.forced: list[int] = []
-
-    def __enter__(self):  # re-entered when collect_hessians collects again
-        self.rows, self.forced = [], []
         moe = _moe_module(self.adapter, self.i)
         self._hook = moe.register_forward_pre_hook(
             lambda _m, args: self.rows.append(args[0].reshape(-1, args[0].shape[-1]).detach()))
