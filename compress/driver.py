@@ -264,11 +264,12 @@ def run_blockwise(
         if q_in is not None and i + 1 < n:
             advance(block, q_in, kw)
         fp_in = fp_out
-        if release:
-            release(i)
+        if release:  # the codes are in the block checkpoint: drop them, then the block (its release collects)
             done = {name: light(qw) for name, qw in done.items()}
+            release(i)
+        else:
+            gc.collect()
         result.update(done)
-        gc.collect()
         if progress:
             progress(i + 1, n)
     return result
