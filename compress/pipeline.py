@@ -400,7 +400,7 @@ class _timed:
     def __exit__(self, *exc):
         if exc[0] is None:
             self.timings.append({"name": self.name, "method": self.method, "seconds": round(time.time() - self.t, 3),
-                                 "peak_rss_mb": round(rss.peak_mb(), 1), "rss_mb": round(rss.resident_mb(), 1)})
+                                 **rss.stage_marks()})
 
 
 def _attach_log(ws: Workspace) -> logging.Handler:

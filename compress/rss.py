@@ -44,6 +44,11 @@ def resident_mb() -> float:
     return rss
 
 
+def stage_marks() -> dict[str, float]:
+    """What a stage records as it ends: its own peak and what stays resident (MB, one decimal)."""
+    return {"peak_rss_mb": round(peak_mb(), 1), "rss_mb": round(resident_mb(), 1)}
+
+
 def run_peak_mb() -> float:
     """Peak resident set size over every stage so far."""
     return max(_run_peak_mb, peak_mb())

@@ -269,8 +269,7 @@ class Workspace:
 
     def stage_end(self, key: str, seconds: float, metrics: dict | None = None) -> None:
         st = self.manifest["stages"][key]
-        st.update(status="done", seconds=round(seconds, 3), peak_rss_mb=round(rss.peak_mb(), 1),
-                  rss_mb=round(rss.resident_mb(), 1), metrics=metrics or {})
+        st.update(status="done", seconds=round(seconds, 3), **rss.stage_marks(), metrics=metrics or {})
         self.save_manifest()
 
     # -- per-block checkpoints -----------------------------------------------------------------
