@@ -12,7 +12,8 @@ Every score is "how much of the block's output would go with this unit", higher 
 - Blocks: `cosine`, the block influence of ShortGPT, `1 - E[cos(x_in, x_out)]` over the calibration tokens (a
   block that barely turns the residual stream matters little); `loss`, the increase of the calibration
   cross-entropy when the block alone is skipped; `last`, the baseline, scores blocks by position (the last go
-  first).
+  first). Several blocks go one at a time (`blocks_to_remove`): the blocks still there are scored with the ones
+  already chosen skipped, and the least important goes next (removing a block changes what its neighbours see).
 """
 
 from __future__ import annotations
@@ -64,54 +65,76 @@ def head_scores(adapter, tokens: torch.Tensor | None, batch_size: int) -> dict[i
     return out
 
 
+def _skip(_m, args, kwargs, out):
+    """Forward hook: the block passes its input through (as if it were removed)."""
+    x = args[0] if args else kwargs["hidden_states"]
+    return (x, *out[1:]) if isinstance(out, tuple) else x
+
+
 @torch.no_grad()
-def block_scores(adapter, tokens: torch.Tensor, how: str, batch_size: int) -> torch.Tensor:
-    """Per block, its importance by `how` (`cosine`, `loss` or `last`; module docstring)."""
+def block_scores(adapter, tokens: torch.Tensor, how: str, batch_size: int,
+                 skipped: tuple[int, ...] = ()) -> torch.Tensor:
+    """Per block, its importance by `how` (`cosine`, `loss` or `last`; module docstring), measured with the
+    blocks `skipped` passing their input through; theirs is +inf."""
     n = len(adapter.blocks)
     if how == "last":
         return torch.arange(n, 0, -1, dtype=torch.float64)
     model = adapter.model
     kw = {"use_cache": False} if accepts_use_cache(model) else {}
-    if how == "cosine":
-        sums = torch.zeros(n, dtype=torch.float64)
-        count = 0
+    live = [i for i in range(n) if i not in skipped]
+    out = torch.full((n,), float("inf"), dtype=torch.float64)
+    handles = [adapter.blocks[i].register_forward_hook(_skip, with_kwargs=True) for i in skipped]
+    try:
+        if how == "cosine":
+            sums = torch.zeros(n, dtype=torch.float64)
+            count = 0
 
-        def hook(i):
-            def fn(_m, args, kwargs, out):
-                x = args[0] if args else kwargs["hidden_states"]
-                y = out[0] if isinstance(out, tuple) else out
-                sums[i] += F.cosine_similarity(x.double(), y.double(), dim=-1).sum()
-            return fn
+            def hook(i):
+                def fn(_m, args, kwargs, out):
+                    x = args[0] if args else kwargs["hidden_states"]
+                    y = out[0] if isinstance(out, tuple) else out
+                    sums[i] += F.cosine_similarity(x.double(), y.double(), dim=-1).sum()
+                return fn
 
-        handles = [adapter.blocks[i].register_forward_hook(hook(i), with_kwargs=True) for i in range(n)]
-        try:
+            handles += [adapter.blocks[i].register_forward_hook(hook(i), with_kwargs=True) for i in live]
             for b in tokens.split(batch_size):
                 model(input_ids=b, **kw)
                 count += b.numel()
-        finally:
-            for h in handles:
+            out[live] = 1 - sums[live] / count
+            return out
+
+        def loss() -> float:
+            total = 0.0
+            for b in tokens.split(batch_size):
+                total += float(model(input_ids=b, labels=b, **kw).loss) * b.shape[0]
+            return total / tokens.shape[0]
+
+        base = loss()
+        for i in live:
+            h = adapter.blocks[i].register_forward_hook(_skip, with_kwargs=True)
+            try:
+                out[i] = loss() - base
+            finally:
                 h.remove()
-        return 1 - sums / count
-
-    def loss() -> float:
-        total = 0.0
-        for b in tokens.split(batch_size):
-            total += float(model(input_ids=b, labels=b, **kw).loss) * b.shape[0]
-        return total / tokens.shape[0]
-
-    base = loss()
-    out = torch.zeros(n, dtype=torch.float64)
-    for i in range(n):
-        def skip(_m, args, kwargs, out):
-            x = args[0] if args else kwargs["hidden_states"]
-            return (x, *out[1:]) if isinstance(out, tuple) else x
-
-        h = adapter.blocks[i].register_forward_hook(skip, with_kwargs=True)
-        try:
-            out[i] = loss() - base
-        finally:
+        return out
+    finally:
+        for h in handles:
             h.remove()
-    return out
+
+
+def blocks_to_remove(adapter, tokens: torch.Tensor | None, how: str, n: int,
+                     batch_size: int) -> tuple[list[int], list[torch.Tensor]]:
+    """The positions of the `n` blocks to remove, chosen one at a time (module docstring), and each round's
+    scores (`last`: one round, by position)."""
+    removed: list[int] = []
+    rounds: list[torch.Tensor] = []
+    while len(removed) < n:
+        s = block_scores(adapter, tokens, how, batch_size, tuple(removed))
+        rounds.append(s)
+        if how == "last":
+            return sorted(top(-s, n)), rounds
+        removed.append(min(range(s.numel()), key=lambda j: (float(s[j]), -j)))  # ties: the later block
+    return sorted(removed), rounds
 
 
 def kept_count(width: int, ratio: float, multiple: int) -> int:

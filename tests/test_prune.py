@@ -9,7 +9,7 @@ import yaml
 
 from compress.handoff import ModelSpec
 from compress.models.adapters import ModelAdapter
-from compress.prune import block_scores, ffn_scores, global_counts, head_scores, kept_count, top
+from compress.prune import block_scores, blocks_to_remove, ffn_scores, global_counts, head_scores, kept_count, top
 from compress.structure import keep_blocks, keep_ffn, keep_kv_groups, sync_config
 from conftest import CAL, MODELS, invoke
 from helpers import quick_suite
@@ -61,6 +61,31 @@ def test_removing_units_that_write_nothing_is_exact_and_the_scores_find_them(mod
     torch.testing.assert_close(logits(model), ref, atol=1e-5, rtol=0)
     out = model.generate(TOKENS[:1, :4], max_new_tokens=4, do_sample=False)  # the KV cache follows the new shapes
     assert out.shape == (1, 8)
+
+
+@pytest.mark.parametrize("how", ["cosine", "loss"])
+def test_blocks_go_one_at_a_time_scored_without_the_ones_already_chosen(how):
+    """Scores with a block skipped are the scores of the model without it, and the second block removed is the
+    least important one of that smaller model (not the second of the first ranking)."""
+    import copy
+
+    model = tiny_causal("llama", num_hidden_layers=4)
+    a = ModelAdapter(model)
+    first = block_scores(a, TOKENS, how, 2)
+    gone, rounds = blocks_to_remove(a, TOKENS, how, 2, 2)
+    assert len(rounds) == 2 and torch.equal(rounds[0], first)
+    g0 = min(range(4), key=lambda j: (float(first[j]), -j))
+    assert g0 in gone and rounds[1][g0] == float("inf")
+    smaller = copy.deepcopy(model)
+    sa = ModelAdapter(smaller)
+    left = [p for p in range(4) if p != g0]
+    keep_blocks(sa, left)
+    sync_config(sa)
+    alone = block_scores(sa, TOKENS, how, 2)
+    torch.testing.assert_close(rounds[1][left], alone, atol=1e-9, rtol=1e-6)
+    assert sorted(gone) == sorted([g0, left[int(torch.argmin(alone))]])
+    assert blocks_to_remove(a, None, "last", 2, 2)[0] == [2, 3]
+    torch.testing.assert_close(block_scores(a, TOKENS, how, 2), first, atol=0, rtol=0)  # no hook left behind
 
 
 def test_magnitude_scores_read_weights_only():

@@ -133,11 +133,11 @@ def apply(ctx, cfg) -> dict:
         after = before.keeping(kv_heads={i: scores.top(v, kv - round(cfg.ratio * kv)) for i, v in s.items()})
         what = {"kv_heads_kept": {str(b.source): list(after.head_sources(b)) for b in after.blocks}}
     else:
-        s = scores.block_scores(adapter, tokens, cfg.importance, cfg.batch_size)
-        keep = scores.top(s, len(before.blocks) - cfg.blocks)
-        after = before.keeping(blocks=keep)
-        what = {"blocks_removed": [b.source for p, b in enumerate(before.blocks) if p not in keep],
-                "block_scores": {str(b.source): round(float(s[p]), 6) for p, b in enumerate(before.blocks)}}
+        gone, rounds = scores.blocks_to_remove(adapter, tokens, cfg.importance, cfg.blocks, cfg.batch_size)
+        after = before.keeping(blocks=[p for p in range(len(before.blocks)) if p not in gone])
+        what = {"blocks_removed": [before.blocks[p].source for p in gone],
+                "block_scores": [{str(b.source): round(float(s[p]), 6) for p, b in enumerate(before.blocks)
+                                  if s[p] != float("inf")} for s in rounds]}
     params = sum(p.numel() for p in adapter.model.parameters())
     after.restore(adapter, before)
     ctx.emit(after)
