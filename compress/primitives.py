@@ -9,6 +9,8 @@ GPTQ and AutoRound produce codes in one convention:
     sym:  m = 2^(b-1); v = the group extreme of larger magnitude, signed so it maps to level -m
           s = v / m (fp16, may be negative), z = m
     codes = clamp(round(w / s) + z, 0, 2^b - 1)
+    1 bit (the sign rule of MC-MoE / GEMQ; compress/qweight.py): s = mean |w| of the group (fp16, >= 1e-5),
+          z = 1 (not read), codes = [w >= 0], W_hat = s (2 codes - 1)
 """
 
 from __future__ import annotations
@@ -41,6 +43,11 @@ def choose_qparams(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Scales and zero points, each (d_out, n_groups). `min_scale`/`max_scale` are auto-round's alpha/beta."""
     Wg = group_view(W.float(), resolve_group(W.shape[1], group_size))
+    if bits == 1:  # mean |w| over the real columns (a short last group is zero-padded)
+        n = torch.full((Wg.shape[1],), Wg.shape[2], dtype=torch.float32, device=Wg.device)
+        n[-1] -= Wg.shape[1] * Wg.shape[2] - W.shape[1]
+        s = (Wg.abs().sum(-1) / n).half().float().clamp(min=SCALE_EPS)
+        return s, torch.ones_like(s)
     wmin = Wg.amin(-1).clamp(max=0) * min_scale
     wmax = Wg.amax(-1).clamp(min=0) * max_scale
     if sym:
@@ -64,6 +71,8 @@ def quantize_codes(
     (docs/scale.md)."""
     d_out, d_in = W.shape
     g = resolve_group(d_in, group_size)
+    if bits == 1:
+        return (W >= 0).to(torch.uint8)
     codes = torch.empty(d_out, d_in, dtype=torch.uint8, device=W.device)
     g_idx = torch.arange(d_in, device=W.device) // g if d_in % g else None
     for r in row_chunks(d_out, d_in):

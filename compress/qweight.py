@@ -9,6 +9,12 @@ Layout (paper notation, `W` is `nn.Linear.weight`, shape `(d_out, d_in)`):
     zeros  uint8  (d_out, n_groups)  zero points in [0, 2^bits); 2^(bits-1) for symmetric
     W_hat[o, i] = scales[o, i // g] * (codes[o, i] - zeros[o, i // g])
 
+One width breaks that grid: `bits == 1` is the binary (sign) rule of MC-MoE / GEMQ,
+`W_hat[o, i] = scales[o, i // g] * (2 * codes[o, i] - 1)` with the scale `mean |w|` of the group (zero point 1/2 on
+the grid above, which a uint8 cannot hold): `zeros` are stored as 1 and never read, and no zero point is counted.
+Only uniform weights take it; no packed export format holds it (docs/formats.md), so exports write such a layer
+dense.
+
 Group policy: groups run along `d_in`. `group_size == -1` means per-channel (one group of `d_in`).
 When `group_size` does not divide `d_in`, the last group of each row is shorter
 (`n_groups = ceil(d_in / g)`), as auto-round does by zero padding: its scale and zero point are
@@ -42,7 +48,12 @@ def unit_storage_bits(d_out: int, width: int, group: int, bits: int, sym: bool, 
     if bits == KEEP_BITS:
         return d_out * width * KEEP_BITS + map_bits
     n_groups = math.ceil(width / group)
-    return d_out * width * bits + d_out * n_groups * (SCALE_BITS + (0 if sym else bits)) + map_bits
+    return d_out * width * bits + d_out * n_groups * (SCALE_BITS + zero_bits(bits, sym)) + map_bits
+
+
+def zero_bits(bits: int, sym: bool) -> int:
+    """Bits of a stored zero point per group: none for symmetric or 1-bit (sign) weights."""
+    return 0 if sym or bits == 1 else bits
 
 
 CHUNK_ELEMENTS = 1 << 22  # a 16 MB fp32 temporary
@@ -68,8 +79,10 @@ class QuantizedWeight:
     map_bits: int = 0  # plan metadata per chunk, counted in storage_bits
 
     def __post_init__(self):
-        if not 2 <= self.bits <= 8:
-            raise ValueError(f"bits must be in 2..8, got {self.bits}")
+        if not 1 <= self.bits <= 8:
+            raise ValueError(f"bits must be in 1..8, got {self.bits}")
+        if self.bits == 1 and self.chunk_size:
+            raise ValueError("1-bit (sign) weights are uniform: a mixed-precision container is 2..8 bits")
         if self.chunk_size:
             self._check_mixed()
         d_out, d_in = self.codes.shape
@@ -140,10 +153,14 @@ class QuantizedWeight:
         if out is None:
             out = torch.empty(d_out, d_in, dtype=dtype, device=self.codes.device)
         s, z = self.scales.to(torch.float32), self.zeros.to(torch.float32)
+        if self.bits == 1:
+            z = torch.zeros_like(s)
         g_idx = self.group_index() if d_in % g else None
         kept = self.column_bits() == KEEP_BITS if self.kept is not None and self.kept.numel() else None
         for r in row_chunks(d_out, d_in):
             W = self.codes[r].to(torch.float32)
+            if self.bits == 1:  # the sign rule (module docstring): 2q - 1, then the scale (z is 0 here)
+                W.mul_(2).sub_(1)
             if g_idx is not None:
                 W.sub_(z[r][:, g_idx]).mul_(s[r][:, g_idx])
             else:
@@ -160,9 +177,8 @@ class QuantizedWeight:
         if self.mixed:
             return sum(unit_storage_bits(self.out_features, e - s, self.group, b, self.sym, self.map_bits)
                        for (s, e), b in zip(self.chunk_bounds(), self.chunk_bits))
-        zero_bits = 0 if self.sym else self.bits
         n = self.out_features * self.n_groups
-        return self.codes.numel() * self.bits + n * (SCALE_BITS + zero_bits)
+        return self.codes.numel() * self.bits + n * (SCALE_BITS + zero_bits(self.bits, self.sym))
 
     def effective_bits(self) -> float:
         """docs/quantize.md#effective-bits: b + (b_scale + b_zero) / g, computed exactly from the stored tensors."""

@@ -162,3 +162,38 @@ def test_codes_and_dequantize_broadcast_per_group_equal_the_per_column_formula(d
     assert torch.equal(quantize_codes(W, s, z, 3, group), (torch.round(W / s[:, g]) + z[:, g]).clamp(0, 7).to(torch.uint8))
     qw = rtn(W, 3, group, sym)
     assert torch.equal(qw.dequantize(), qw.scales[:, g] * (qw.codes.float() - qw.zeros.float()[:, g]))
+
+
+@pytest.mark.parametrize("d_in,group", [(256, 32), (100, 32), (96, -1)])
+def test_one_bit_is_the_published_sign_rule(d_in, group):
+    """1 bit (MC-MoE / GEMQ's binary rule): codes are the signs, the scale is mean |w| over the group's real
+    columns (a short last group too), W_hat = s (2c - 1); no zero point is counted; GPTQ keeps the rule and
+    lowers the H-weighted error below RTN's."""
+    from compress.methods.gptq import gptq
+    from compress.primitives import rtn
+    from compress.qweight import QuantizedWeight, unit_storage_bits
+
+    W = torch.randn(24, d_in, generator=torch.Generator().manual_seed(d_in))
+    g = d_in if group == -1 else group
+    cols = torch.arange(d_in) // g
+    mean_abs = torch.stack([W[:, cols == k].abs().mean(1) for k in range(cols.max() + 1)], 1)
+    for sym in (True, False):
+        qw = rtn(W, 1, group, sym)
+        assert torch.equal(qw.codes, (W >= 0).to(torch.uint8))
+        assert torch.equal(qw.scales, mean_abs.half().float())
+        assert torch.equal(qw.dequantize(), qw.scales[:, cols] * (2 * qw.codes.float() - 1))
+        n_groups = -(-d_in // g)
+        assert qw.storage_bits() == 24 * d_in + 24 * n_groups * 16 == unit_storage_bits(24, d_in, g, 1, sym)
+    with pytest.raises(ValueError, match="uniform"):
+        QuantizedWeight(qw.codes, qw.scales, qw.zeros, 1, group, True, chunk_size=g * (n_groups or 1),
+                        chunk_bits=(1,))
+    gen = torch.Generator().manual_seed(1)
+    X = torch.randn(512, d_in, generator=gen) @ torch.randn(d_in, d_in, generator=gen)  # correlated inputs
+    H = X.T @ X / 512
+    q, _ = gptq(W.clone(), H.clone(), bits=1, group_size=group, sym=False)
+    assert set(q.codes.unique().tolist()) <= {0, 1} and q.bits == 1
+
+    def err(Wh):
+        return float(torch.trace((Wh - W) @ H @ (Wh - W).T))
+
+    assert err(q.dequantize()) < 0.9 * err(rtn(W, 1, group, False).dequantize())

@@ -135,6 +135,35 @@ def test_plan_time_errors(tmp_path):
     assert rc != 0 and "routed experts" in err
 
 
+def test_one_bit_experts_are_planned_rounded_and_announced(tmp_path):
+    """`bits: [1, 2, 3]` at 2.0 bits per expert parameter (the published 1-bit sign candidate): the plan uses 1-bit
+    experts within the budget, GPTQ rounds them by the sign rule; the plan says the hf export stores them dense;
+    AutoRound is refused before any work."""
+    out = tmp_path / "out"
+    path = moe_recipe(tmp_path, budget=2.0, bits=[1, 2, 3], top_widths=0)
+    rec = yaml.safe_load(path.read_text())
+    rec["export"] = {"formats": ["hf"]}
+    path.write_text(yaml.safe_dump(rec))
+    rc, text, err = invoke("run", path, "--output", tmp_path / "dry", "--dry-run")
+    assert rc == 0 and "1 bit (the sign rule) will be stored dense" in " ".join(text.split()), err
+    rc, _, err = invoke("run", path, "--output", out, "--json")
+    assert rc == 0, err
+    plan = json.loads(plan_path(out).read_text())
+    widths = [b for layer in plan["info"]["expert_bits"].values() for b in layer.values()]
+    assert 1 in widths and max(widths) > 1 and plan["effective_bits"] <= 2.0
+    with Workspace(out, resume=True) as ws:
+        key = next((out / "stages").glob("*-quantize-*")).name
+        qweights = {**ws.load_block(key, 0, required=True), **ws.load_block(key, 1, required=True)}
+    one = [q for n, q in qweights.items() if q.bits == 1]
+    assert one and all(set(q.codes.unique().tolist()) <= {0, 1} for q in one)
+    extra = json.loads((out / "hf" / "config.json").read_text())["quantization_config"]["extra_config"]
+    for name, q in qweights.items():  # 1-bit experts stored dense (bits 16), the others at their width
+        assert extra.get(name, {}).get("bits", 4) == (16 if q.bits == 1 else q.bits), name
+    rc, _, err = invoke("run", moe_recipe(tmp_path, budget=2.0, method="autoround", bits=[1, 2, 3], top_widths=0),
+                        "--output", tmp_path / "ar", "--dry-run")
+    assert rc != 0 and "1-bit (sign) experts are rounded by `rtn` or `gptq`" in err
+
+
 def test_gptq_never_rounds_an_unseen_expert_from_nothing():
     """An expert no calibration row reaches: without forced routing GPTQ's Hessian is empty and the expert's
     weights become zeros; with it, the expert is rounded from the rows its router scores highest."""
@@ -202,8 +231,9 @@ def test_router_finetuning_needs_a_quantized_moe_model(tmp_path):
 @pytest.mark.parametrize("model_type", [pytest.param(m, marks=pytest.mark.slow) if m != "qwen3_moe" else m
                                         for m in MOE])  # one trace each: the Llama-style MoE ones in the slow tier
 def test_per_expert_widths_survive_every_export(tmp_path, model_type):
-    """Experts at 2, 3 and 4 bits (attention at 4): transformers with auto-round's loader, onnxruntime and
-    OpenVINO give the in-memory model's logits (routing in the graphs); the hf checkpoint declares each width."""
+    """Experts at 1 (the sign rule), 2, 3 and 4 bits (attention at 4): transformers with auto-round's loader,
+    onnxruntime and OpenVINO give the in-memory model's logits (routing in the graphs); the hf checkpoint declares
+    each packed width and stores the 1-bit experts dense."""
     from compress.export.hf import export_hf
     from compress.export.onnx import export_onnx
     from compress.export.openvino import export_openvino
@@ -217,21 +247,23 @@ def test_per_expert_widths_survive_every_export(tmp_path, model_type):
         if not name.startswith("model.layers.") or name.endswith(("mlp.gate", "shared_expert_gate")):
             return None
         if ".experts." in name:
-            widths[name] = (2, 3, 4)[int(name.split(".experts.")[1].split(".")[0]) % 3]
+            widths[name] = (1, 2, 3, 4)[int(name.split(".experts.")[1].split(".")[0]) % 4]
             return widths[name], 32, False
         return 4, 32, False
 
     qweights = quantize_model(model, scheme)
-    assert set(widths.values()) == {2, 3, 4}
-    export_hf(model, qweights, None, tmp_path / "hf")
+    assert set(widths.values()) == {1, 2, 3, 4}
+    res = export_hf(model, qweights, None, tmp_path / "hf")
+    assert set(res["dense"]) == {n for n, b in widths.items() if b == 1}
+    assert all("1-bit" in why for why in res["dense"].values())
     _, back, _ = check_reload(model, qweights, tmp_path / "hf", 128)
-    assert all(back[n].bits == b for n, b in widths.items())
+    assert all(back[n].bits == b for n, b in widths.items() if b > 1) and not set(back) & set(res["dense"])
     ids = torch.randint(0, 128, (2, 17), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         ref = model(ids).logits.numpy()
     res = export_onnx(model, qweights, tmp_path / "onnx")
     ops = op_types(res["path"])
-    assert ops["TopK"] == 2 and ops["MatMulNBits"] == sum(1 for n, q in qweights.items() if q.bits != 3)
+    assert ops["TopK"] == 2 and ops["MatMulNBits"] == sum(1 for n, q in qweights.items() if q.bits not in (1, 3))
     assert rel_err(ort_logits(res["path"], ids), ref) < 1e-3
     ov_res = export_openvino(model, qweights, tmp_path / "ov", onnx_path=res["path"])
     out, _ = run_ir(ov_res["path"], ids)
@@ -312,6 +344,13 @@ def test_the_moe_suite_measures_in_parts_and_merges(tmp_path):
     assert [c["method"] for c in merged["cells"]] == ["uniform", "local"]
     assert merged["cells"][0] == first["cells"][0]
     assert merged["model"]["loads"] == first["model"]["loads"]
+    c = tmp_path / "c.json"  # 2.0 bits: below any 2-bit plan, the published candidates with the 1-bit sign rule
+    rc, _, err = invoke("bench", "quality", "--suite", "moe", "--quick", "--method", "uniform", "--budget", "2.0",
+                        "--merge", b, "--json", c)
+    assert rc == 0, err
+    low = [x for x in json.loads(c.read_text())["cells"] if x["budget"] == 2.0]
+    assert len(low) == 1 and low[0]["bits"] == [1, 2, 3] and low[0]["effective_bits"] <= 2.0
+    assert {w for layer in low[0]["expert_bits"].values() for w in layer.values()} == {1}  # uniform: the widest fit
     first["settings"]["stat_samples"] += 1
     a.write_text(json.dumps(first))
     rc, _, err = invoke("bench", "quality", "--suite", "moe", "--quick", "--method", "local", "--merge", a)

@@ -31,7 +31,8 @@ What the loader expects (read from transformers 5.24 and auto-round 0.16.1)
   CUDA tritonv2 backends read a short last group; on CPU `backend="auto"` then falls back to
   `auto_round:fake`, which fails at the first forward. So the plan fits each layer's group to its width
   (`quantize_stage.fit_group`) and layers still failing the check (`why_dense`: a width not a multiple
-  of 32) are written dense in the model's dtype and declared bits 16 (docs/formats.md#which-layers-are-packed).
+  of 32) are written dense in the model's dtype and declared bits 16 (docs/formats.md#which-layers-are-packed),
+  as are 1-bit (sign) layers, which no loader's grid holds.
 * The loader builds QuantLinear without `g_idx`, so `g_idx` is not written (it is always k // g);
   per-layer tensors are `qweight`, `qzeros`, `scales` (fp16) and `bias` (model dtype).
 * After loading, auto-round casts the whole model to float16 on CPU because its torch backends
@@ -108,6 +109,8 @@ def dense_reason(qw: QuantizedWeight) -> str | None:
     """Why the export writes this layer dense, or None when it is packed."""
     if qw.kept is not None and qw.kept.numel():
         return "chunks kept in fp16: no integer container holds them"  # module docstring
+    if qw.bits == 1:
+        return "1-bit (sign) weights: no auto-round loader reads them packed"
     return why_dense(qw.out_features, qw.in_features, qw.group_size)
 
 

@@ -80,6 +80,9 @@ def check_hf(adapter, cfg: HFExportConfig, facts) -> None:
     if dense:
         name, why = next(iter(dense.items()))
         facts.notes.append(f"export hf: {len(dense)} quantized layers will be stored dense (e.g. `{name}`: {why})")
+    if 1 in facts.widths:
+        facts.notes.append("export hf: experts the allocation rounds to 1 bit (the sign rule) will be stored dense: "
+                           "no auto-round loader reads a 1-bit layer packed")
 
 
 @register("export", "hf", HFExportConfig, "packed auto-round checkpoint loadable by transformers", check=check_hf,

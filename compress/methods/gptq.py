@@ -135,6 +135,8 @@ class _Groups:
         """Codes (uint8) and dequantized values of column `w` (d_out,), original column `j`."""
         s, z = self.S[:, j // self.g, None], self.Z[:, j // self.g, None]
         c = quantize_codes(w[:, None], s, z, self.bits, -1)
+        if self.bits == 1:  # the sign rule (compress/qweight.py)
+            return c[:, 0], (s * (2 * c.float() - 1))[:, 0]
         return c[:, 0], (s * (c.float() - z))[:, 0]
 
     def quantized_weight(self, codes: torch.Tensor) -> QuantizedWeight:

@@ -15,9 +15,10 @@ the quantizers GPTQ (as published) and AutoRound, every cell one pipeline run wi
     gemq      `solve: global`
     gemq+ft   `solve: global`, then `finetune: router`
 
-Attention layers at 4 bits, the same group for every layer (the smallest of 64 and 128 whose 2-bit cost fits
-the budget). Scores: perplexity, KL(FP || Q) and top-1 on the evaluation text; the plan's bits per expert
-parameter; statistics + allocation seconds; for gemq+ft the router top-k match and KL before and after.
+Candidate widths: the stage's default 2, 3 and 4 bits where a 2-bit plan fits the budget, else the published
+1, 2 and 3 (1 bit: the sign rule; 2.0 bits). Attention layers at 4 bits, the same group for every layer (the
+smallest of 64 and 128 whose narrowest candidate fits the budget). Scores: perplexity, KL(FP || Q) and top-1 on
+the evaluation text; the plan's bits per expert parameter; statistics + allocation seconds; for gemq+ft the router top-k match and KL before and after.
 `--quick` runs the same code on a tiny random Mixtral (plumbing only: no quality claim).
 """
 
@@ -58,33 +59,48 @@ FULL = MoESettings()
 QUICK = MoESettings(base=replace(bq.QUICK, eval_tokens=512), seeds=(0,), budgets=(3.4,), quantizers=("gptq",),
                     stat_samples=4, stat_seqlen=32, ft_samples=4)
 GROUPS = (64, 128)
+WIDTHS, PUBLISHED_WIDTHS = (2, 3, 4), (1, 2, 3)  # the stage's default candidates; GEMQ's (1 bit: the sign rule)
 
 
-def group_for(budget: float, narrowest: int) -> int | None:
-    """The smallest group whose 2-bit asymmetric cost leaves room to mix, or None."""
-    return next((g for g in GROUPS if g <= narrowest and 2 + 18 / g <= budget - 0.1), None)
+def cost(bits: int, group: int) -> float:
+    """Bits per parameter of an asymmetric `bits`-bit expert: fp16 scale and zero point per group (none at 1 bit)."""
+    from compress.qweight import SCALE_BITS, zero_bits
+
+    return bits + (SCALE_BITS + zero_bits(bits, False)) / group
 
 
-def top_widths_for(budget: float, group: int, experts: int, bits=(2, 3, 4)) -> int:
+def widths_for(budget: float) -> tuple[int, ...]:
+    """The candidate widths at `budget`: the default where a 2-bit plan fits with room to mix, else the
+    published ones with 1 bit."""
+    return WIDTHS if cost(2, GROUPS[-1]) <= budget - 0.1 else PUBLISHED_WIDTHS
+
+
+def group_for(budget: float, narrowest: int, bits=WIDTHS) -> int | None:
+    """The smallest group whose narrowest candidate leaves room to mix, or None."""
+    return next((g for g in GROUPS if g <= narrowest and cost(min(bits), g) <= budget - 0.1), None)
+
+
+def top_widths_for(budget: float, group: int, experts: int, bits=WIDTHS) -> int:
     """The most widths (<= 2, the published rule) every layer can be required to hold at least one expert of,
     with the cheapest plan within `budget`: a b-bit asymmetric expert costs b + (16 + b) / group bits per
-    parameter (fp16 scale, b-bit zero point per group), so the rule's price grows with the overhead."""
-    cost = {b: b + (16 + b) / group for b in bits}
+    parameter (fp16 scale, b-bit zero point per group; 16 / group at 1 bit), so the rule's price grows with the
+    overhead."""
+    cost_of = {b: cost(b, group) for b in bits}
     top = sorted(bits, reverse=True)
     for t in (2, 1, 0):
-        if ((experts - t) * cost[min(bits)] + sum(cost[b] for b in top[:t])) / experts <= budget:
+        if ((experts - t) * cost_of[min(bits)] + sum(cost_of[b] for b in top[:t])) / experts <= budget:
             return t
     return 0
 
 
 def recipe(path: str, calib: str, text: str, method: str, quantizer: str, budget: float, group: int, seed: int,
-           s: MoESettings, top_widths: int = 2) -> dict:
+           s: MoESettings, top_widths: int = 2, bits=WIDTHS) -> dict:
     base = replace(s.base, seed=seed)
     q = {"stage": "quantize", "method": quantizer, "bits": 4, "group_size": group, "sym": False}
     if quantizer == "autoround":
         q.update(iters=base.iters, batch_size=base.ar_batch_size)
     stages = [{"stage": "allocate", "method": "moe", "budget": budget, "solve": SOLVE[method], "top_widths": top_widths,
-               "samples": s.stat_samples, "seqlen": min(s.stat_seqlen, base.seqlen)}, q]
+               "bits": list(bits), "samples": s.stat_samples, "seqlen": min(s.stat_seqlen, base.seqlen)}, q]
     if method in FT:
         stages.append({"stage": "finetune", "method": "router", "loss": FT[method],
                        "lr": s.ft_lr if FT[method] == "kl" else s.ft_lr_lm,
@@ -114,13 +130,13 @@ def run(rec: dict, tmp: Path, out: Path, resume: bool = False) -> tuple[dict, di
 
 
 def cell(path, calib, text, method, quantizer, budget, group, seed, s: MoESettings, tmp: Path,
-         out: Path, resume: bool = False, top_widths: int = 2) -> tuple[dict, dict]:
-    report, stats = run(recipe(path, calib, text, method, quantizer, budget, group, seed, s, top_widths), tmp, out,
-                        resume)
+         out: Path, resume: bool = False, top_widths: int = 2, bits=WIDTHS) -> tuple[dict, dict]:
+    report, stats = run(recipe(path, calib, text, method, quantizer, budget, group, seed, s, top_widths, bits), tmp,
+                        out, resume)
     ev = next(iter(report["eval"].values()))
     alloc = next(st for st in report["stages"] if st["name"] == "allocate")
     row = {"method": method, "quantizer": quantizer, "budget": budget, "group_size": group, "seed": seed,
-           "top_widths": top_widths,
+           "top_widths": top_widths, "bits": list(bits),
            "fp_ppl": ev["fp_ppl"], "ppl": ev["ppl"], "kl": ev["kl"], "top1": ev["top1"],
            "effective_bits": report["allocation"]["effective_bits"], "alloc_seconds": alloc["seconds"],
            "expert_bits": report["allocation"]["expert_bits"]}
@@ -240,10 +256,11 @@ def run_moe(quick: bool = False, budgets=None, seeds=None, methods=None, quantiz
                                f"this one {model.get('sha256')})")
         model.update(characterise(path, calib, text, s, tmp))
         for budget in s.budgets:
-            group = group_for(budget, narrowest)
+            bits = widths_for(budget)
+            group = group_for(budget, narrowest, bits)
             if group is None:
-                x = {"budget": budget, "reason": f"2-bit experts cost {2 + 18 / GROUPS[-1]:.4f} bits per parameter "
-                     f"at group {GROUPS[-1]} (scales and zero points); no candidate width below 2 bits"}
+                x = {"budget": budget, "reason": f"{min(bits)}-bit experts cost {cost(min(bits), GROUPS[-1]):.4f} bits "
+                     f"per parameter at group {GROUPS[-1]} (scales and zero points)"}
                 infeasible += [x] if x not in infeasible else []
                 continue
             for qz in s.quantizers:
@@ -254,7 +271,7 @@ def run_moe(quick: bool = False, budgets=None, seeds=None, methods=None, quantiz
                         try:
                             row, st = cell(path, calib, text, method, qz, budget, group, seed, s, tmp, out,
                                            resume=method in FT and out.exists(),
-                                           top_widths=top_widths_for(budget, group, experts))
+                                           top_widths=top_widths_for(budget, group, experts, bits), bits=bits)
                         finally:
                             if not (method.startswith("gemq") and any(m in FT for m in chosen[chosen.index(method)
                                                                                               + 1:])):
@@ -270,6 +287,8 @@ def run_moe(quick: bool = False, budgets=None, seeds=None, methods=None, quantiz
         coef = [c for layer in stats["coefficients"].values() for c in layer]
         model.update(loads=stats["loads"], forced=stats["forced"],
                      sensitivity_spread=max(c[0] for c in coef) / max(min(c[0] for c in coef), 1e-30))
+    measured = {c["budget"] for c in cells}
+    infeasible = [x for x in infeasible if x["budget"] not in measured]  # a merged result's, since made feasible
     meta["wall_seconds"] = round(time.time() - t0, 1)
     summary = [{"quantizer": k[0], "budget": k[1], "method": k[2], "seeds": len(cs), "fp_ppl": cs[0]["fp_ppl"],
                 **bq.mean_sd(cs, METRICS + ("topk_match_before", "topk_match_after", "router_kl_before",
@@ -314,6 +333,9 @@ def markdown(result: dict) -> str:
              "- per-layer rule (`top_widths`: every layer keeps an expert at each of the top t widths; published: 2), "
              "the most that fits each budget once scales and zero points are counted: " + ", ".join(
                  f"{b} bits -> {t}" for b, t in sorted({(c["budget"], c.get("top_widths", 2))
+                                                        for c in result["cells"]})),
+             "- candidate widths of an expert: " + ", ".join(
+                 f"{b} bits -> {w}" for b, w in sorted({(c["budget"], tuple(c.get("bits", WIDTHS)))
                                                         for c in result["cells"]})),
              "- values: mean ± sample standard deviation over seeds\n",
              "| quantizer | budget | method | ppl | KL | top-1 | bits/expert param | alloc s | top-k match (FT) |",

@@ -42,7 +42,8 @@ class MoEConfig(StrictModel):
     method: Literal["moe"] = "moe"
     budget: float = Field(..., gt=0, description="bits per routed-expert parameter (fp16 scales and zero points "
                                                  "included); never exceeded")
-    bits: list[int] = Field([2, 3, 4], min_length=1, description="candidate widths of an expert, 2..8")
+    bits: list[int] = Field([2, 3, 4], min_length=1, description="candidate widths of an expert, 1..8 (1: the "
+                                                                 "published sign rule, with rtn or gptq)")
     solve: Literal["global", "local", "greedy", "uniform"] = Field(
         "global", description="global: one exact program over every expert; local: per layer at the budget "
                               "(published baseline); greedy: error-per-bit knapsack; uniform: one width")
@@ -62,8 +63,8 @@ class MoEConfig(StrictModel):
     @field_validator("bits")
     @classmethod
     def _bits(cls, v):
-        if any(not 2 <= b <= 8 for b in v) or len(set(v)) != len(v):
-            raise ValueError(f"bits must be distinct widths in 2..8, got {v}")
+        if any(not 1 <= b <= 8 for b in v) or len(set(v)) != len(v):
+            raise ValueError(f"bits must be distinct widths in 1..8, got {v}")
         return sorted(v)
 
     @model_validator(mode="after")
@@ -98,6 +99,10 @@ def check(adapter, cfg: MoEConfig, facts):
     if facts.rounding is None:
         raise BadInput(f"stage {facts.index} (`allocate moe`) needs a `quantize` stage after it to apply the plan")
     _, group, sym = facts.rounding
+    if 1 in cfg.bits and facts.consumer not in ("rtn", "gptq"):
+        raise BadInput(f"allocate moe `bits: {cfg.bits}`: 1-bit (sign) experts are rounded by `rtn` or `gptq`; the "
+                       f"next quantize stage is `{facts.consumer}`, which tunes rounding on the integer grid of "
+                       "2 bits and more; drop 1 from `bits` or quantize with gptq")
     given = (cfg.group_size if cfg.group_size is not None else group, cfg.sym if cfg.sym is not None else sym)
     if given != (group, sym):
         raise BadInput(f"allocate (group_size {given[0]}, sym {given[1]}) and the next quantize stage "
