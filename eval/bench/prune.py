@@ -4,9 +4,10 @@ Every cell is one pipeline run (calibrated on the first 80% of TinyStories val, 
 picks the calibration windows and the heal batches), three seeds:
 
     ffn     25% and 50% of the FFN channels, `calibrated` vs `magnitude`, each without and with `heal`
-    prunepath  experts of 32 neurons, tau for 50% active experts, healed at that tau; then the one checkpoint
-            evaluated at every tau of `taus` (`compress eval --ffn-mass`): perplexity vs active fraction, next to
-            static FFN pruning at the same fraction (`PATH-prunepath.png` beside the Pareto plot)
+    prunepath  experts of 16 neurons (24 per FFN of 384; also 32 and 8: the expert-size ablation), tau for 50%
+            active experts, healed at that tau; then the one checkpoint evaluated at every tau of `taus`
+            (`compress eval --ffn-mass`): perplexity vs active fraction, next to static FFN pruning at the same
+            fraction (`PATH-prunepath.png` beside the Pareto plot)
     depth   1 and 2 blocks, `cosine` and `loss` (calibrated) vs `last`
     w4      the chained recipes: ffn 25% / 50% and depth 1 (calibrated + heal) then AutoRound W4 (group 32), next to the
             dense AutoRound W4 / W3 / W2 points (group 32): the size / perplexity Pareto plot (`--markdown` PATH ->
@@ -39,18 +40,20 @@ class PruneSettings:
     depths: tuple[int, ...] = (1, 2)
     group: int = 32  # FFN widths kept as multiples of it (25% of 384 -> 288, 50% -> 192)
     score_samples: int = 32
-    heal_steps: int = 100  # a short heal: 100 x 4 x 128 tokens (a 2-core budget; ~1 min per cell)
+    heal_steps: int = 200  # the heal stage's default: 200 x 4 x 128 tokens (~40 s per cell on 2 cores)
     heal_lr: float = 1e-3
     heal_batch: int = 4
     heal_seqlen: int = 128
-    expert_size: int = 32
+    # PrunePath neurons per expert, the first the headline; 32, the published size for FFNs of 3072+, leaves
+    # 12 experts in an FFN of 384
+    expert_sizes: tuple[int, ...] = (16, 32, 8)
     taus: tuple[float, ...] = (0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 
 
 FULL = PruneSettings()
 QUICK = PruneSettings(base=replace(bq.QUICK, iters=2, eval_tokens=512), model="stories260K", seeds=(0,),
                       ratios=(0.5,), depths=(1,), group=32, score_samples=4, heal_steps=4, heal_batch=2,
-                      expert_size=43, taus=(0.5, 1.0))
+                      expert_sizes=(43,), taus=(0.5, 1.0))
 
 
 def rows(s: PruneSettings) -> list[dict]:
@@ -60,7 +63,9 @@ def rows(s: PruneSettings) -> list[dict]:
         for imp in ("calibrated", "magnitude"):
             for heal in (False, True):
                 out.append({"family": "ffn", "amount": r, "importance": imp, "heal": heal, "quant": None})
-    out.append({"family": "prunepath", "amount": 0.5, "importance": "router", "heal": True, "quant": None})
+    for n in s.expert_sizes:
+        out.append({"family": "prunepath", "amount": 0.5, "importance": f"router, experts of {n}", "heal": True,
+                    "quant": None, "expert_size": n})
     for n in s.depths:
         for imp in ("cosine", "loss", "last"):
             out.append({"family": "depth", "amount": n, "importance": imp, "heal": False, "quant": None})
@@ -76,7 +81,7 @@ def recipe(row: dict, path: str, calib: str, text: str, seed: int, s: PruneSetti
     base = replace(s.base, seed=seed)
     stages = []
     if row["family"] == "prunepath":
-        stages.append({"stage": "prune", "method": "prunepath", "expert_size": s.expert_size,
+        stages.append({"stage": "prune", "method": "prunepath", "expert_size": row["expert_size"],
                        "target_active": row["amount"], "samples": min(s.score_samples, base.nsamples),
                        "seqlen": base.seqlen})
     elif row["family"] != "dense":
@@ -181,7 +186,7 @@ def targets(summary: list[dict]) -> list[dict]:
                 out.append({"target": f"ffn {amount:.0%}{' + heal' if heal else ''}: calibrated ppl < magnitude",
                             "met": r["ppl"] < m["ppl"], "value": f"{r['ppl']:.4f} vs {m['ppl']:.4f}"})
         if fam == "prunepath" and (static := by.get(("ffn", 1 - amount, "calibrated", True, None))):
-            out.append({"target": f"PrunePath at {amount:.0%} active FFN (+ heal) ppl < static FFN pruning to "
+            out.append({"target": f"PrunePath ({imp}) at {amount:.0%} active FFN (+ heal) ppl < static FFN pruning to "
                                   f"{1 - amount:.0%} (calibrated + heal)", "met": r["ppl"] < static["ppl"],
                         "value": f"{r['ppl']:.4f} (active {r['active']:.3f} on calibration tokens) vs "
                                  f"{static['ppl']:.4f}"})
@@ -224,7 +229,8 @@ def curve_png(summary: list[dict], path: Path) -> None:
     for r in summary:
         if "curve" in r:
             ax.plot([p["active"] for p in r["curve"]], [p["ppl"] for p in r["curve"]], "o-",
-                    label=f"PrunePath (heal at {r['amount']:.0%} active), tau {r['curve'][0]['tau']}..1")
+                    label=f"PrunePath, {r['importance'][8:]} (heal at {r['amount']:.0%} active), "
+                          f"tau {r['curve'][0]['tau']}..1")
     static = [r for r in summary if r["family"] == "ffn" and r["importance"] == "calibrated" and not r["quant"]]
     for heal in (False, True):
         pts = sorted((1 - r["amount"], r["ppl"]) for r in static if r["heal"] == heal)
@@ -276,8 +282,9 @@ def markdown(result: dict) -> str:
              bq.suite_header(m),
              f"- model: {result['model']}; calibration {s['nsamples']} x {s['seqlen']} tokens (first 80% of "
              f"TinyStories val), scores on {s['score_samples']} sequences; heal {s['heal_steps']} steps, lr "
-             f"{s['heal_lr']}, batch {s['heal_batch']} x {s['heal_seqlen']} tokens; AutoRound {s['iters']} iterations, group {s['group']}, "
-             f"asymmetric; evaluation: {s['window']}-token windows over the first {s['eval_tokens']} tokens of "
+             f"{s['heal_lr']}, batch {s['heal_batch']} x {s['heal_seqlen']} tokens; AutoRound {s['iters']} iterations, "
+             f"group {s['group']}, asymmetric; "
+             f"evaluation: {s['window']}-token windows over the first {s['eval_tokens']} tokens of "
              "the last 20%",
              "- values: mean ± sample standard deviation over seeds (magnitude and last without heal read no data: "
              "one seed)\n",
@@ -294,7 +301,8 @@ def markdown(result: dict) -> str:
                      f"{pm(r, 'top1', 3)} |")
     for r in result["summary"]:
         if "curve" in r:
-            lines += ["", f"PrunePath (one checkpoint, healed at tau {r['tau']:.4f}), `--ffn-mass` tau vs active "
+            lines += ["", f"PrunePath, {r['importance'][8:]} (one checkpoint, healed at tau {r['tau']:.4f}), "
+                          "`--ffn-mass` tau vs active "
                           "FFN fraction (evaluation text) and perplexity:", "",
                       "| tau | active | ppl | KL |", "|---|---|---|---|"]
             lines += [f"| {p['tau']} | {pm(p, 'active', 3)} | {pm(p, 'ppl')} | {pm(p, 'kl')} |" for p in r["curve"]]
