@@ -18,7 +18,8 @@ the quantizers GPTQ (as published) and AutoRound, every cell one pipeline run wi
 Candidate widths: the stage's default 2, 3 and 4 bits where a 2-bit plan fits the budget, else the published
 1, 2 and 3 (1 bit: the sign rule; 2.0 bits). Attention layers at 4 bits, the same group for every layer (the
 smallest of 64 and 128 whose narrowest candidate fits the budget). Scores: perplexity, KL(FP || Q) and top-1 on
-the evaluation text; the plan's bits per expert parameter; statistics + allocation seconds; for gemq+ft the router top-k match and KL before and after.
+the evaluation text; the plan's bits per expert parameter; statistics + allocation seconds; for gemq+ft the
+router top-k match and KL before and after.
 `--quick` runs the same code on a tiny random Mixtral (plumbing only: no quality claim).
 """
 
@@ -64,9 +65,9 @@ WIDTHS, PUBLISHED_WIDTHS = (2, 3, 4), (1, 2, 3)  # the stage's default candidate
 
 def cost(bits: int, group: int) -> float:
     """Bits per parameter of an asymmetric `bits`-bit expert: fp16 scale and zero point per group (none at 1 bit)."""
-    from compress.qweight import SCALE_BITS, zero_bits
+    from compress.qweight import unit_storage_bits
 
-    return bits + (SCALE_BITS + zero_bits(bits, False)) / group
+    return unit_storage_bits(1, group, group, bits, False) / group
 
 
 def widths_for(budget: float) -> tuple[int, ...]:

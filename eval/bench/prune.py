@@ -229,7 +229,7 @@ def curve_png(summary: list[dict], path: Path) -> None:
     for r in summary:
         if "curve" in r:
             ax.plot([p["active"] for p in r["curve"]], [p["ppl"] for p in r["curve"]], "o-",
-                    label=f"PrunePath, {r['importance'][8:]} (heal at {r['amount']:.0%} active), "
+                    label=f"PrunePath, {r['importance'].removeprefix('router, ')} (heal at {r['amount']:.0%} active), "
                           f"tau {r['curve'][0]['tau']}..1")
     static = [r for r in summary if r["family"] == "ffn" and r["importance"] == "calibrated" and not r["quant"]]
     for heal in (False, True):
@@ -301,9 +301,9 @@ def markdown(result: dict) -> str:
                      f"{pm(r, 'top1', 3)} |")
     for r in result["summary"]:
         if "curve" in r:
-            lines += ["", f"PrunePath, {r['importance'][8:]} (one checkpoint, healed at tau {r['tau']:.4f}), "
-                          "`--ffn-mass` tau vs active "
-                          "FFN fraction (evaluation text) and perplexity:", "",
+            lines += ["", f"PrunePath, {r['importance'].removeprefix('router, ')} (one checkpoint, healed at tau "
+                          f"{r['tau']:.4f}), `--ffn-mass` tau vs active FFN fraction (evaluation text) and perplexity:",
+                      "",
                       "| tau | active | ppl | KL |", "|---|---|---|---|"]
             lines += [f"| {p['tau']} | {pm(p, 'active', 3)} | {pm(p, 'ppl')} | {pm(p, 'kl')} |" for p in r["curve"]]
     if result.get("pareto"):
