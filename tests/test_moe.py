@@ -351,6 +351,14 @@ def test_the_moe_suite_measures_in_parts_and_merges(tmp_path):
     low = [x for x in json.loads(c.read_text())["cells"] if x["budget"] == 2.0]
     assert len(low) == 1 and low[0]["bits"] == [1, 2, 3] and low[0]["effective_bits"] <= 2.0
     assert {w for layer in low[0]["expert_bits"].values() for w in layer.values()} == {1}  # uniform: the widest fit
+    d = tmp_path / "d.json"  # AutoRound cannot round 1-bit experts: its 2.0 cells are infeasible, GPTQ's stay
+    rc, _, err = invoke("bench", "quality", "--suite", "moe", "--quick", "--method", "uniform", "--budget", "2.0",
+                        "--quantizer", "autoround", "--merge", c, "--json", d, "--markdown", d.with_suffix(".md"))
+    assert rc == 0, err
+    ar = json.loads(d.read_text())
+    assert [x["quantizer"] for x in ar["infeasible"]] == ["autoround"] and "sign" in ar["infeasible"][0]["reason"]
+    assert [x for x in ar["cells"] if x["budget"] == 2.0] == low
+    assert "autoround @ 2.0 bits: infeasible" in d.with_suffix(".md").read_text()
     first["settings"]["stat_samples"] += 1
     a.write_text(json.dumps(first))
     rc, _, err = invoke("bench", "quality", "--suite", "moe", "--quick", "--method", "local", "--merge", a)

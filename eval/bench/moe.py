@@ -16,8 +16,9 @@ the quantizers GPTQ (as published) and AutoRound, every cell one pipeline run wi
     gemq+ft   `solve: global`, then `finetune: router`
 
 Candidate widths: the stage's default 2, 3 and 4 bits where a 2-bit plan fits the budget, else the published
-1, 2 and 3 (1 bit: the sign rule; 2.0 bits). Attention layers at 4 bits, the same group for every layer (the
-smallest of 64 and 128 whose narrowest candidate fits the budget). Scores: perplexity, KL(FP || Q) and top-1 on
+1, 2 and 3 (1 bit: the sign rule; 2.0 bits, GPTQ only: AutoRound does not round signs, so its 2.0 cells are
+recorded infeasible). Attention layers at 4 bits, the same group for every layer (the smallest of 64 and 128
+whose narrowest candidate fits the budget). Scores: perplexity, KL(FP || Q) and top-1 on
 the evaluation text; the plan's bits per expert parameter; statistics + allocation seconds; for gemq+ft the
 router top-k match and KL before and after.
 `--quick` runs the same code on a tiny random Mixtral (plumbing only: no quality claim).
@@ -61,6 +62,7 @@ QUICK = MoESettings(base=replace(bq.QUICK, eval_tokens=512), seeds=(0,), budgets
                     stat_samples=4, stat_seqlen=32, ft_samples=4)
 GROUPS = (64, 128)
 WIDTHS, PUBLISHED_WIDTHS = (2, 3, 4), (1, 2, 3)  # the stage's default candidates; GEMQ's (1 bit: the sign rule)
+ONE_BIT = ("gptq", "rtn")  # the quantizers that round 1-bit (sign) experts (`allocate moe` refuses the others)
 
 
 def cost(bits: int, group: int) -> float:
@@ -265,6 +267,13 @@ def run_moe(quick: bool = False, budgets=None, seeds=None, methods=None, quantiz
                 infeasible += [x] if x not in infeasible else []
                 continue
             for qz in s.quantizers:
+                if 1 in bits and qz not in ONE_BIT:
+                    x = {"budget": budget, "quantizer": qz, "reason": f"the only plans within {budget} bits have "
+                         f"1-bit (sign) experts, which {qz} cannot round (it tunes offsets on the integer grid of 2 "
+                         f"bits and more); 2-bit experts cost {cost(2, GROUPS[-1]):.4f} bits per parameter at group "
+                         f"{GROUPS[-1]}"}
+                    infeasible += [x] if x not in infeasible else []
+                    continue
                 for seed in s.seeds:
                     for method in chosen:
                         # gemq+ft(-lm) continue gemq's run: the same allocation and quantization, then routers
@@ -288,8 +297,9 @@ def run_moe(quick: bool = False, budgets=None, seeds=None, methods=None, quantiz
         coef = [c for layer in stats["coefficients"].values() for c in layer]
         model.update(loads=stats["loads"], forced=stats["forced"],
                      sensitivity_spread=max(c[0] for c in coef) / max(min(c[0] for c in coef), 1e-30))
-    measured = {c["budget"] for c in cells}
-    infeasible = [x for x in infeasible if x["budget"] not in measured]  # a merged result's, since made feasible
+    measured = {(c["quantizer"], c["budget"]) for c in cells}  # a merged result's infeasible, since made feasible:
+    infeasible = [x for x in infeasible if not any(m[1] == x["budget"] and x.get("quantizer", m[0]) == m[0]
+                                                   for m in measured)]
     meta["wall_seconds"] = round(time.time() - t0, 1)
     summary = [{"quantizer": k[0], "budget": k[1], "method": k[2], "seeds": len(cs), "fp_ppl": cs[0]["fp_ppl"],
                 **bq.mean_sd(cs, METRICS + ("topk_match_before", "topk_match_after", "router_kl_before",
@@ -346,7 +356,8 @@ def markdown(result: dict) -> str:
         lines.append(f"| {r['quantizer']} | {r['budget']} | {r['method']} | {pm(r, 'ppl')} | {pm(r, 'kl')} | "
                      f"{pm(r, 'top1', 3)} | {pm(r, 'effective_bits', 4)} | {pm(r, 'alloc_seconds', 1)} | {ft} |")
     for x in result["infeasible"]:
-        lines.append(f"\n{x['budget']} bits: infeasible: {x['reason']}")
+        lines.append(f"\n{x['quantizer'] + ' @ ' if 'quantizer' in x else ''}{x['budget']} bits: infeasible: "
+                     f"{x['reason']}")
     if "loads" in md:
         lines.append("\nTokens routed per expert (statistics slice): " + "; ".join(
             f"layer {k}: {v}" for k, v in md["loads"].items()))
