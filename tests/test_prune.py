@@ -249,7 +249,7 @@ def test_onnx_and_openvino_hold_per_layer_ffn_widths_fewer_heads_and_blocks(tmp_
     """The traced graphs bake each layer's own FFN width in (what `scope: global` leaves); logits match the
     pruned model in onnxruntime and OpenVINO."""
     from compress.export.onnx import export_onnx
-    from compress.export.openvino import export_openvino
+    from compress.export.openvino import EXACT_CPU_CONFIG, export_openvino
     from helpers import ort_logits, rel_err
 
     model, a = dead_units()
@@ -264,5 +264,5 @@ def test_onnx_and_openvino_hold_per_layer_ffn_widths_fewer_heads_and_blocks(tmp_
     import openvino as ov
 
     xml = export_openvino(model, {}, tmp_path / "ov", onnx_path=res["path"])["path"]
-    compiled = ov.Core().compile_model(xml, "CPU")
+    compiled = ov.Core().compile_model(xml, "CPU", EXACT_CPU_CONFIG)
     assert rel_err(compiled({"input_ids": ids.numpy()})[compiled.output("logits")], ref) < 1e-3

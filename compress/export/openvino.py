@@ -67,9 +67,11 @@ def export_openvino(model, qweights: dict[str, QuantizedWeight], out_dir: str | 
     """Write `out_dir/openvino_model.xml` (+ .bin) for the target `devices`; returns path, bytes, the
     low-bit constant counts, and the devices it was compiled on here / not compiled on. `kv_cache`: the
     inputs and outputs of `export_onnx(kv_cache=True)` (attention_mask, past / present key values).
-    `exact`: `EXACT_CPU_CONFIG` is written into the IR's `runtime_options`, so a plain `compile_model` runs it
-    at the precision it was validated with (f32 activations, no dynamic quantization) instead of the device's
-    default (bf16 on CPUs that have it); False leaves the device's defaults (faster, less exact).
+    `exact`: `EXACT_CPU_CONFIG` is written into the IR's `runtime_options`. The CPU plugin reads the dynamic
+    quantization setting from there (a plain `compile_model` keeps activations in float) but not the inference
+    precision: on CPUs with bf16 the f32 the IR was validated with takes `EXACT_CPU_CONFIG` (or
+    `{"INFERENCE_PRECISION_HINT": "f32"}`) at compile time. False leaves the device's defaults (faster, less
+    exact).
     `onnx_path`: a graph `export_onnx` wrote from these weights with this `kv_cache`, converted instead of tracing
     the model again (a run exporting both formats traces once)."""
     import openvino as ov
