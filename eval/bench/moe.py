@@ -294,9 +294,10 @@ def run_moe(quick: bool = False, budgets=None, seeds=None, methods=None, quantiz
         model.update({k: earlier[-1]["model"][k] for k in ("loads", "forced", "sensitivity_spread")
                       if k in earlier[-1]["model"]})
     if stats:
-        coef = [c for layer in stats["coefficients"].values() for c in layer]
+        two = stats["bits"].index(2)  # the spread of the 2-bit coefficients (every candidate list here has 2)
+        coef = [c[two] for layer in stats["coefficients"].values() for c in layer]
         model.update(loads=stats["loads"], forced=stats["forced"],
-                     sensitivity_spread=max(c[0] for c in coef) / max(min(c[0] for c in coef), 1e-30))
+                     sensitivity_spread=max(coef) / max(min(coef), 1e-30))
     measured = {(c["quantizer"], c["budget"]) for c in cells}  # a merged result's infeasible, since made feasible:
     infeasible = [x for x in infeasible if not any(m[1] == x["budget"] and x.get("quantizer", m[0]) == m[0]
                                                    for m in measured)]
