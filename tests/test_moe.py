@@ -383,6 +383,14 @@ def test_the_moe_suite_measures_in_parts_and_merges(tmp_path):
     assert [x["quantizer"] for x in ar["infeasible"]] == ["autoround"] and "sign" in ar["infeasible"][0]["reason"]
     assert [x for x in ar["cells"] if x["budget"] == 2.0] == low
     assert "autoround @ 2.0 bits: infeasible" in d.with_suffix(".md").read_text()
+    e = tmp_path / "e.json"  # --group: one group size for every budget; a setting, so it does not merge with b
+    rc, _, err = invoke("bench", "quality", "--suite", "moe", "--quick", "--method", "uniform", "--group", "32",
+                        "--json", e)
+    assert rc == 0, err
+    assert {x["group_size"] for x in json.loads(e.read_text())["cells"]} == {32}
+    rc, _, err = invoke("bench", "quality", "--suite", "moe", "--quick", "--method", "uniform", "--group", "32",
+                        "--merge", b)
+    assert rc == 1 and "group" in err
     first["settings"]["stat_samples"] += 1
     a.write_text(json.dumps(first))
     rc, _, err = invoke("bench", "quality", "--suite", "moe", "--quick", "--method", "local", "--merge", a)

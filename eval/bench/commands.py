@@ -50,6 +50,9 @@ def bench_quality(
                                                "rows (repeatable), e.g. greedy-sens+refine, rl+refine; gemq, gemq+ft"),
     quantizer: Optional[List[str]] = typer.Option(None, "--quantizer", help="--suite moe: only these quantizers "
                                                   "(gptq, autoround; repeatable)"),
+    group: Optional[int] = typer.Option(None, "--group", help="--suite moe: one group size for every budget "
+                                        "(default: the smallest of 64 and 128 whose narrowest candidate leaves room "
+                                        "to mix); a setting: results of different groups do not merge"),
     merge: Optional[List[Path]] = typer.Option(None, "--merge", help="--suite moe / select: fold in the cells of "
                                                "these earlier --json results (same model and settings; a cell run "
                                                "now replaces the same one there), to measure the matrix in parts; "
@@ -84,8 +87,8 @@ def bench_quality(
         raise BadInput("--seed selects seeds of --suite mixed, moe or select")
     if (budget or method) and suite not in ("mixed", "moe") or refine is not None and suite != "mixed":
         raise BadInput("--budget and --method select rows of --suite mixed or moe; --refine of mixed")
-    if quantizer and suite != "moe" or merge and suite not in ("moe", "select"):
-        raise BadInput("--quantizer is an option of --suite moe, --merge of --suite moe and select")
+    if (quantizer or group) and suite != "moe" or merge and suite not in ("moe", "select"):
+        raise BadInput("--quantizer and --group are options of --suite moe, --merge of --suite moe and select")
     if suite == "ptq":
         from compress.eval.bench.quality import run_quality
 
@@ -108,7 +111,7 @@ def bench_quality(
         from compress.eval.bench.moe import run_moe
 
         rows, md = run_moe(quick=quick, budgets=budget or None, seeds=seed or None, methods=method or None,
-                           quantizers=quantizer or None, merge=merge or ())
+                           quantizers=quantizer or None, merge=merge or (), group=group)
     elif suite == "prune":
         from compress.eval.bench.prune import run_prune
 

@@ -55,6 +55,7 @@ class MoESettings:
     ft_samples: int = 64
     ft_lr: float = 1e-3  # loss kl
     ft_lr_lm: float = 1e-4  # loss lm (the published objective and learning rate)
+    group: int | None = None  # one group size for every budget (`--group`); None: `group_for`'s choice
 
 
 FULL = MoESettings()
@@ -207,10 +208,11 @@ def earlier_results(files, s: MoESettings) -> list[dict]:
     from compress.errors import BadInput
 
     out, mine = [], {k: v for k, v in settings_of(s).items() if k not in ("budgets", "seeds", "quantizers")}
+    default = settings_of(FULL)  # a setting newer than a result: that result was measured at its default
     for f in files:
         try:
             r = json.loads(Path(f).read_text())
-            theirs = {k: r["settings"][k] for k in mine}
+            theirs = {k: r["settings"][k] if k in r["settings"] else default[k] for k in mine}
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise BadInput(f"--merge {f}: not a result of --suite moe ({e})") from None
         if json.loads(json.dumps(mine)) != theirs:
@@ -221,10 +223,11 @@ def earlier_results(files, s: MoESettings) -> list[dict]:
 
 
 def run_moe(quick: bool = False, budgets=None, seeds=None, methods=None, quantizers=None,
-            merge=()) -> tuple[dict, str]:
+            merge=(), group: int | None = None) -> tuple[dict, str]:
     """The suite's result and markdown. `budgets`, `seeds`, `methods`, `quantizers` select cells; `merge` folds
     in the cells of earlier results of the same model and settings (a cell run now replaces one with the same
-    quantizer, budget, method and seed), so the matrix can be measured in parts."""
+    quantizer, budget, method and seed), so the matrix can be measured in parts; `group` replaces the per-budget
+    choice of group size (a setting: results of different groups do not merge)."""
     from compress.errors import BadInput
     from compress.eval.bench import moe_model
 
@@ -232,7 +235,7 @@ def run_moe(quick: bool = False, budgets=None, seeds=None, methods=None, quantiz
     s = QUICK if quick else FULL
     quantizers = bq.pick(quantizers, list(FULL.quantizers), "moe quantizer", "--quantizer") if quantizers else None
     s = replace(s, budgets=tuple(budgets or s.budgets), seeds=tuple(seeds or s.seeds),
-                quantizers=tuple(quantizers or s.quantizers))
+                quantizers=tuple(quantizers or s.quantizers), group=group)
     earlier = earlier_results(merge, s)
     t0, meta = time.time(), bq.suite_meta(quick)
     cells, infeasible, stats = [], [], None
@@ -260,10 +263,12 @@ def run_moe(quick: bool = False, budgets=None, seeds=None, methods=None, quantiz
         model.update(characterise(path, calib, text, s, tmp))
         for budget in s.budgets:
             bits = widths_for(budget)
-            group = group_for(budget, narrowest, bits)
-            if group is None:
-                x = {"budget": budget, "reason": f"{min(bits)}-bit experts cost {cost(min(bits), GROUPS[-1]):.4f} bits "
-                     f"per parameter at group {GROUPS[-1]} (scales and zero points)"}
+            group = group_for(budget, narrowest, bits) if s.group is None else s.group
+            if group is None or group > narrowest or cost(min(bits), group) > budget:
+                g = group or GROUPS[-1]
+                x = {"budget": budget, "reason": f"{min(bits)}-bit experts cost {cost(min(bits), g):.4f} bits "
+                     f"per parameter at group {g} (scales and zero points)" + (
+                         f"; the narrowest expert input is {narrowest}" if g > narrowest else "")}
                 infeasible += [x] if x not in infeasible else []
                 continue
             for qz in s.quantizers:
@@ -346,9 +351,9 @@ def markdown(result: dict) -> str:
              "the most that fits each budget once scales and zero points are counted: " + ", ".join(
                  f"{b} bits -> {t}" for b, t in sorted({(c["budget"], c.get("top_widths", 2))
                                                         for c in result["cells"]})),
-             "- candidate widths of an expert: " + ", ".join(
-                 f"{b} bits -> {w}" for b, w in sorted({(c["budget"], tuple(c.get("bits", WIDTHS)))
-                                                        for c in result["cells"]})),
+             "- candidate widths of an expert and group size: " + ", ".join(
+                 f"{b} bits -> {w} at g{g}" for b, w, g in sorted({(c["budget"], tuple(c.get("bits", WIDTHS)),
+                                                                    c["group_size"]) for c in result["cells"]})),
              "- values: mean ± sample standard deviation over seeds\n",
              "| quantizer | budget | method | ppl | KL | top-1 | bits/expert param | alloc s | top-k match (FT) |",
              "|---|---|---|---|---|---|---|---|---|"]
