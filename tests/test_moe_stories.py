@@ -11,7 +11,8 @@ from conftest import TEXT, invoke
 @pytest.mark.slow  # about 2 minutes once stories-moe is cached; building it takes an hour (not a CI step)
 def test_the_bundled_gemq_recipe_runs_on_stories_moe(tmp_path):
     """recipes/moe-2.5-gemq.yaml as written (budget 2.5, group 128, GPTQ, router FT, hf + openvino) on the real
-    MoE reference model, with less calibration: the plan mixes widths within 2.5 bits per expert parameter, and the result is closer to full precision than uniform 2-bit GPTQ is (x1.23 in bench/moe.md)."""
+    MoE reference model, with less calibration: the plan mixes widths within 2.5 bits per expert parameter, and
+    the result is closer to full precision than uniform 2-bit GPTQ is (x1.23 in bench/moe.md)."""
     from compress.eval.bench import moe_model
     from conftest import REPO
 
