@@ -36,6 +36,7 @@ from pathlib import Path
 import yaml
 
 from compress.eval.bench import quality as bq
+from compress.methods.allocate.moe import SIGN_QUANTIZERS
 
 METHODS = ("uniform", "local", "greedy", "gemq", "gemq+ft", "gemq+ft-lm")
 SOLVE = {"uniform": "uniform", "local": "local", "greedy": "greedy", "gemq": "global", "gemq+ft": "global",
@@ -63,7 +64,6 @@ QUICK = MoESettings(base=replace(bq.QUICK, eval_tokens=512), seeds=(0,), budgets
                     stat_samples=4, stat_seqlen=32, ft_samples=4)
 GROUPS = (64, 128)
 WIDTHS, PUBLISHED_WIDTHS = (2, 3, 4), (1, 2, 3)  # the stage's default candidates; GEMQ's (1 bit: the sign rule)
-ONE_BIT = ("gptq", "rtn")  # the quantizers that round 1-bit (sign) experts (`allocate moe` refuses the others)
 
 
 def cost(bits: int, group: int) -> float:
@@ -272,7 +272,7 @@ def run_moe(quick: bool = False, budgets=None, seeds=None, methods=None, quantiz
                 infeasible += [x] if x not in infeasible else []
                 continue
             for qz in s.quantizers:
-                if 1 in bits and qz not in ONE_BIT:
+                if 1 in bits and qz not in SIGN_QUANTIZERS:
                     x = {"budget": budget, "quantizer": qz, "reason": f"the only plans within {budget} bits have "
                          f"1-bit (sign) experts, which {qz} cannot round (it tunes offsets on the integer grid of 2 "
                          f"bits and more); 2-bit experts cost {cost(2, GROUPS[-1]):.4f} bits per parameter at group "

@@ -95,11 +95,14 @@ def _cost(linears: dict, bits: list[int], group: int, sym: bool) -> list[int]:
                                   sym) for lin in linears.values()) for b in bits]
 
 
+SIGN_QUANTIZERS = ("rtn", "gptq")  # the quantize methods that round 1-bit (sign) experts
+
+
 def check(adapter, cfg: MoEConfig, facts):
     if facts.rounding is None:
         raise BadInput(f"stage {facts.index} (`allocate moe`) needs a `quantize` stage after it to apply the plan")
     _, group, sym = facts.rounding
-    if 1 in cfg.bits and facts.consumer not in ("rtn", "gptq"):
+    if 1 in cfg.bits and facts.consumer not in SIGN_QUANTIZERS:
         raise BadInput(f"allocate moe `bits: {cfg.bits}`: 1-bit (sign) experts are rounded by `rtn` or `gptq`; the "
                        f"next quantize stage is `{facts.consumer}`, which tunes rounding on the integer grid of "
                        "2 bits and more; drop 1 from `bits` or quantize with gptq")
