@@ -15,7 +15,7 @@ from compress.kernels.backends import QuantLinear
 from compress.kernels.packing import mixed_pack, mixed_unpack
 from compress.primitives import fit_mixed
 from compress.qweight import qweights_to_tensors, tensors_to_qweights
-from conftest import MODELS, TEXT, invoke, plan_path
+from conftest import CAL, MODELS, REPO, TEXT, invoke, plan_path
 from helpers import check_reload
 
 from tiny import tiny_causal
@@ -270,3 +270,32 @@ def test_mixed_onnx_and_openvino_reproduce_the_model(tmp_path):
         ours = model(ids).logits.numpy()
     assert rel_err(out, ref) < 1e-3 and rel_err(ours, ref) < 1e-4 and rel_err(ov_out, ref) < 1e-3
     assert ov_res["low_bit_constants"]
+
+
+def test_the_bundled_greedy_recipe_runs_on_a_hidden_size_that_is_not_a_multiple_of_its_chunk(tmp_path):
+    """recipes/mixed-2.5-greedy.yaml (64-column chunks, AutoRound g64) on a llama with hidden size 96: every
+    attention and up/gate layer ends in a 32-column chunk. It used to fail after calibration (AutoRound's
+    quantizer got a 64-wide perturbation for the 32 columns); now the plan holds, the stored bits equal it and
+    `compress inspect` reads the export back."""
+    from compress.export.hf import read_quantized
+    from helpers import shrink
+    from tiny import save_tiny
+
+    model = save_tiny("llama", tmp_path / "m", hidden_size=96, intermediate_size=256, num_attention_heads=6,
+                      num_key_value_heads=2)
+    rec = yaml.safe_load((REPO / "recipes" / "mixed-2.5-greedy.yaml").read_text())
+    out = tmp_path / "out"
+    rc, text, err = invoke("run", "mixed-2.5-greedy", "--model", model, "--calibration", str(CAL),
+                           "--eval-data", str(CAL), "--output", out, "--json", *shrink(rec))
+    assert rc == 0, err
+    plan = json.loads(plan_path(out).read_text())
+    assert plan["chunk_size"] == 64 and plan["layers"]["model.layers.0.self_attn.q_proj"]["shape"] == [96, 96]
+    assert len(plan["layers"]["model.layers.0.self_attn.q_proj"]["options"]) == 2  # 64 + a short 32
+    assert plan["effective_bits"] <= 2.5
+    report = json.loads(text)
+    assert report["size"]["effective_bits"] == round(plan["effective_bits"], 4)  # the fitted weights' own bits
+    rc, _, err = invoke("inspect", out / "hf")
+    assert rc == 0, err
+    _, back = read_quantized(out / "hf")
+    for name, qw in back.items():  # the layers hf holds packed carry their chunk map
+        assert list(qw.chunk_bits) == plan["layers"][name]["bits"]

@@ -43,11 +43,16 @@ class AutoRoundConfig(QuantizeConfig):
 
 
 class _Tuned:
-    """Tunable parameters of one linear: V (d_out*n_groups, g), alpha and beta (d_out*n_groups,)."""
+    """Tunable parameters of one linear: V (d_out*n_groups, g), alpha and beta (d_out*n_groups,).
+
+    Columns narrower than the group (the short last chunk of a mixed layer: its one, short group) are tuned as one
+    group of their own width: auto-round's quantizers do not pad a row shorter than `group_size`."""
 
     def __init__(self, W: torch.Tensor, spec: LayerSpec, minmax: bool):
         self.W, self.spec = W.float(), spec
         g = resolve_group(W.shape[1], spec.group_size)
+        self.group = spec.group_size if g <= W.shape[1] else W.shape[1]
+        g = min(g, W.shape[1])
         rows = W.shape[0] * group_view(W, g).shape[1]
         self.V = torch.zeros(rows, g, requires_grad=True)
         self.alpha = torch.ones(rows, requires_grad=minmax)
@@ -62,7 +67,7 @@ class _Tuned:
         fn = quant_tensor_sym if self.spec.sym else quant_tensor_asym
         with torch.no_grad():
             self.alpha.clamp_(0, 1), self.beta.clamp_(0, 1)
-        return fn(self.W, bits=self.spec.bits, group_size=self.spec.group_size,
+        return fn(self.W, bits=self.spec.bits, group_size=self.group,
                   v=self.V if V is None else V, min_scale=self.alpha if alpha is None else alpha,
                   max_scale=self.beta if beta is None else beta, tensor_min=self.wmin, tensor_max=self.wmax)
 
