@@ -248,7 +248,8 @@ def eval_(
         res = evaluate_checkpoint(model, reference=reference, data=data or [], window=window,
                                   max_tokens=max_tokens or None, gen_prompts=gen_prompts, prompt_tokens=prompt_tokens,
                                   new_tokens=new_tokens, backend=backend, ffn_mass=ffn_mass, text_slice=text_slice,
-                                  progress=sys.stderr.isatty(), notify=lambda: typer.echo(scope, err=True))
+                                  progress=True, notify=lambda used: typer.echo(f"{_backend_line(used)}; {scope}",
+                                                                                 err=True))
     if task:
         res.update({f"task {k}": v for k, v in task_probes(model, task, data_dir=task_data, pooling=pooling,
                                                             backend=backend).items()})
@@ -258,6 +259,14 @@ def eval_(
         for name, r in res.items():
             typer.echo(f"{name}: " + ", ".join(f"{k} {v:.5g}" if isinstance(v, float) else f"{k} {v}"
                                                for k, v in r.items()))
+
+
+def _backend_line(used: dict) -> str:
+    """Which kernels run the model: 'backend cpu (210 packed layers)', or the dense model's."""
+    if not used:
+        return "backend: dense torch layers (no packed layer)"
+    n = sum(used.values())
+    return f"backend: {', '.join(f'{k} ({v} of {n} packed layers)' for k, v in used.items())}"
 
 
 @app.command()
@@ -278,7 +287,8 @@ def generate(
     from compress.eval.cli import generate_text
 
     _setup_logging(as_json)
-    res = generate_text(model, prompt, max_new_tokens=max_new_tokens, backend=backend, ffn_mass=ffn_mass)
+    res = generate_text(model, prompt, max_new_tokens=max_new_tokens, backend=backend, ffn_mass=ffn_mass,
+                        progress=True, notify=lambda used: typer.echo(_backend_line(used), err=True))
     if as_json:
         _emit_json(res)
         return

@@ -73,12 +73,12 @@ def evaluate_checkpoint(model_path: str, *, reference: str | None, data: list[st
                         max_tokens: int | None = None, gen_prompts: int = 16, prompt_tokens: int = 32,
                         new_tokens: int = 64, backend: str = "auto", ffn_mass: float | None = None,
                         text_slice: tuple[float, float] | None = None, progress: bool = False,
-                        notify: Callable[[], None] | None = None) -> dict:
+                        notify: Callable[[dict], None] | None = None) -> dict:
     """Perplexity of `model_path` on each file; with `reference`, also KL/top-1 and greedy-continuation
     agreement (`gen_prompts` prompts, 0 = off) against it on the same tokens. A packed checkpoint runs
     on `backend` (see `_load`); `ffn_mass` sets a PrunePath model's tau; `text_slice` (start, end) evaluates
-    that fraction of each file (as a recipe's `eval.text_slice`); `notify()` once the models are loaded, before
-    the evaluation starts."""
+    that fraction of each file (as a recipe's `eval.text_slice`); `notify(backends)` once the models are loaded,
+    before the evaluation starts, with the packed layers per kernel backend ({} for a dense model)."""
     from compress.eval.data import read_text, text_slice as cut, token_stream
     from compress.eval.generation import compare_causal
     from compress.eval.metrics import perplexity
@@ -92,7 +92,7 @@ def evaluate_checkpoint(model_path: str, *, reference: str | None, data: list[st
     if tok is None:
         raise BadInput(f"no tokenizer found in `{model_path}`" + (f" or `{reference}`" if reference else ""))
     if notify:
-        notify()
+        notify(_backends(model))
     out = {}
     for path in data:
         text = read_text(path)
@@ -171,9 +171,11 @@ def task_probes(model_path: str, tasks: list[str], *, data_dir: str | Path, pool
 
 
 def generate_text(model_path: str, prompt: str, *, max_new_tokens: int = 64, backend: str = "auto",
-                  ffn_mass: float | None = None) -> dict:
+                  ffn_mass: float | None = None, progress: bool = False,
+                  notify: Callable[[dict], None] | None = None) -> dict:
     """Greedy continuation of `prompt` (KV cache, exactly max_new_tokens steps) and its speed: decode
-    tokens/s counts the steps after the first token (prefill_s covers the prompt and the first token)."""
+    tokens/s counts the steps after the first token (prefill_s covers the prompt and the first token).
+    `progress`: a bar of generated tokens on stderr; `notify(backends)` once the model is loaded."""
     from compress.eval.generation import greedy
 
     if max_new_tokens < 1:
@@ -185,8 +187,10 @@ def generate_text(model_path: str, prompt: str, *, max_new_tokens: int = 64, bac
     ids = tok(prompt, return_tensors="pt").input_ids
     if ids.numel() == 0:
         raise BadInput("the prompt encodes to no tokens")
+    if notify:
+        notify(_backends(model))
     timings = {}
-    new = greedy(model, ids, max_new_tokens, timings)[0]
+    new = greedy(model, ids, max_new_tokens, timings, progress=progress)[0]
     eos = getattr(tok, "eos_token_id", None)
     shown = new.tolist()
     if eos is not None and eos in shown:

@@ -17,7 +17,7 @@ import time
 import torch
 
 from compress.errors import BadInput
-from compress.eval.metrics import compare_lm, token_kl
+from compress.eval.metrics import compare_lm, progress_bar, token_kl
 
 
 def prompts_from(ids: torch.Tensor, k: int, length: int, bos_id: int | None = None) -> torch.Tensor:
@@ -39,21 +39,25 @@ def _cache_key(model) -> str:
 
 
 @torch.inference_mode()
-def greedy(model, prompts: torch.Tensor, new_tokens: int, timings: dict | None = None) -> torch.Tensor:
+def greedy(model, prompts: torch.Tensor, new_tokens: int, timings: dict | None = None,
+           progress: bool = False) -> torch.Tensor:
     """(k, new_tokens) greedy continuations, one batched forward per step with the KV cache.
     `timings`, if given, receives `prefill_s` (the prompt's forward and first token) and `decode_s`
-    (the other new_tokens - 1 steps), wall-clock seconds."""
+    (the other new_tokens - 1 steps), wall-clock seconds. `progress`: a bar of generated tokens on stderr."""
     device, key = next(model.parameters()).device, _cache_key(model)
-    t0 = time.perf_counter()
-    out = model(input_ids=prompts.to(device), use_cache=True)
-    tokens = []
-    nxt = out.logits[:, -1].argmax(-1)
-    t1 = time.perf_counter()
-    for _ in range(new_tokens - 1):
-        tokens.append(nxt)
-        out = model(input_ids=nxt[:, None], use_cache=True, **{key: getattr(out, key)})
+    with progress_bar(new_tokens * prompts.shape[0], "generate", "tok", progress) as bar:
+        t0 = time.perf_counter()
+        out = model(input_ids=prompts.to(device), use_cache=True)
+        tokens = []
         nxt = out.logits[:, -1].argmax(-1)
-    tokens.append(nxt)
+        t1 = time.perf_counter()
+        bar.update(prompts.shape[0])
+        for _ in range(new_tokens - 1):
+            tokens.append(nxt)
+            out = model(input_ids=nxt[:, None], use_cache=True, **{key: getattr(out, key)})
+            nxt = out.logits[:, -1].argmax(-1)
+            bar.update(prompts.shape[0])
+        tokens.append(nxt)
     result = torch.stack(tokens, 1).cpu()  # waits for the device
     if timings is not None:
         timings.update(prefill_s=t1 - t0, decode_s=time.perf_counter() - t1)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import sys
+import time
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -140,17 +141,32 @@ def _batches(ids, window, stride, bos_id, max_tokens, batch_size, progress, desc
     """Windows grouped into batches of equal length (only the last window can be shorter)."""
     ids = ids[:max_tokens] if max_tokens is not None else ids
     total = count_windows(ids.numel(), window=window, stride=stride)
-    with tqdm(total=total, desc=desc, unit="win", file=sys.stderr, disable=not progress) as bar:
+    with progress_bar(total, desc, "win", progress) as bar:
         batch: list[Window] = []
+        scored, t0 = 0, time.perf_counter()
+
+        def advance(n: int) -> None:
+            nonlocal scored
+            scored += sum(w.targets.numel() for w in batch)
+            bar.set_postfix_str(f"{scored / max(time.perf_counter() - t0, 1e-9):.0f} tok/s", refresh=False)
+            bar.update(n)
+
         for win in windows(ids, window=window, stride=stride, bos_id=bos_id):
             if batch and (len(batch) == batch_size or len(win.inputs) != len(batch[0].inputs)):
                 yield batch
-                bar.update(len(batch))
+                advance(len(batch))
                 batch = []
             batch.append(win)
         if batch:
             yield batch
-            bar.update(bar.total - bar.n)
+            advance(bar.total - bar.n)
+
+
+def progress_bar(total: int, desc: str, unit: str, show: bool) -> tqdm:
+    """A tqdm bar on stderr: redrawn in place on a terminal; elsewhere (a log, `--json` piped) a line every 15 s."""
+    tty = sys.stderr.isatty()
+    return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, disable=not show, mininterval=0.1 if tty else 15,
+                dynamic_ncols=tty, ascii=not tty)
 
 
 def _logits(model, batch: list[Window]) -> torch.Tensor:

@@ -259,12 +259,20 @@ def xblock(p: PackedCPU | PackedTiles) -> int:
 
 
 def matmul(x: torch.Tensor, p: PackedCPU | Packed3 | PackedTiles, act: str = "fp32", scalar: bool = False,
-           avx512: bool = True) -> torch.Tensor:
+           avx512: bool = True, prefill: int | None = None) -> torch.Tensor:
     """x (..., K) -> (..., N) fp32 through the compiled kernel (`extension()` must not be None).
     act="fp32": exact up to float rounding; act="int8": activations rounded per block (module docstring),
-    in the kernel (as `quantize_x`). `scalar` / `avx512=False` force the scalar / AVX2 code (tests)."""
+    in the kernel (as `quantize_x`). `scalar` / `avx512=False` force the scalar / AVX2 code (tests).
+    Inputs of at least `prefill` rows (default `prefill_rows`: the measured cut-over) take the prefill path
+    (`matmul_dequant`: the weight dequantized slice by slice, then BLAS) instead of the batch-1 kernel."""
+    rows = x.numel() // max(1, x.shape[-1])
+    if act not in ("fp32", "int8"):
+        raise ValueError(f"act must be fp32 or int8, got {act}")
+    if not scalar and rows >= (prefill_rows(p, act) if prefill is None else prefill):
+        return matmul_dequant(x, p, act)
     if isinstance(p, Packed3):  # both planes round x alike: same blocks (group or 128 columns)
-        return matmul(x, p.lo, act, scalar, avx512) + matmul(x, p.hi, act, scalar, avx512)
+        return (matmul(x, p.lo, act, scalar, avx512, prefill=rows + 1)
+                + matmul(x, p.hi, act, scalar, avx512, prefill=rows + 1))
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]).float().contiguous()
     if isinstance(p, PackedTiles):
@@ -275,14 +283,92 @@ def matmul(x: torch.Tensor, p: PackedCPU | Packed3 | PackedTiles, act: str = "fp
     elif act == "int8" and p.bits in A8_BITS:
         y = extension().matmul_a8(x2, p.words, p.scales, p.zeros, p.bits, p.gshift,
                                   int(math.log2(xblock(p) // 32)), scalar, avx512)
-    elif act in ("fp32", "int8"):
+    else:
         if p.kpad != p.in_features:
             x2 = torch.nn.functional.pad(x2, (0, p.kpad - p.in_features))
         xsum = x2.view(x2.shape[0], p.scales.shape[1], -1).sum(-1).contiguous()
         y = extension().matmul_f32(permute_x(x2, p.bits), xsum, p.words, p.scales, p.zeros, p.bits, p.gshift, scalar)
-    else:
-        raise ValueError(f"act must be fp32 or int8, got {act}")
     return y.reshape(*lead, p.out_features)
+
+
+# Prefill: rows of x from which dequantizing the weight and calling BLAS beats the batch-1 kernel, per kernel ISA
+# (`kernel_isa`), activations and weight bits. Measured by `compress bench kernels` (its `prefill` section, the
+# cut-over of every pair), see docs/kernels.md#prefill; 0 never takes the prefill path.
+PREFILL_ROWS = {
+    ("avx512", "fp32", 2): 32, ("avx512", "fp32", 3): 32, ("avx512", "fp32", 4): 32, ("avx512", "fp32", 8): 32,
+    ("avx512", "int8", 2): 0, ("avx512", "int8", 3): 0, ("avx512", "int8", 4): 0, ("avx512", "int8", 8): 32,
+    ("avx2", "fp32", 2): 32, ("avx2", "fp32", 3): 32, ("avx2", "fp32", 4): 32, ("avx2", "fp32", 8): 32,
+    ("avx2", "int8", 2): 0, ("avx2", "int8", 3): 0, ("avx2", "int8", 4): 0, ("avx2", "int8", 8): 32,
+}
+SLICE_ELEMENTS = 2**21  # the prefill path dequantizes at most this many weights (8 MiB fp32) per BLAS call
+_SLICE: dict[str, torch.Tensor] = {}  # the one reused dequantization buffer
+
+
+def kernel_isa() -> str:
+    """The code the compiled kernel runs: avx512 (AVX-512 VNNI build), avx2, or scalar (no vector build)."""
+    ext = extension()
+    return "avx512" if ext is not None and ext.has_avx512() else "avx2" if ext is not None and ext.has_avx2() \
+        else "scalar"
+
+
+def prefill_rows(p: PackedCPU | Packed3 | PackedTiles, act: str) -> int:
+    """Rows of x from which `matmul` dequantizes and calls BLAS (`PREFILL_ROWS`; the scalar build: 2)."""
+    isa = kernel_isa()
+    if isa == "scalar":
+        return 2
+    rows = PREFILL_ROWS.get((isa, act, p.bits))
+    return rows if rows else 2**62
+
+
+def matmul_dequant(x: torch.Tensor, p: PackedCPU | Packed3 | PackedTiles, act: str = "fp32") -> torch.Tensor:
+    """The prefill path: x (..., K) -> (..., N) fp32 as x @ W_hat.T with W_hat dequantized (`dequantize`) into
+    one reused buffer, at most SLICE_ELEMENTS weights (a slice of rows) at a time, each slice one BLAS call.
+    With act="int8" (and weights the int8 path takes: `A8_BITS`, or cpu-tiles) x is first rounded as the kernel
+    rounds it (`quantize_x`, per `xblock`), so both paths compute the same sums up to float rounding."""
+    lead, K, N = x.shape[:-1], p.in_features, p.out_features
+    x2 = x.reshape(-1, K).float()
+    if act == "int8" and (isinstance(p, PackedTiles) or p.bits in A8_BITS):
+        x2 = round_x(x2, p)
+    per = max(1, min(N, SLICE_ELEMENTS // K))
+    buf = _SLICE.get("buf")
+    if buf is None or buf.numel() < per * K:
+        buf = _SLICE["buf"] = torch.empty(max(per * K, SLICE_ELEMENTS))
+    y = torch.empty(x2.shape[0], N)
+    for n0 in range(0, N, per):
+        w = buf[: min(per, N - n0) * K].view(-1, K)
+        dequantize_into(p, n0, w)
+        if w.shape[0] == N:
+            torch.mm(x2, w.T, out=y)
+        else:
+            y[:, n0 : n0 + w.shape[0]] = x2 @ w.T
+    return y.reshape(*lead, N)
+
+
+def round_x(x2: torch.Tensor, p: PackedCPU | Packed3 | PackedTiles) -> torch.Tensor:
+    """x (B, K) rounded to int8 as the kernel's int8 path rounds it (per `xblock` columns), back in fp32."""
+    block = xblock(p.lo if isinstance(p, Packed3) else p)
+    B, K = x2.shape
+    xp = torch.nn.functional.pad(x2, (0, p.kpad - K)) if p.kpad != K else x2.contiguous()
+    xq, sx = quantize_x(xp, block)
+    return (xq.view(B, -1, block).float() * sx.unsqueeze(-1)).view(B, p.kpad)[:, :K]
+
+
+def dequantize_into(p: PackedCPU | Packed3 | PackedTiles, n0: int, out: torch.Tensor) -> torch.Tensor:
+    """Rows n0 .. n0 + len(out) of the packed weight, dequantized (scale * (code - zero)) into `out` (rows, K)."""
+    ext = extension()
+    if isinstance(p, Packed3):
+        dequantize_into(p.lo, n0, out)
+        ext.dequant_rows(p.hi.words, p.hi.scales, p.hi.zeros, 1, p.hi.gshift, n0, out, True)
+    elif isinstance(p, PackedTiles):
+        ext.dequant_tiles(p.words, p.scales, p.zeros, p.gshift, n0, out)
+    else:
+        ext.dequant_rows(p.words, p.scales, p.zeros, p.bits, p.gshift, n0, out, False)
+    return out
+
+
+def dequantize(p: PackedCPU | Packed3 | PackedTiles) -> torch.Tensor:
+    """The whole packed weight as fp32 (N, K) (tests; `matmul_dequant` works slice by slice)."""
+    return dequantize_into(p, 0, torch.empty(p.out_features, p.in_features))
 
 
 def _cpu_flags() -> bytes:

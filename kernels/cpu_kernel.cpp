@@ -806,6 +806,94 @@ torch::Tensor matmul_a8_tiles(torch::Tensor x, torch::Tensor words, torch::Tenso
   return y;
 }
 
+// ---- Dequantization for prefill-sized inputs (kernels/cpu.py::matmul: many rows of x go to BLAS) ----
+// Rows [n0, n0 + R) of a weight, columns [0, K), as fp32 into out (R, K): W = scale * (q - zero), the
+// reference's rounding (scales are fp16 values). `accumulate` adds instead (the high plane of 3-bit weights).
+// cpu-rows: byte b of chunk c holds, in field s, column 32 * (c * P + s) + b, so a 32-column block is one
+// shift and mask of 32 consecutive bytes.
+template <int BITS>
+void dequant_rows_t(const uint8_t* bytes, const at::Half* scales, const uint8_t* zeros, float* out, int64_t n0,
+                    int64_t R, int64_t K, int64_t rowbytes, int64_t Gp, int gshift, bool accumulate) {
+  constexpr int P = 8 / BITS;
+  constexpr int MASK = (1 << BITS) - 1;
+  parallel_rows(R, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t n = n0 + r;
+      const uint8_t* src = bytes + n * rowbytes;
+      float* dst = out + r * K;
+      for (int64_t blk = 0; blk * 32 < K; ++blk) {
+        const uint8_t* cb = src + (blk / P) * 32;
+        const int shift = BITS * (int)(blk % P);
+        const int64_t g = blk >> gshift;
+        const float sc = (float)scales[n * Gp + g];
+        const int z = zeros[n * Gp + g];
+        const int64_t cols = std::min<int64_t>(32, K - blk * 32);
+        float* d = dst + blk * 32;
+        if (accumulate) {
+          for (int64_t i = 0; i < cols; ++i) d[i] += sc * (float)(((cb[i] >> shift) & MASK) - z);
+        } else {
+          for (int64_t i = 0; i < cols; ++i) d[i] = sc * (float)(((cb[i] >> shift) & MASK) - z);
+        }
+      }
+    }
+  }, 16);
+}
+
+void dequant_rows(torch::Tensor words, torch::Tensor scales, torch::Tensor zeros, int64_t bits, int64_t gshift,
+                  int64_t n0, torch::Tensor out, bool accumulate) {
+  TORCH_CHECK(words.scalar_type() == torch::kInt && words.is_contiguous(), "words: contiguous int32");
+  TORCH_CHECK(scales.scalar_type() == torch::kHalf && scales.is_contiguous(), "scales: contiguous fp16");
+  TORCH_CHECK(zeros.scalar_type() == torch::kByte && zeros.is_contiguous() && zeros.sizes() == scales.sizes(),
+              "zeros: contiguous uint8 shaped like scales");
+  TORCH_CHECK(out.dim() == 2 && out.scalar_type() == torch::kFloat && out.is_contiguous(), "out: contiguous fp32");
+  const int64_t R = out.size(0), K = out.size(1);
+  TORCH_CHECK(n0 >= 0 && n0 + R <= words.size(0) && K <= words.size(1) * 32 / bits, "rows or columns out of range");
+  const auto* b = reinterpret_cast<const uint8_t*>(words.data_ptr<int32_t>());
+  const int64_t rowbytes = words.size(1) * 4, gp = scales.size(1);
+  const at::Half* s = scales.data_ptr<at::Half>();
+  const uint8_t* z = zeros.data_ptr<uint8_t>();
+  float* o = out.data_ptr<float>();
+  switch (bits) {
+    case 1: dequant_rows_t<1>(b, s, z, o, n0, R, K, rowbytes, gp, (int)gshift, accumulate); break;
+    case 2: dequant_rows_t<2>(b, s, z, o, n0, R, K, rowbytes, gp, (int)gshift, accumulate); break;
+    case 4: dequant_rows_t<4>(b, s, z, o, n0, R, K, rowbytes, gp, (int)gshift, accumulate); break;
+    case 8: dequant_rows_t<8>(b, s, z, o, n0, R, K, rowbytes, gp, (int)gshift, accumulate); break;
+    default: TORCH_CHECK(false, "dequant_rows supports bits 1, 2, 4, 8; got ", bits);
+  }
+}
+
+// cpu-tiles (2 bits): row n = 16 t + r, column k = 8 o + 2 f + j is field f of byte 2 r + j of vector (t, o);
+// scales / zeros (T, Gp, 16).
+void dequant_tiles(torch::Tensor words, torch::Tensor scales, torch::Tensor zeros, int64_t gshift, int64_t n0,
+                   torch::Tensor out) {
+  TORCH_CHECK(words.scalar_type() == torch::kInt && words.is_contiguous() && words.dim() == 2, "words: int32 (T, W)");
+  TORCH_CHECK(scales.scalar_type() == torch::kHalf && scales.is_contiguous() && scales.dim() == 3, "scales: fp16");
+  TORCH_CHECK(zeros.scalar_type() == torch::kByte && zeros.sizes() == scales.sizes(), "zeros: uint8 like scales");
+  TORCH_CHECK(out.dim() == 2 && out.scalar_type() == torch::kFloat && out.is_contiguous(), "out: contiguous fp32");
+  const int64_t R = out.size(0), K = out.size(1), kpad = words.size(1), gp = scales.size(1);
+  TORCH_CHECK(n0 >= 0 && n0 + R <= words.size(0) * 16 && K <= kpad, "rows or columns out of range");
+  const auto* bytes = reinterpret_cast<const uint8_t*>(words.data_ptr<int32_t>());
+  const at::Half* s = scales.data_ptr<at::Half>();
+  const uint8_t* z = zeros.data_ptr<uint8_t>();
+  float* o = out.data_ptr<float>();
+  parallel_rows(R, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t n = n0 + i, t = n / 16, r = n % 16;
+      const uint8_t* tile = bytes + t * kpad * 4 + 2 * r;
+      float* d = o + i * K;
+      for (int64_t k0 = 0; k0 < K; k0 += 32) {
+        const int64_t g = (k0 / 32) >> gshift;
+        const float sc = (float)s[(t * gp + g) * 16 + r];
+        const int zp = z[(t * gp + g) * 16 + r];
+        for (int64_t k = k0; k < std::min(K, k0 + 32); ++k) {
+          const int code = (tile[(k >> 3) * 32 + (k & 1)] >> (2 * ((k >> 1) & 3))) & 3;
+          d[k] = sc * (float)(code - zp);
+        }
+      }
+    }
+  }, 16);
+}
+
 bool has_avx512() {
 #ifdef COMPRESS_AVX512
   return true;
@@ -837,6 +925,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("matmul_f32", &matmul_f32, "packed-integer matmul, fp32 activations (see kernels/cpu.py)");
   m.def("matmul_a8", &matmul_a8, "packed-integer matmul, int8 activations (see kernels/cpu.py)");
   m.def("matmul_a8_tiles", &matmul_a8_tiles, "2-bit cpu-tiles matmul, int8 activations (see kernels/cpu.py)");
+  m.def("dequant_rows", &dequant_rows, "cpu-rows rows -> fp32 (prefill-sized inputs, see kernels/cpu.py)");
+  m.def("dequant_tiles", &dequant_tiles, "cpu-tiles rows -> fp32 (prefill-sized inputs, see kernels/cpu.py)");
   m.def("has_avx2", &has_avx2);
   m.def("prefers_tiles", &prefers_tiles);
   m.def("has_avx512", &has_avx512);

@@ -41,6 +41,14 @@ def test_bench_kernels_quick_json_and_markdown(tmp_path):
     ratio = sbs["ms_min"]["ours-int4"] / sbs["ms_min"]["ours-int2"]  # from the rounded minima
     assert abs(sbs["int2_vs_int4"] - ratio) <= 0.01 * ratio
     assert "Side by side" in md.read_text()
+    pre = result["prefill"]
+    assert pre["shape"] == "1024x1024" and pre["rows"] == [1, 8, 64] and pre["isa"] in ("avx512", "avx2", "scalar")
+    assert {(c["bits"], c["act"]) for c in pre["cells"]} == {(b, a) for b in (2, 3, 4, 8) for a in ("fp32", "int8")}
+    for c in pre["cells"]:
+        assert len(c["kernel_ms"]) == len(c["prefill_ms"]) == 3 and min(c["kernel_ms"] + c["prefill_ms"]) > 0
+        faster = [d < k for k, d in zip(c["kernel_ms"], c["prefill_ms"])]
+        assert c["cutover"] == next((r for i, r in enumerate(pre["rows"]) if all(faster[i:])), None)
+    assert "Prefill cut-over" in md.read_text()
 
 
 @pytest.mark.e2e  # moved out of the default tier (its time budget); CI runs -m e2e

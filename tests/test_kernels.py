@@ -26,6 +26,13 @@ def ext():
     return mod
 
 
+@pytest.fixture(params=["kernel", "prefill"])
+def path(request, monkeypatch):
+    """Run the test on the batch-1 kernel at every row count, then on the prefill path (dequantize, BLAS)."""
+    monkeypatch.setattr(cpu, "prefill_rows", lambda p, act: 2**62 if request.param == "kernel" else 1)
+    return request.param
+
+
 CASES = [  # bits, group, (out, in): in not a multiple of the group -> short last group
     (4, 128, (48, 256)), (4, 128, (40, 300)), (2, 64, (48, 256)), (2, 64, (33, 200)),
     (8, 128, (24, 200)), (4, -1, (32, 100)), (2, -1, (16, 72)), (4, 32, (16, 96)), (2, 32, (16, 160)),
@@ -36,7 +43,7 @@ CASES = [  # bits, group, (out, in): in not a multiple of the group -> short las
 @pytest.mark.parametrize("bits,group,shape", CASES)
 @pytest.mark.parametrize("sym", [True, False])
 @pytest.mark.parametrize("scalar", [False, True])
-def test_kernel_matches_reference(ext, bits, group, shape, sym, scalar):
+def test_kernel_matches_reference(ext, bits, group, shape, sym, scalar, path):
     qw = rand_qw(*shape, bits, group, sym)
     backend = CPU(scalar=scalar)
     state = backend.prepare(qw)
@@ -51,7 +58,7 @@ A8_CASES = [(*c, "rows") for c in CASES if c[0] in cpu.A8_BITS] + [(*c, "tiles")
 @pytest.mark.parametrize("bits,group,shape,layout", A8_CASES)
 @pytest.mark.parametrize("sym", [True, False])
 @pytest.mark.parametrize("scalar,avx512", [(False, True), (False, False), (True, False)])
-def test_int8_activations_match_reference_on_rounded_x(ext, bits, group, shape, layout, sym, scalar, avx512):
+def test_int8_activations_match_reference_on_rounded_x(ext, bits, group, shape, layout, sym, scalar, avx512, path):
     """cpu-a8 is exact for the activations it rounds: compare with the reference on those (both layouts of
     2-bit weights; batches 1, 5, 8 run every batch tile, 33 rows a part-filled row tile)."""
     qw = rand_qw(*shape, bits, group, sym)
@@ -83,6 +90,36 @@ def test_int8_activations_at_the_extremes(ext, bits, group, layout, avx512):
     for x in (torch.ones(1, k), -torch.ones(1, k), torch.ones(3, k)):
         y = cpu.matmul(x, state, act="int8", avx512=avx512)
         assert_close_to_reference(y, Reference().matmul(x, qw))
+
+
+def test_prefill_path_is_taken_from_the_cut_over_and_matches_the_kernel(ext, monkeypatch):
+    """Below `prefill_rows` the kernel runs, from it on `matmul_dequant` (its buffer reused, sliced when the weight
+    is larger than one slice); both agree, for every layout, with 3-bit planes and int8 activations."""
+    calls = []
+    real = cpu.matmul_dequant
+    monkeypatch.setattr(cpu, "matmul_dequant", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(cpu, "SLICE_ELEMENTS", 40 * 300)  # 40 rows a slice: 3 slices for 100 rows
+    for bits, group, layout, act in [(4, 128, "rows", "fp32"), (3, 128, "tiles", "int8"), (2, 64, "tiles", "int8"),
+                                     (8, 32, "rows", "int8"), (3, -1, "rows", "fp32")]:
+        qw = rand_qw(100, 300, bits, group, sym=False)
+        state = cpu.pack(qw, layout)
+        cut = cpu.prefill_rows(state, act)
+        assert 1 < cut < 2**62 or act == "int8"
+        x = torch.randn(min(cut, 64), 300)
+        calls.clear()
+        below = cpu.matmul(x[:1], state, act=act)
+        assert not calls
+        y = cpu.matmul(x, state, act=act, prefill=2)
+        assert calls and y.shape == (x.shape[0], 100)
+        assert_close_to_reference(y, cpu.matmul(x, state, act=act, prefill=2**62))
+        assert_close_to_reference(y[:1], below)
+
+
+def test_dequantize_matches_the_quantized_weight(ext):
+    for bits, group, layout in [(4, 128, "rows"), (2, 64, "tiles"), (3, 32, "rows"), (3, 128, "tiles"),
+                                (8, -1, "rows"), (2, 32, "rows")]:
+        qw = rand_qw(37, 200, bits, group, sym=False)
+        assert torch.equal(cpu.dequantize(cpu.pack(qw, layout)), qw.dequantize(torch.float32))
 
 
 def test_tiles_layout_known_answer(ext):

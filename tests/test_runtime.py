@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from compress.export.hf import export_hf, loadable
 from compress.export.runtime import load_packed
+from compress.kernels import cpu
 from compress.kernels.backends import QuantLinear
 from conftest import MODELS, TEXT, invoke
 from helpers import quantized
@@ -53,13 +54,21 @@ def test_quant_linear_model_matches_dequantized_model(tmp_path, bits, sym, backe
         assert (got.argmax(-1) == ref.argmax(-1)).float().mean() > 0.9
 
 
-def test_eval_backends_agree_on_an_export(w4):
+def test_eval_backends_agree_on_an_export(w4, monkeypatch):
+    """Also: windows go through the prefill path (dequantize, BLAS), and stderr says which backend runs and
+    shows the progress bar with tokens/s, with --json too."""
     _, _, out = w4
-    ppl = {}
+    ppl, prefill = {}, []
+    real = cpu.matmul_dequant
+    monkeypatch.setattr(cpu, "matmul_dequant", lambda x, *a, **k: prefill.append(x.shape) or real(x, *a, **k))
     for backend in ("cpu", "reference", "transformers"):
         rc, stdout, err = invoke("eval", out, "--data", VAL, "--max-tokens", 512, "--backend", backend, "--json")
         assert rc == 0, err
         ppl[backend] = json.loads(stdout)[VAL.name]["ppl"]
+        assert "tok/s" in err and "ppl" in err
+        if backend == "cpu":
+            assert "backend: cpu (20 of 20 packed layers)" in err
+            assert prefill and all(s[0] * s[1] >= 256 for s in prefill)  # batches of 256-token windows
     assert ppl["cpu"] == pytest.approx(ppl["reference"], rel=1e-5)
     assert ppl["transformers"] == pytest.approx(ppl["reference"], rel=1e-2)  # auto-round: fp16 norms/embeddings
     rc, _, err = invoke("eval", out, "--data", VAL, "--backend", "gpu")
@@ -85,3 +94,4 @@ def test_generate_known_answer_and_speed(w4):
     assert texts["cpu"] == texts["reference"] and len(texts["cpu"]) > 10
     rc, stdout, err = invoke("generate", out, "--prompt", "Once upon a time", "--max-new-tokens", 4)
     assert rc == 0 and stdout.startswith("Once upon a time") and "tokens/s" in err and "backend {'cpu': 20}" in err
+    assert "backend: cpu (20 of 20 packed layers)" in err and "generate" in err and "tok/s" in err

@@ -204,6 +204,27 @@ def bench_decode(
     _emit_bench(result, markdown(result), json_out, md_out)
 
 
+@bench_app.command("eval")
+def bench_eval(
+    model: str = typer.Option(..., "--model", help="full-precision model directory (e.g. ../shared/tools/smollm2.sh's)"),
+    data: str = typer.Option("../shared/data/text/wikitext-2-raw/wiki.test.raw", "--data", help="evaluation text"),
+    bits: Optional[List[int]] = typer.Option(None, "--bits", help="weight bits (repeatable; default 2, 3, 4, 8)"),
+    group: int = typer.Option(64, "--group", help="group size of every run"),
+    max_tokens: int = typer.Option(32768, "--max-tokens", help="tokens evaluated, as a run's eval.max_tokens"),
+    json_out: Optional[Path] = JSON_OUT,
+    md_out: Optional[Path] = MARKDOWN_OUT,
+):
+    """`compress eval` of packed exports vs the run's own evaluation on the same tokens: seconds and metrics.
+
+    Example: compress bench eval --model ~/.cache/compress-data/smollm2-135m-instruct --json bench/eval-smollm2.json --markdown bench/eval-smollm2.md
+    """
+    from compress.eval.bench.packed_eval import BITS, markdown, run as run_eval
+
+    _setup_logging(False)
+    result = run_eval(model, data, bits=tuple(bits or BITS), group=group, max_tokens=max_tokens)
+    _emit_bench(result, markdown(result), json_out, md_out)
+
+
 @bench_app.command("reproduce")
 def bench_reproduce(
     json_out: Optional[Path] = JSON_OUT,

@@ -1,7 +1,8 @@
 """`compress bench kernels`: packed GEMM speed on this machine, side by side in one process.
 
 For each weight shape (N x K), batch and format (int4 g128, int2 g64, int3 g128) it times, repeated (min and
-median): our C++ kernel with fp32 activations (`ours-cpu`, exact up to float rounding) and with
+median): our C++ kernel (what `cpu.matmul` runs at that batch: from `cpu.prefill_rows` rows on, the prefill
+path, dequantize then BLAS) with fp32 activations (`ours-cpu`, exact up to float rounding) and with
 int8 activations (`ours-cpu-a8`, one scale per 128 or group columns; int2 in the cpu-tiles layout where
 the build prefers it, `a8_layouts`), the reference path
 (`reference`: dequantize, then matmul), torch's int4 CPU kernel (`torch-int4`, int4 only, bf16
@@ -15,7 +16,9 @@ to the reference's largest magnitude (dense rows: the bf16 rounding of the weigh
 `arithmetic_ms` is `ours-cpu-a8`'s batch-1 time on the last shape with memory out of the way (row slices
 that stay in cache, `arithmetic_ms()`): near or above its `ms_min`, the kernel is bound by its instructions.
 `side_by_side` times the batch-1 sides of the targets (ours int4 and int2, torch int4, OpenVINO int4) on the
-last shape in one round-robin loop, so their ratios do not mix two phases of a noisy machine.
+last shape in one round-robin loop, so their ratios do not mix two phases of a noisy machine. `prefill` times
+the batch kernel against the prefill path at 1 to 256 rows on the first shape, per bit width and activations, and
+gives the cut-over `cpu.PREFILL_ROWS` holds for this ISA.
 
 Every timed call starts with cold caches (`Evict`: the L3 of these VMs reports 32 to 300 MiB, enough to
 hold a packed 8192x8192 int4 or int2 weight, and decoding a real model streams its weights from DRAM).
@@ -219,6 +222,44 @@ def side_by_side(n: int, k: int, repeats: int, evict) -> dict:
             "openvino_int4_vs_ours_int4": round(lo["openvino-int4"] / lo["ours-int4"], 3)}
 
 
+PREFILL_ROWS = (1, 2, 4, 8, 16, 32, 64, 256)
+PREFILL_FORMATS = ((2, 64), (3, 128), (4, 128), (8, 128))
+
+
+def prefill(n: int, k: int, repeats: int, evict, rows=PREFILL_ROWS, formats=PREFILL_FORMATS) -> dict:
+    """Where the prefill path (`cpu.matmul_dequant`: dequantize slice by slice, then BLAS) overtakes our batch-1
+    kernel, per activation type and bit width, on an `n` x `k` weight: both timed at each row count, side by side
+    (alternating, each after an eviction), minimum of `repeats`. `cutover` is the smallest row count from which
+    the prefill path is faster at every measured count (what `cpu.PREFILL_ROWS` should hold for this ISA);
+    `table` is what the code holds now, `cpu.kernel_isa()` the row of it this machine reads."""
+    out = {"shape": f"{n}x{k}", "isa": cpu.kernel_isa(), "rows": list(rows), "repeats": repeats, "cells": []}
+    for bits, group in formats:
+        qw = random_qweight(n, k, bits, group)
+        for act in ("fp32", "int8"):
+            p = cpu.pack(qw, cpu.layout_for(qw, act))
+            kernel, dense = [], []
+            for r in rows:
+                x = torch.randn(r, k)
+                sides = (lambda: cpu.matmul(x, p, act=act, prefill=2**62), lambda: cpu.matmul(x, p, act=act, prefill=1))
+                times = [[], []]
+                for fn in sides:
+                    fn()
+                for _ in range(repeats):
+                    for i, fn in enumerate(sides):
+                        evict()
+                        t = time.perf_counter()
+                        fn()
+                        times[i].append((time.perf_counter() - t) * 1e3)
+                kernel.append(round(min(times[0]), 4))
+                dense.append(round(min(times[1]), 4))
+            faster = [d < kk for kk, d in zip(kernel, dense)]
+            cut = next((r for i, r in enumerate(rows) if all(faster[i:])), None)
+            out["cells"].append({"bits": bits, "group": group, "act": act, "kernel_ms": kernel, "prefill_ms": dense,
+                                 "cutover": cut, "table": cpu.PREFILL_ROWS.get((out["isa"], act, bits))})
+            logger.info("prefill int%d %s: cut-over at %s rows", bits, act, cut)
+    return out
+
+
 def arithmetic_ms(n: int, k: int, bits: int, group: int, threads: int, repeats: int, rows=(64, 192)) -> float:
     """Our `cpu-a8` batch-1 kernel's arithmetic alone for an `n` x `k` weight on `threads` cores, memory out
     of the way: one thread times two row slices small enough to stay in the cache (64 and 192 rows; int4 at
@@ -267,12 +308,14 @@ def run(quick: bool = False, repeats: int = 10, threads: int | None = None, isa:
         arith = ({f"int{b}-g{g}": round(arithmetic_ms(n, k, b, g, used, 30 if quick else 300), 4)
                   for b, g in ((4, 128), (2, 64))} if cpu.extension() is not None else {})
         sbs = side_by_side(n, k, 2 * repeats, evict) if cpu.extension() is not None else {}
+        pre = (prefill(*shapes[0], repeats, evict, rows=(1, 8, 64) if quick else PREFILL_ROWS)
+               if cpu.extension() is not None else {})
         return {"machine": machine(), "read_bandwidth_gbps": round(bw, 2), "threads": torch.get_num_threads(),
                 "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", ""),
                 "cpu_kernel": cpu.extension() is not None, "isa": isa, "kernel_build": cpu.build_isa(),
                 "a8_isa": a8_isa(), "a8_layouts": a8_layouts(),
                 "torch_isa": torch.backends.cpu.get_cpu_capability(),
-                "arithmetic_ms": {"shape": f"{n}x{k}", **arith}, "side_by_side": sbs, "rows": rows}
+                "arithmetic_ms": {"shape": f"{n}x{k}", **arith}, "side_by_side": sbs, "prefill": pre, "rows": rows}
     finally:
         torch.set_num_threads(previous)
 
@@ -302,9 +345,7 @@ def markdown(result: dict) -> str:
     if "torch_isa" in result:
         isa += f" torch kernels: {result['torch_isa']}; OpenVINO and torch bf16: native."
     lines = [f"Streaming read bandwidth: {result['read_bandwidth_gbps']} GB/s, {result['threads']} threads."
-             f"{machine_text(result.get('machine'))}{isa}", "",
-             "| shape | batch | format | backend | ms min | ms median | GB/s | of read bw | rel. error |",
-             "|---|---:|---|---|---:|---:|---:|---:|---:|"]
+             f"{machine_text(result.get('machine'))}{isa}", ""]
     arith = {f: ms for f, ms in result.get("arithmetic_ms", {}).items() if f != "shape"}
     if arith:
         rows = {(r["shape"], r["format"]): r for r in result["rows"] if r["batch"] == 1 and r["backend"] == "ours-cpu-a8"}
@@ -321,7 +362,25 @@ def markdown(result: dict) -> str:
                         f"({sbs['int2_vs_int4']:.2f}x int4), torch int4 {ms['torch-int4']:.3f} ms (ours "
                         f"{sbs['torch_int4_vs_ours_int4']:.2f}x), OpenVINO int4 {ms['openvino-int4']:.3f} ms (ours "
                         f"{sbs['openvino_int4_vs_ours_int4']:.2f}x).")
+    if result.get("prefill"):
+        lines += [prefill_markdown(result["prefill"]), ""]
+    lines += ["| shape | batch | format | backend | ms min | ms median | GB/s | of read bw | rel. error |",
+              "|---|---:|---|---|---:|---:|---:|---:|---:|"]
     for r in result["rows"]:
         lines.append(f"| {r['shape']} | {r['batch']} | {r['format']} | {r['backend']} | {r['ms_min']:.3f} | "
                      f"{r['ms_median']:.3f} | {r['gbps']:.1f} | {r['bw_fraction']:.0%} | {r['rel_err']:.1e} |")
     return "\n".join(lines) + "\n"
+
+
+def prefill_markdown(pre: dict) -> str:
+    """The prefill table: per format and activations, kernel / prefill-path ms at each row count, the cut-over."""
+    lines = [f"Prefill cut-over (`prefill`: {pre['shape']}, kernel ISA {pre['isa']}, minimum of {pre['repeats']}, "
+             "alternating; kernel ms / prefill-path ms per rows of x; `cutover`: the measured first row count from "
+             "which the prefill path wins, `table`: `cpu.PREFILL_ROWS`, 0 = never):", "",
+             "| format | act | " + " | ".join(f"{r} rows" for r in pre["rows"]) + " | cutover | table |",
+             "|---|---|" + "---:|" * (len(pre["rows"]) + 2)]
+    for c in pre["cells"]:
+        cells = " | ".join(f"{k:.2f} / {d:.2f}" for k, d in zip(c["kernel_ms"], c["prefill_ms"]))
+        lines.append(f"| int{c['bits']}-g{c['group']} | {c['act']} | {cells} | {c['cutover'] or 'never'} | "
+                     f"{c['table']} |")
+    return "\n".join(lines)
