@@ -178,6 +178,9 @@ def _print_plan(p: dict) -> None:
             typer.echo(f"  {s['key']}: {s['what']}")
     for change in p.get("structure", []):
         typer.echo(f"  structure: {change}")
+    for what, files in p.get("data", {}).items():
+        for written, path in files.items():
+            typer.echo(f"{what}: {written}" + (f" -> {path}" if path != written else ""))
     typer.echo(f"export: {', '.join(p['export']) or '-'}")
     for note in p.get("notes", []):
         typer.echo(f"  {note}")

@@ -155,6 +155,10 @@ def _plan(loaded) -> tuple[dict, Binding]:
     for st, b in zip(stages, binding.stages):
         if b.cfg.stage == "quantize" and adapted_groups(b.facts.layers):
             st["adapted_groups"] = adapted_groups(b.facts.layers)
+        if b.facts.changes:  # the shapes the stage changes: per pruned layer, the width before and after
+            st["changes"] = b.facts.changes
+        if b.facts.notes:  # what the stage adapted to honour the recipe on this model
+            st["notes"] = b.facts.notes
     inputs.check_data(loaded, kind)  # reads every data file: after the cheap checks
     if r.model.stream:
         per_block = sum(p.numel() for p in adapter.blocks[0].parameters())
@@ -170,7 +174,7 @@ def _plan(loaded) -> tuple[dict, Binding]:
     est += (rss.resident_mb() + _LIBRARIES_MB * (1 + graphs)) * 2**20
     out = {"model": r.model.path, "model_type": config.model_type, "blocks": len(adapter.blocks),
            "parameters": n_params, "stages": stages, "export": r.export.names(),
-           "estimated_peak_memory_mb": round(est / 2**20, 1)}
+           "estimated_peak_memory_mb": round(est / 2**20, 1), "data": _data_files(loaded)}
     if r.gates:
         from compress import gates
 
@@ -184,6 +188,14 @@ def _plan(loaded) -> tuple[dict, Binding]:
     if changed:
         out["structure"] = changed
     return out, binding
+
+
+def _data_files(loaded) -> dict:
+    """{"calibration": {source as written: what is read}, "eval": {...}}: a `bundled:NAME` reference and the
+    shipped file it names, every other source itself."""
+    r, written = loaded.recipe, loaded.resolved
+    return {"calibration": dict(zip(written["calibration"]["sources"], r.calibration.sources)),
+            "eval": dict(zip(written["eval"]["data"], r.eval.data)) if r.eval.enabled else {}}
 
 
 # -- running ----------------------------------------------------------------------------------------

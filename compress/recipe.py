@@ -10,7 +10,8 @@ Schema, version 1 (every mapping forbids unknown keys)::
       dtype: float32                     # float32 | bfloat16 | float16
       gguf_file: null                    # file name inside `path` for GGUF checkpoints
     calibration:
-      sources: [data/valid.txt]          # .txt/.jsonl/.tsv files, directories, or `hf:<dataset>[:split]`
+      sources: [data/valid.txt]          # .txt/.jsonl/.tsv files, directories, `hf:<dataset>[:split]`, or
+                                         # `bundled:NAME` (text shipped with compress: bundled:botchan-calibration)
       text_field: text
       nsamples: 128
       seqlen: 512
@@ -37,7 +38,8 @@ such a value is the reference as written) -> `--set dotted.key=value` overrides
 
 Relative local paths (model.path, calibration.sources, eval.data) are resolved against the current
 working directory of the process, NOT the directory of the recipe file; `.resolved` keeps them as
-written. `LoadedRecipe.resolved` is the validated recipe with every default filled in (JSON types),
+written. `bundled:NAME` in calibration.sources or eval.data is a text shipped in compress/data
+(compress/data/README.md): the recipe holds its path, `.resolved` and artifacts the reference. `LoadedRecipe.resolved` is the validated recipe with every default filled in (JSON types),
 and `.sha256` hashes its canonical JSON (sorted keys), so it is independent of key order in the file.
 """
 
@@ -71,7 +73,8 @@ class ModelSource(StrictModel):
 
 
 class CalibrationSpec(StrictModel):
-    sources: list[str] = Field(default_factory=list, description="text files, directories, or hf:<id>[:split]")
+    sources: list[str] = Field(default_factory=list, description="text files, directories, hf:<id>[:split], or "
+                               "bundled:NAME (a text shipped with compress)")
     text_field: str = Field("text", description="field holding the text in .jsonl/.tsv/hub rows")
     messages_field: str = Field("messages", description="field holding a conversation (a list of {role, content}) "
                                                         "in chat .jsonl rows, rendered with the model's chat template")
@@ -101,7 +104,8 @@ class GenerationSpec(StrictModel):
 
 
 class EvalSpec(StrictModel):
-    data: list[str] = Field(default_factory=list, description="text files to compare FP vs compressed on")
+    data: list[str] = Field(default_factory=list, description="text files to compare FP vs compressed on, or "
+                            "bundled:NAME (a text shipped with compress)")
     window: int = Field(256, gt=0, description="tokens per evaluation window")
     max_tokens: Optional[int] = Field(EVAL_MAX_TOKENS, gt=0, description="cap on evaluated tokens per file (null: "
                                       "the whole file)")
@@ -244,6 +248,8 @@ class LoadedRecipe:
     sha256: str  # of json.dumps(resolved, sort_keys=True)
     path: Path
     locator: Locator = field(default=None, repr=False, compare=False)
+    bundled: dict = field(default_factory=dict, compare=False)  # loc -> `bundled:NAME` as written (the recipe
+    # holds the shipped file's path there; `resolved` keeps the reference)
 
     @property
     def recorded(self) -> dict:
@@ -289,10 +295,36 @@ def load_recipe(path, *, overrides: Sequence[str] = (), model: str | None = None
         if value is not None:
             replace_key(data, loc, list(value) if isinstance(value, (list, tuple)) else value, label, loc8.origins)
     check_version(data, loc8)
+    refs = _bundled_text(data, loc8)
     recipe = _validate(data, loc8)
     extras.check_recipe(recipe)
     resolved = recipe.model_dump(mode="json")
-    return LoadedRecipe(recipe, resolved, canonical_sha256(resolved), path, loc8)
+    for (section, key, i), ref in refs.items():  # artifacts and the hash name the reference, not this install's path
+        resolved[section][key][i] = ref
+    return LoadedRecipe(recipe, resolved, canonical_sha256(resolved), path, loc8, refs)
+
+
+TEXT_LISTS = (("calibration", "sources"), ("eval", "data"))  # where `bundled:NAME` may stand
+
+
+def _bundled_text(data: dict, loc8: Locator) -> dict:
+    """Replace each `bundled:NAME` in calibration.sources and eval.data with the path of the text shipped in
+    compress/data; {loc: reference}. An unknown name is a BadInput naming the line."""
+    from compress import data as shipped
+
+    refs, problems = {}, []
+    for section, key in TEXT_LISTS:
+        items = data.get(section, {}).get(key) if isinstance(data.get(section), dict) else None
+        for i, item in enumerate(items if isinstance(items, list) else []):
+            if shipped.is_ref(item):
+                try:
+                    items[i] = shipped.resolve(item)
+                    refs[(section, key, i)] = item
+                except BadInput as e:
+                    problems.append(with_where((section, key, i), str(e), loc8))
+    if problems:
+        raise BadInput("\n".join(problems))
+    return refs
 
 
 BUNDLED = Path(__file__).resolve().parent / "recipes"  # the repository's recipes/, shipped in the package

@@ -19,6 +19,7 @@ import torch
 import yaml
 
 from conftest import MODELS, REPO, TEXT, invoke
+from helpers import WIKITEXT
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning",
                                         "ignore::DeprecationWarning")
@@ -129,7 +130,8 @@ def short_run(tmp_path_factory):
         mp.chdir(REPO)
         root = logging.getLogger()
         handlers = list(root.handlers)
-        rc, out, err = invoke("run", QUICKSTART, "--model", STORIES1M, "--output", out_dir, "--json", *SMALL)
+        rc, out, err = invoke("run", QUICKSTART, "--model", STORIES1M, "--output", out_dir, "--json", *SMALL,
+                              *WIKITEXT)
         for h in root.handlers:
             if h not in handlers:
                 h.close()
@@ -173,7 +175,8 @@ def test_run_output_directory(short_run):
     assert (out_dir / "hf" / "config.json").exists() and (out_dir / "hf" / "model.safetensors").exists()
     assert not [p for p in out_dir.rglob("*") if p.name.endswith(".tmp")]
     manifest = json.loads((out_dir / "manifest.json").read_text())
-    expected = load_recipe(QUICKSTART, overrides=SMALL[1::2], model=str(STORIES1M))
+    expected = load_recipe(QUICKSTART, overrides=SMALL[1::2], model=str(STORIES1M), calibration=WIKITEXT[1:2],
+                           eval_data=WIKITEXT[3:4])
     assert manifest["recipe"] == expected.resolved
     assert manifest["recipe_sha256"] == expected.sha256 == report["recipe_sha256"]
     (key, st), = manifest["stages"].items()

@@ -137,11 +137,11 @@ def test_the_quickstart_runs_on_a_96_wide_model_and_reports_the_adapted_layers(q
     import yaml
 
     from conftest import REPO
-    from helpers import shrink
+    from helpers import WIKITEXT, shrink
 
     recipe = REPO / "recipes" / "quickstart.yaml"
     rc, stdout, err = invoke("run", recipe, "--model", qwen3_96, "--output", tmp_path / "o", "--json",
-                             *shrink(yaml.safe_load(recipe.read_text())))
+                             *shrink(yaml.safe_load(recipe.read_text())), *WIKITEXT)
     assert rc == 0, err
     report = json.loads(stdout)
     assert len(report["adapted_groups"]) == 12 and report["size"]["stored"]["hf"]["dense_layers"] == 0

@@ -1,6 +1,7 @@
 """Every bundled recipe runs as written on ref-llama-7m (hidden 256, 6 blocks, vocab 4096), with only
-the model, the output directory and smaller calibration/iteration/eval sizes changed, and exports a
-checkpoint that transformers loads."""
+the model, the output directory, the data (the WikiText files in ../shared, as before the recipes shipped their
+own text: tests/test_bundled_data.py checks that) and smaller calibration/iteration/eval sizes changed, and exports
+a checkpoint that transformers loads."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 import yaml
 
 from conftest import MODELS, REPO, invoke, plan_path
-from helpers import shrink
+from helpers import WIKITEXT, shrink
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning",
                                         "ignore::DeprecationWarning")
@@ -40,7 +41,7 @@ def test_bundled_recipe_runs_and_exports(recipe: Path, tmp_path):
     spec = yaml.safe_load(recipe.read_text())
     stage = next(s for s in spec["stages"] if s["stage"] == "quantize")
     out = tmp_path / "out"
-    rc, stdout, err = invoke("run", recipe, "--model", MODEL, "--output", out, "--json", *shrink(spec))
+    rc, stdout, err = invoke("run", recipe, "--model", MODEL, "--output", out, "--json", *shrink(spec), *WIKITEXT)
     assert rc == 0, err
     report = json.loads(stdout)
     assert [s["method"] for s in report["stages"] if s["name"] == "quantize"] == [stage["method"]]

