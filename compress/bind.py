@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Callable
 
 from pydantic import BaseModel
 
@@ -44,7 +45,11 @@ class Facts:
     stream: bool = False  # the model is streamed block by block
     after_quantize: bool = False  # a quantize stage runs before this one
     earlier: list = field(default_factory=list)  # `stage/method` of every stage before this one
-    notes: list = field(default_factory=list)  # exports: what the plan tells the user before calibration
+    notes: list = field(default_factory=list)  # what the plan tells the user before calibration (adaptations)
+    # the group the next quantize stage gives layer `name` at `d_in` input columns (`quantize_stage.group_for`; a
+    # per-chunk allocation in between: its one group), None without a quantize stage after this one
+    group_of: Callable[[str, int], int | None] | None = None
+    changes: list = field(default_factory=list)  # the shapes this stage changes, in words (`ModelSpec.differences`)
 
 
 @dataclass
@@ -86,6 +91,7 @@ def bind(recipe, adapter) -> Binding:
         q = _next(cfgs, i, "quantize")
         if q is not None:
             facts.rounding, facts.consumer = (cfgs[q].bits, cfgs[q].group_size, cfgs[q].sym), cfgs[q].method
+            facts.group_of = _group_of(cfgs, i, q)
             layers.setdefault(q, planned_layers(adapter, cfgs[q]))
             if cfg.stage == "allocate":
                 if cfg.method != "moe":  # a per-chunk plan rounds every layer with one group: no per-layer fitting
@@ -116,6 +122,7 @@ def bind(recipe, adapter) -> Binding:
         if ModelSpec in entry.produces and entry.reshape is not None:
             shaped = entry.reshape(spec, cfg)
             shaped.restore(adapter, spec)  # the weightless skeleton takes the new shapes (later stages plan on them)
+            facts.changes = shaped.differences(spec)
             spec = shaped
             layers.clear()
         bound.append(Bound(i, facts.key, cfg, entry, facts))
@@ -179,6 +186,15 @@ def _check_order(cfgs, recipe) -> None:
             raise BadInput("model.stream supports exactly one `quantize` stage")
         if [f for f in recipe.export.names() if f != "hf"]:
             raise BadInput("model.stream exports only the `hf` format")
+
+
+def _group_of(cfgs, i: int, q: int):
+    """`Facts.group_of` for stage i, whose next quantize stage is q."""
+    from compress.quantize_stage import group_for
+
+    if any(c.stage == "allocate" and c.method != "moe" for c in cfgs[i + 1:q]):
+        return lambda name, d_in: cfgs[q].group_size  # a per-chunk plan rounds every layer with one group
+    return lambda name, d_in: group_for(cfgs[q], name, d_in)
 
 
 def _next(cfgs, i: int, stage: str) -> int | None:

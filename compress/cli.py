@@ -176,6 +176,8 @@ def _print_plan(p: dict) -> None:
             typer.echo(f"  {s['key']}: {s['what']}, for the {s['layers']} layers of the next quantize stage")
         else:
             typer.echo(f"  {s['key']}: {s['what']}")
+        for line in [*s.get("changes", []), *s.get("notes", [])]:
+            typer.echo(f"    {line}")
     for change in p.get("structure", []):
         typer.echo(f"  structure: {change}")
     for what, files in p.get("data", {}).items():

@@ -137,6 +137,14 @@ def blocks_to_remove(adapter, tokens: torch.Tensor | None, how: str, n: int,
     return sorted(removed), rounds
 
 
+ALIGN = 32  # the packed loaders' unit (quantize_stage.LOADER_ALIGN): the finest default multiple
+
+
+def powers_below(n: int) -> list[int]:
+    """The powers of two below `n`, largest first."""
+    return [1 << k for k in range(max(n - 1, 1).bit_length() - 1, -1, -1) if 1 << k < n]
+
+
 def kept_count(width: int, ratio: float, multiple: int) -> int:
     """Channels kept of `width` when `ratio` of them go: the nearest multiple of `multiple` (ties keep more),
     at least one multiple, at most `width`."""

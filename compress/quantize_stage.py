@@ -126,6 +126,19 @@ def fit_group(d_in: int, group_size: int) -> tuple[int, str | None]:
 def layer_spec(name: str, linear: nn.Linear, cfg: QuantizeConfig) -> LayerSpec | None:
     """The recipe's settings for one layer: defaults, then every matching override in order, then the group fitted
     to the layer's width (`fit_group`; `strict_groups: true` refuses instead)."""
+    return spec_at(name, linear.in_features, cfg)
+
+
+def group_for(cfg: QuantizeConfig, name: str, d_in: int) -> int | None:
+    """The group this stage would give layer `name` at `d_in` input columns (`fit_group` after the overrides; -1
+    per-channel), None for a layer it skips; BadInput where `strict_groups` refuses that width. What an earlier
+    stage that sets widths (`prune: ffn`) asks through the bind step (docs/prune.md#plan-time)."""
+    spec = spec_at(name, d_in, cfg)
+    return None if spec is None else spec.group_size
+
+
+def spec_at(name: str, d_in: int, cfg: QuantizeConfig) -> LayerSpec | None:
+    """`layer_spec` for a layer of `name` with `d_in` input columns (no module needed)."""
     bits, group_size, sym, skip = cfg.bits, cfg.group_size, cfg.sym, False
     for o in cfg.overrides:
         if re.search(o.pattern, name):
@@ -135,7 +148,7 @@ def layer_spec(name: str, linear: nn.Linear, cfg: QuantizeConfig) -> LayerSpec |
             skip = o.skip
     if skip:
         return None
-    return fitted(name, linear.in_features, LayerSpec(bits, group_size, sym), cfg.strict_groups)
+    return fitted(name, d_in, LayerSpec(bits, group_size, sym), cfg.strict_groups)
 
 
 def fitted(name: str, d_in: int, spec: LayerSpec, strict: bool) -> LayerSpec:

@@ -1,5 +1,6 @@
 """Structured pruning (`stage: prune`, methods ffn, heads, depth; docs/prune.md)."""
 
+import copy
 import json
 import shutil
 
@@ -11,7 +12,7 @@ from compress.handoff import ModelSpec
 from compress.models.adapters import ModelAdapter
 from compress.prune import block_scores, blocks_to_remove, ffn_scores, global_counts, head_scores, kept_count, top
 from compress.structure import keep_blocks, keep_ffn, keep_kv_groups, sync_config
-from conftest import CAL, MODELS, invoke
+from conftest import CAL, MODELS, REPO, invoke
 from helpers import quick_suite
 from tiny import tiny_causal
 
@@ -263,3 +264,105 @@ def test_onnx_and_openvino_hold_per_layer_ffn_widths_fewer_heads_and_blocks(tmp_
     assert rel_err(ort_logits(res["path"], ids), ref) < 1e-4
     xml = export_openvino(model, {}, tmp_path / "ov", onnx_path=res["path"])["path"]
     assert rel_err(run_ir(xml, ids)[0], ref) < 1e-3
+
+
+# -- planned widths are honoured: the multiple follows the quantize stage's groups ------------------------------
+def _bind(stages, model):
+    from types import SimpleNamespace as NS
+
+    from compress.bind import bind
+    from compress.recipe import ExportSpec
+
+    return bind(NS(stage_configs=stages, export=ExportSpec(), model=NS(stream=False)), ModelAdapter(model))
+
+
+def _skeleton(width: int, hidden: int = 64):
+    import transformers as T
+    from accelerate import init_empty_weights
+
+    with init_empty_weights():
+        return T.AutoModelForCausalLM.from_config(T.LlamaConfig(
+            hidden_size=hidden, intermediate_size=width, num_hidden_layers=1, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=64))
+
+
+@pytest.mark.parametrize("width", [172, 256, 384, 576, 1536])
+def test_every_ffn_width_group_and_ratio_exports_the_planned_width(width, tmp_path):
+    """FFN widths x groups {32, 64, 128} x ratios {0.1, 0.25, 0.5}: the plan (the bind step on the weightless
+    skeleton) removes channels in every cell, its down_proj keeps whole groups of the group the quantize stage
+    will use there, and the prune stage + RTN + hf export on the real model write exactly the planned width
+    (config.json's intermediate_size and the packed down_proj)."""
+    from types import SimpleNamespace as NS
+
+    from compress.export.hf import export_hf, read_quantized
+    from compress.methods.prune import FFNPruneConfig, apply
+    from compress.methods.rtn import RTNConfig, quantize_layer
+    from compress.quantize_stage import planned_layers
+
+    down = "model.layers.0.mlp.down_proj"
+    source = tiny_causal("llama", hidden_size=64, intermediate_size=width, num_hidden_layers=1, vocab_size=64)
+    for g in (32, 64, 128):
+        for ratio in (0.1, 0.25, 0.5):
+            quant = RTNConfig(bits=4, group_size=g, sym=True)
+            b = _bind([FFNPruneConfig(ratio=ratio, importance="magnitude"), quant], _skeleton(width))
+            planned, group = b.spec.blocks[0].ffn, b.stages[1].facts.layers[down].group_size
+            cell = (width, g, ratio, b.stages[0].cfg.multiple, planned, group)
+            assert planned < width and planned % group == 0 and planned % 32 == 0, cell
+            assert any(f"ffn {width} -> {planned}" in c for c in b.stages[0].facts.changes), cell
+            if b.stages[0].cfg.multiple != g:  # adapted: the plan says so
+                assert any("the multiple follows the group" in n for n in b.stages[0].facts.notes), cell
+            model = copy.deepcopy(source)
+            a = ModelAdapter(model)
+            ctx = NS(adapter=a, inputs={}, facts=b.stages[0].facts, emit=lambda v: None)
+            apply(ctx, b.stages[0].cfg)
+            layers = planned_layers(a, quant)
+            qweights = {n: quantize_layer(a.model.get_submodule(n).weight.data, s) for n, s in layers.items()}
+            for n, qw in qweights.items():
+                qw.dequantize(out=a.model.get_submodule(n).weight.data)
+            out = tmp_path / f"{g}-{ratio}"
+            export_hf(model, qweights, None, out)
+            config, back = read_quantized(out)
+            assert config["intermediate_size"] == planned and layers[down].group_size == group, cell
+            assert back[down].in_features == planned and back[down].group_size == group, cell
+
+
+def test_the_issue_qwen3_ffn_256_at_group_128_prunes_and_says_how(tmp_path):
+    """qwen3, FFN 256, recipes/prune-ffn25-w4.yaml (ratio 0.25, AutoRound group 128): multiples of 128 round 192
+    back up to 256 (nothing pruned, reported as success before); the multiple now follows down_proj's group at the
+    narrower width (64), --dry-run and report.md say so, and the export holds 192."""
+    from helpers import shrink
+    from tiny import save_tiny
+
+    model = save_tiny("qwen3", tmp_path / "m", hidden_size=96, intermediate_size=256, num_attention_heads=6,
+                      num_key_value_heads=2)
+    rec = yaml.safe_load((REPO / "recipes" / "prune-ffn25-w4.yaml").read_text())
+    args = ["prune-ffn25-w4", "--model", model, "--calibration", str(CAL), "--eval-data", str(CAL),
+            "--set", "export.formats=[hf]", *shrink(rec)]
+    rc, text, err = invoke("run", *args, "--dry-run")
+    assert rc == 0, err
+    assert "block 0 ffn 256 -> 192" in text and "the multiple follows the group" in text
+    assert "model.layers.0.mlp.down_proj: 128 -> 64" in text
+    out = tmp_path / "out"
+    rc, text, err = invoke("run", *args, "--output", out, "--json")
+    assert rc == 0, err
+    assert json.loads((out / "hf" / "config.json").read_text())["intermediate_size"] == 192
+    md = (out / "report.md").read_text()
+    assert "block 0 ffn 256 -> 192" in md and "the multiple follows the group" in md
+
+
+def test_a_prune_that_would_remove_nothing_is_refused_at_plan_time():
+    """Nothing to remove at any allowed multiple, an explicit multiple that keeps everything, or no quantize stage
+    and a ratio below one channel: exit 1 at plan time with the nearest ratio that prunes."""
+    from compress.errors import BadInput
+    from compress.methods.prune import FFNPruneConfig
+    from compress.methods.rtn import RTNConfig
+
+    q = RTNConfig(bits=4, group_size=32)
+    with pytest.raises(BadInput, match=r"would remove nothing.*use `ratio: 0.5` or more \(keeps 32 of 64\)"):
+        _bind([FFNPruneConfig(ratio=0.2), q], _skeleton(64))  # 51.2 rounds to 64 at 32
+    with pytest.raises(BadInput, match=r"multiple 128 .*`ratio: 0.5` or more.*or set a smaller `multiple`"):
+        _bind([FFNPruneConfig(ratio=0.25, multiple=128), q], _skeleton(256))
+    with pytest.raises(BadInput, match=r"would remove nothing.*`ratio: 0.01` or more"):
+        _bind([FFNPruneConfig(ratio=0.001)], _skeleton(172))
+    b = _bind([FFNPruneConfig(ratio=0.25, multiple=64), q], _skeleton(256))  # explicit: honoured as given
+    assert b.spec.blocks[0].ffn == 192 and not b.stages[0].facts.notes
