@@ -39,8 +39,9 @@ such a value is the reference as written) -> `--set dotted.key=value` overrides
 Relative local paths (model.path, calibration.sources, eval.data) are resolved against the current
 working directory of the process, NOT the directory of the recipe file; `.resolved` keeps them as
 written. `bundled:NAME` in calibration.sources or eval.data is a text shipped in compress/data
-(compress/data/README.md): the recipe holds its path, `.resolved` and artifacts the reference. `LoadedRecipe.resolved` is the validated recipe with every default filled in (JSON types),
-and `.sha256` hashes its canonical JSON (sorted keys), so it is independent of key order in the file.
+(compress/data/README.md): the recipe holds its path, `.resolved` and artifacts the reference.
+`LoadedRecipe.resolved` is the validated recipe with every default filled in (JSON types), and `.sha256`
+hashes its canonical JSON (sorted keys), so it is independent of key order in the file.
 """
 
 from __future__ import annotations
