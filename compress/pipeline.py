@@ -155,6 +155,10 @@ def _plan(loaded) -> tuple[dict, Binding]:
     for st, b in zip(stages, binding.stages):
         if b.cfg.stage == "quantize" and adapted_groups(b.facts.layers):
             st["adapted_groups"] = adapted_groups(b.facts.layers)
+        if b.facts.changes:  # the shapes the stage changes: per pruned layer, the width before and after
+            st["changes"] = b.facts.changes
+        if b.facts.notes:  # what the stage adapted to honour the recipe on this model
+            st["notes"] = b.facts.notes
     inputs.check_data(loaded, kind)  # reads every data file: after the cheap checks
     if r.model.stream:
         per_block = sum(p.numel() for p in adapter.blocks[0].parameters())
