@@ -76,7 +76,7 @@ def test_validate_reports_a_bad_recipe_with_exit_1(tmp_path):
     bad.write_text(QUICKSTART.read_text().replace("  nsamples:", "  nsample:"))
     rc, _, err = invoke("validate", QUICKSTART, bad)
     assert rc == 1
-    line = QUICKSTART.read_text().splitlines().index("  nsamples: 32") + 1
+    line = QUICKSTART.read_text().splitlines().index("  nsamples: 16") + 1
     assert f"unknown key `nsample` at {bad}:{line}, did you mean `nsamples`?" in err
 
 
@@ -97,7 +97,7 @@ def test_dry_run_refuses_a_final_block_objective_on_an_encoder(tmp_path, final_b
 
     tiny_bert().save_pretrained(tmp_path / "bert")
     recipe = tmp_path / "r.yaml"
-    text = QUICKSTART.read_text().replace("seqlen: 256", "seqlen: 64").replace("group_size: 128", "group_size: 32")
+    text = QUICKSTART.read_text().replace("seqlen: 128", "seqlen: 64").replace("group_size: 128", "group_size: 32")
     recipe.write_text(text.replace("    sym: true", f"    sym: true\n    final_block: {final_block}"))
     got, out, err = invoke("run", recipe, "--model", tmp_path / "bert", "-o", tmp_path / "o", "--dry-run",
                            "--eval-data", TEXT / "sst2" / "dev.tsv")  # an encoder evaluates labeled TSVs
