@@ -294,10 +294,10 @@ def matmul(x: torch.Tensor, p: PackedCPU | Packed3 | PackedTiles, act: str = "fp
 # Prefill: rows of x from which dequantizing the weight and calling BLAS beats the batch-1 kernel, per kernel ISA
 # (`kernel_isa`), activations and weight bits. Measured by `compress bench kernels` (its `prefill` section, the
 # cut-over of every pair), see docs/kernels.md#prefill; 0 never takes the prefill path.
-PREFILL_ROWS = {
-    ("avx512", "fp32", 2): 32, ("avx512", "fp32", 3): 32, ("avx512", "fp32", 4): 32, ("avx512", "fp32", 8): 32,
+PREFILL_ROWS = {  # bench/kernels-prefill{,-avx2}.md, 2026-12-05: at 32 rows int2/int4 fp32 are a tie (within 10%)
+    ("avx512", "fp32", 2): 32, ("avx512", "fp32", 3): 16, ("avx512", "fp32", 4): 32, ("avx512", "fp32", 8): 32,
     ("avx512", "int8", 2): 0, ("avx512", "int8", 3): 0, ("avx512", "int8", 4): 0, ("avx512", "int8", 8): 32,
-    ("avx2", "fp32", 2): 32, ("avx2", "fp32", 3): 32, ("avx2", "fp32", 4): 32, ("avx2", "fp32", 8): 32,
+    ("avx2", "fp32", 2): 32, ("avx2", "fp32", 3): 16, ("avx2", "fp32", 4): 32, ("avx2", "fp32", 8): 32,
     ("avx2", "int8", 2): 0, ("avx2", "int8", 3): 0, ("avx2", "int8", 4): 0, ("avx2", "int8", 8): 32,
 }
 SLICE_ELEMENTS = 2**21  # the prefill path dequantizes at most this many weights (8 MiB fp32) per BLAS call
@@ -306,9 +306,11 @@ _SLICE: dict[str, torch.Tensor] = {}  # the one reused dequantization buffer
 
 def kernel_isa() -> str:
     """The code the compiled kernel runs: avx512 (AVX-512 VNNI build), avx2, or scalar (no vector build)."""
-    ext = extension()
-    return "avx512" if ext is not None and ext.has_avx512() else "avx2" if ext is not None and ext.has_avx2() \
-        else "scalar"
+    if "isa" not in _EXT:
+        ext = extension()
+        _EXT["isa"] = ("avx512" if ext is not None and ext.has_avx512() else
+                       "avx2" if ext is not None and ext.has_avx2() else "scalar")
+    return _EXT["isa"]
 
 
 def prefill_rows(p: PackedCPU | Packed3 | PackedTiles, act: str) -> int:

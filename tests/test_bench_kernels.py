@@ -78,3 +78,12 @@ def test_bench_kernels_isa_avx2_runs_every_side_on_its_avx2_code(tmp_path):
 def test_bench_kernels_rejects_an_unknown_isa():
     rc, _, err = invoke("bench", "kernels", "--quick", "--isa", "avx9")
     assert rc == 1 and "unknown isa" in err
+
+
+def test_bench_kernels_prefill_only(tmp_path):
+    js = tmp_path / "k.json"
+    rc, stdout, err = invoke("bench", "kernels", "--quick", "--prefill-only", "--threads", "1", "--json", js)
+    assert rc == 0, err
+    result = json.loads(js.read_text())
+    assert result["rows"] == [] and not result["side_by_side"] and len(result["prefill"]["cells"]) == 8
+    assert "Prefill cut-over" in stdout and "| shape | batch |" not in stdout

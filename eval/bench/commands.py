@@ -144,6 +144,9 @@ def bench_kernels(
                                  "their AVX2 code, as an AVX2-only CPU runs them (OpenVINO stays native; the command "
                                  "restarts itself with COMPRESS_CPU_ISA, ATEN_CPU_CAPABILITY and "
                                  "MKL_ENABLE_INSTRUCTIONS set)"),
+    prefill_only: bool = typer.Option(False, "--prefill-only", help="only the prefill cut-over (kernel vs "
+                                      "dequantize + BLAS at 1 to 256 rows, per bit width): what cpu.PREFILL_ROWS "
+                                      "should hold for this CPU"),
 ):
     """Packed GEMM speed: our CPU kernel vs the reference path, torch fp32/bf16/int4 and OpenVINO int4/int2.
 
@@ -165,7 +168,7 @@ def bench_kernels(
         restart = "import sys; from compress import cli; sys.exit(cli.main())"
         os.execve(sys.executable, [sys.executable, "-c", restart, *STATE["argv"]], {**os.environ, **missing})
     _setup_logging(False)
-    result = run_kernels(quick=quick, repeats=repeats, threads=threads, isa=isa)
+    result = run_kernels(quick=quick, repeats=repeats, threads=threads, isa=isa, prefill_only=prefill_only)
     _emit_bench(result, markdown(result), json_out, md_out)
 
 

@@ -222,7 +222,7 @@ def side_by_side(n: int, k: int, repeats: int, evict) -> dict:
             "openvino_int4_vs_ours_int4": round(lo["openvino-int4"] / lo["ours-int4"], 3)}
 
 
-PREFILL_ROWS = (1, 2, 4, 8, 16, 32, 64, 256)
+PREFILL_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 PREFILL_FORMATS = ((2, 64), (3, 128), (4, 128), (8, 128))
 
 
@@ -290,9 +290,10 @@ def isa_env_missing(isa: str) -> dict:
     return {k: v for k, v in ISA_ENV.get(isa, {}).items() if os.environ.get(k) != v}
 
 
-def run(quick: bool = False, repeats: int = 10, threads: int | None = None, isa: str = "native") -> dict:
+def run(quick: bool = False, repeats: int = 10, threads: int | None = None, isa: str = "native",
+        prefill_only: bool = False) -> dict:
     """`isa="avx2"` (with `ISA_ENV` set when the process started): our kernel's AVX2 build, and torch and MKL
-    on their AVX2 code, as on an AVX2-only CPU."""
+    on their AVX2 code, as on an AVX2-only CPU. `prefill_only`: the `prefill` section alone (no rows)."""
     missing = isa_env_missing(isa)
     if missing:
         raise ValueError(f"isa {isa!r} needs {missing} in the environment before torch starts")
@@ -303,11 +304,12 @@ def run(quick: bool = False, repeats: int = 10, threads: int | None = None, isa:
         repeats = QUICK["repeats"] if quick else repeats
         evict = Evict(16 if quick else EVICT_MIB)
         bw = read_bandwidth_gbps(64 if quick else 512, repeats, evict)
-        rows = [r for n, k in shapes for r in bench_shape(n, k, batches, repeats, bw, evict)]
+        kernel = cpu.extension() is not None and not prefill_only
+        rows = [r for n, k in shapes for r in bench_shape(n, k, batches, repeats, bw, evict)] if not prefill_only else []
         (n, k), used = shapes[-1], torch.get_num_threads()
         arith = ({f"int{b}-g{g}": round(arithmetic_ms(n, k, b, g, used, 30 if quick else 300), 4)
-                  for b, g in ((4, 128), (2, 64))} if cpu.extension() is not None else {})
-        sbs = side_by_side(n, k, 2 * repeats, evict) if cpu.extension() is not None else {}
+                  for b, g in ((4, 128), (2, 64))} if kernel else {})
+        sbs = side_by_side(n, k, 2 * repeats, evict) if kernel else {}
         pre = (prefill(*shapes[0], repeats, evict, rows=(1, 8, 64) if quick else PREFILL_ROWS)
                if cpu.extension() is not None else {})
         return {"machine": machine(), "read_bandwidth_gbps": round(bw, 2), "threads": torch.get_num_threads(),
@@ -364,8 +366,9 @@ def markdown(result: dict) -> str:
                         f"{sbs['openvino_int4_vs_ours_int4']:.2f}x).")
     if result.get("prefill"):
         lines += [prefill_markdown(result["prefill"]), ""]
-    lines += ["| shape | batch | format | backend | ms min | ms median | GB/s | of read bw | rel. error |",
-              "|---|---:|---|---|---:|---:|---:|---:|---:|"]
+    if result["rows"]:
+        lines += ["| shape | batch | format | backend | ms min | ms median | GB/s | of read bw | rel. error |",
+                  "|---|---:|---|---|---:|---:|---:|---:|---:|"]
     for r in result["rows"]:
         lines.append(f"| {r['shape']} | {r['batch']} | {r['format']} | {r['backend']} | {r['ms_min']:.3f} | "
                      f"{r['ms_median']:.3f} | {r['gbps']:.1f} | {r['bw_fraction']:.0%} | {r['rel_err']:.1e} |")
