@@ -214,7 +214,8 @@ def validate(recipes: List[Path] = typer.Argument(..., help="recipe YAML files")
 def eval_(
     model: str = typer.Argument(..., help="checkpoint directory (compressed or not) or model id"),
     reference: Optional[str] = typer.Option(None, "--reference", help="full-precision model to compare against"),
-    data: Optional[List[str]] = typer.Option(None, "--data", help="evaluation text file (repeatable)"),
+    data: Optional[List[str]] = typer.Option(None, "--data", help="evaluation text file (repeatable), or "
+                                             "bundled:NAME (a text shipped with compress: bundled:botchan-eval)"),
     window: int = typer.Option(256, "--window", min=2, help="tokens per perplexity window"),
     max_tokens: int = typer.Option(EVAL_MAX_TOKENS, "--max-tokens", min=0, help="cap on evaluated tokens per file, "
                                    "as a run's evaluation; 0: the whole file"),

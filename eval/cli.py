@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
-from compress import extras
+from compress import data as bundled_text, extras
 from compress.errors import BadInput, RunFailure
 from compress.files import non_finite
 from compress.verify import verify_artifact
@@ -94,7 +94,7 @@ def evaluate_checkpoint(model_path: str, *, reference: str | None, data: list[st
     if notify:
         notify(_backends(model))
     out = {}
-    for path in data:
+    for path in map(bundled_text.resolve, data):  # `bundled:NAME`: a text shipped with compress
         text = read_text(path)
         ids = token_stream(tok, cut(text, *text_slice) if text_slice else text)
         bos = getattr(tok, "bos_token_id", None)

@@ -71,6 +71,8 @@ def test_eval_backends_agree_on_an_export(w4, monkeypatch):
             assert prefill and all(s[0] * s[1] >= 256 for s in prefill)  # batches of 256-token windows
     assert ppl["cpu"] == pytest.approx(ppl["reference"], rel=1e-5)
     assert ppl["transformers"] == pytest.approx(ppl["reference"], rel=1e-2)  # auto-round: fp16 norms/embeddings
+    rc, stdout, err = invoke("eval", out, "--data", "bundled:botchan-eval", "--max-tokens", 256, "--json")
+    assert rc == 0 and json.loads(stdout)["botchan-eval.txt"]["ppl"] > 1, err  # the text shipped with compress
     rc, _, err = invoke("eval", out, "--data", VAL, "--backend", "gpu")
     assert rc == 1 and "unknown --backend `gpu`" in err
 
