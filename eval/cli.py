@@ -187,8 +187,9 @@ def generate_text(model_path: str, prompt: str, *, max_new_tokens: int = 64, bac
     ids = tok(prompt, return_tensors="pt").input_ids
     if ids.numel() == 0:
         raise BadInput("the prompt encodes to no tokens")
+    used = _backends(model)
     if notify:
-        notify(_backends(model))
+        notify(used)
     timings = {}
     new = greedy(model, ids, max_new_tokens, timings, progress=progress)[0]
     eos = getattr(tok, "eos_token_id", None)
@@ -197,7 +198,7 @@ def generate_text(model_path: str, prompt: str, *, max_new_tokens: int = 64, bac
         shown = shown[: shown.index(eos)]
     steps = max_new_tokens - 1
     return {"prompt": prompt, "continuation": tok.decode(shown, skip_special_tokens=True),
-            "prompt_tokens": ids.shape[1], "new_tokens": max_new_tokens, "backend": _backends(model),
+            "prompt_tokens": ids.shape[1], "new_tokens": max_new_tokens, "backend": used,
             "prefill_s": round(timings["prefill_s"], 4), "decode_s": round(timings["decode_s"], 4),
             "tokens_per_s": round(steps / timings["decode_s"], 2) if steps else None}
 

@@ -339,10 +339,7 @@ def matmul_dequant(x: torch.Tensor, p: PackedCPU | Packed3 | PackedTiles, act: s
     for n0 in range(0, N, per):
         w = buf[: min(per, N - n0) * K].view(-1, K)
         dequantize_into(p, n0, w)
-        if w.shape[0] == N:
-            torch.mm(x2, w.T, out=y)
-        else:
-            y[:, n0 : n0 + w.shape[0]] = x2 @ w.T
+        torch.mm(x2, w.T, out=y[:, n0 : n0 + w.shape[0]])
     return y.reshape(*lead, N)
 
 

@@ -669,13 +669,27 @@ void tiles_a8_all(const TileArgs& a, int64_t t, int64_t end) {
 }
 #endif
 
-void check_weight(const torch::Tensor& words, const torch::Tensor& scales, const torch::Tensor& zeros,
-                  const torch::Tensor& xsum, int64_t kpad, int64_t bits) {
+// A cpu-rows weight: int32 codes, fp16 scales and uint8 zeros shaped alike, all contiguous.
+void check_rows(const torch::Tensor& words, const torch::Tensor& scales, const torch::Tensor& zeros) {
   TORCH_CHECK(words.scalar_type() == torch::kInt && words.is_contiguous(), "words: contiguous int32");
   TORCH_CHECK(scales.scalar_type() == torch::kHalf && scales.is_contiguous(), "scales: contiguous fp16");
-  TORCH_CHECK(xsum.scalar_type() == torch::kFloat && xsum.is_contiguous(), "xsum: contiguous fp32");
   TORCH_CHECK(zeros.scalar_type() == torch::kByte && zeros.is_contiguous() && zeros.sizes() == scales.sizes(),
               "zeros: contiguous uint8 shaped like scales");
+}
+
+// A cpu-tiles weight: int32 codes (T, W), fp16 scales (T, Gp, 16) and uint8 zeros shaped alike, all contiguous.
+void check_tiles(const torch::Tensor& words, const torch::Tensor& scales, const torch::Tensor& zeros) {
+  TORCH_CHECK(words.scalar_type() == torch::kInt && words.is_contiguous() && words.dim() == 2, "words: contiguous int32 (T, W)");
+  TORCH_CHECK(scales.scalar_type() == torch::kHalf && scales.is_contiguous() && scales.dim() == 3 &&
+              scales.size(0) == words.size(0) && scales.size(2) == 16, "scales: contiguous fp16 (T, Gp, 16)");
+  TORCH_CHECK(zeros.scalar_type() == torch::kByte && zeros.is_contiguous() && zeros.sizes() == scales.sizes(),
+              "zeros: contiguous uint8 shaped like scales");
+}
+
+void check_weight(const torch::Tensor& words, const torch::Tensor& scales, const torch::Tensor& zeros,
+                  const torch::Tensor& xsum, int64_t kpad, int64_t bits) {
+  check_rows(words, scales, zeros);
+  TORCH_CHECK(xsum.scalar_type() == torch::kFloat && xsum.is_contiguous(), "xsum: contiguous fp32");
   TORCH_CHECK(words.size(1) * 32 == kpad * bits, "x width does not match the packed weight");
   TORCH_CHECK(scales.size(1) == xsum.size(1), "xsum needs one column per group");
 }
@@ -770,11 +784,7 @@ torch::Tensor matmul_a8(torch::Tensor x, torch::Tensor words, torch::Tensor scal
 torch::Tensor matmul_a8_tiles(torch::Tensor x, torch::Tensor words, torch::Tensor scales, torch::Tensor zeros,
                               int64_t n, int64_t gshift, int64_t xshift, bool scalar) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x: contiguous fp32 (B, K)");
-  TORCH_CHECK(words.scalar_type() == torch::kInt && words.is_contiguous() && words.dim() == 2, "words: contiguous int32 (T, W)");
-  TORCH_CHECK(scales.scalar_type() == torch::kHalf && scales.is_contiguous() && scales.dim() == 3 &&
-              scales.size(0) == words.size(0) && scales.size(2) == 16, "scales: contiguous fp16 (T, Gp, 16)");
-  TORCH_CHECK(zeros.scalar_type() == torch::kByte && zeros.is_contiguous() && zeros.sizes() == scales.sizes(),
-              "zeros: contiguous uint8 shaped like scales");
+  check_tiles(words, scales, zeros);
   const int64_t kpad = words.size(1), gp = scales.size(1), T = words.size(0);
   TORCH_CHECK(n > (T - 1) * 16 && n <= T * 16, "n does not match the row tiles");
   TORCH_CHECK(x.size(1) <= kpad, "x is wider than the packed weight");
@@ -841,10 +851,7 @@ void dequant_rows_t(const uint8_t* bytes, const at::Half* scales, const uint8_t*
 
 void dequant_rows(torch::Tensor words, torch::Tensor scales, torch::Tensor zeros, int64_t bits, int64_t gshift,
                   int64_t n0, torch::Tensor out, bool accumulate) {
-  TORCH_CHECK(words.scalar_type() == torch::kInt && words.is_contiguous(), "words: contiguous int32");
-  TORCH_CHECK(scales.scalar_type() == torch::kHalf && scales.is_contiguous(), "scales: contiguous fp16");
-  TORCH_CHECK(zeros.scalar_type() == torch::kByte && zeros.is_contiguous() && zeros.sizes() == scales.sizes(),
-              "zeros: contiguous uint8 shaped like scales");
+  check_rows(words, scales, zeros);
   TORCH_CHECK(out.dim() == 2 && out.scalar_type() == torch::kFloat && out.is_contiguous(), "out: contiguous fp32");
   const int64_t R = out.size(0), K = out.size(1);
   TORCH_CHECK(n0 >= 0 && n0 + R <= words.size(0) && K <= words.size(1) * 32 / bits, "rows or columns out of range");
@@ -866,9 +873,7 @@ void dequant_rows(torch::Tensor words, torch::Tensor scales, torch::Tensor zeros
 // scales / zeros (T, Gp, 16).
 void dequant_tiles(torch::Tensor words, torch::Tensor scales, torch::Tensor zeros, int64_t gshift, int64_t n0,
                    torch::Tensor out) {
-  TORCH_CHECK(words.scalar_type() == torch::kInt && words.is_contiguous() && words.dim() == 2, "words: int32 (T, W)");
-  TORCH_CHECK(scales.scalar_type() == torch::kHalf && scales.is_contiguous() && scales.dim() == 3, "scales: fp16");
-  TORCH_CHECK(zeros.scalar_type() == torch::kByte && zeros.sizes() == scales.sizes(), "zeros: uint8 like scales");
+  check_tiles(words, scales, zeros);
   TORCH_CHECK(out.dim() == 2 && out.scalar_type() == torch::kFloat && out.is_contiguous(), "out: contiguous fp32");
   const int64_t R = out.size(0), K = out.size(1), kpad = words.size(1), gp = scales.size(1);
   TORCH_CHECK(n0 >= 0 && n0 + R <= words.size(0) * 16 && K <= kpad, "rows or columns out of range");

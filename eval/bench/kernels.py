@@ -191,6 +191,21 @@ def bench_shape(n: int, k: int, batches, repeats: int, bw: float, evict) -> list
     return rows
 
 
+def round_robin(sides: dict, repeats: int, evict) -> dict[str, list[float]]:
+    """Milliseconds of each side over `repeats` rounds (after one untimed call each), every round timing every
+    side once after an eviction, so a slow phase of the machine hits all sides alike."""
+    times = {name: [] for name in sides}
+    for fn in sides.values():
+        fn()
+    for _ in range(repeats):
+        for name, fn in sides.items():
+            evict()
+            t = time.perf_counter()
+            fn()
+            times[name].append((time.perf_counter() - t) * 1e3)
+    return times
+
+
 def side_by_side(n: int, k: int, repeats: int, evict) -> dict:
     """The batch-1 ratios the targets name, on an `n` x `k` weight, with every side timed in one round-robin
     loop: each repeat times ours int4 g128 and int2 g64 (`cpu-a8`), torch's int4 and OpenVINO's int4 once each,
@@ -204,15 +219,7 @@ def side_by_side(n: int, k: int, repeats: int, evict) -> dict:
     fno, _ = openvino_matmul(q4, 1)
     sides = {"ours-int4": lambda: cpu.matmul(x, p4, act="int8"), "ours-int2": lambda: cpu.matmul(x, p2, act="int8"),
              "torch-int4": lambda: fn4(x), "openvino-int4": lambda: fno(xn)}
-    times = {name: [] for name in sides}
-    for fn in sides.values():
-        fn()
-    for _ in range(repeats):
-        for name, fn in sides.items():
-            evict()
-            t = time.perf_counter()
-            fn()
-            times[name].append((time.perf_counter() - t) * 1e3)
+    times = round_robin(sides, repeats, evict)
     lo = {name: min(ts) for name, ts in times.items()}
     return {"shape": f"{n}x{k}", "batch": 1, "repeats": repeats,
             "ms_min": {name: round(v, 4) for name, v in lo.items()},
@@ -240,18 +247,10 @@ def prefill(n: int, k: int, repeats: int, evict, rows=PREFILL_ROWS, formats=PREF
             kernel, dense = [], []
             for r in rows:
                 x = torch.randn(r, k)
-                sides = (lambda: cpu.matmul(x, p, act=act, prefill=2**62), lambda: cpu.matmul(x, p, act=act, prefill=1))
-                times = [[], []]
-                for fn in sides:
-                    fn()
-                for _ in range(repeats):
-                    for i, fn in enumerate(sides):
-                        evict()
-                        t = time.perf_counter()
-                        fn()
-                        times[i].append((time.perf_counter() - t) * 1e3)
-                kernel.append(round(min(times[0]), 4))
-                dense.append(round(min(times[1]), 4))
+                times = round_robin({"kernel": lambda: cpu.matmul(x, p, act=act, prefill=2**62),
+                                     "prefill": lambda: cpu.matmul(x, p, act=act, prefill=1)}, repeats, evict)
+                kernel.append(round(min(times["kernel"]), 4))
+                dense.append(round(min(times["prefill"]), 4))
             faster = [d < kk for kk, d in zip(kernel, dense)]
             cut = next((r for i, r in enumerate(rows) if all(faster[i:])), None)
             out["cells"].append({"bits": bits, "group": group, "act": act, "kernel_ms": kernel, "prefill_ms": dense,

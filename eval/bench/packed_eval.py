@@ -20,7 +20,7 @@ import yaml
 from compress.eval.bench.quality import machine, machine_text
 
 BITS = (2, 3, 4, 8)
-DEFAULTS = dict(group=64, max_tokens=32768, window=256, calibration_tokens=4096)
+DEFAULTS = dict(group=64, max_tokens=32768, window=256)
 
 
 def recipe(model: str, data: str, bits: int, group: int, max_tokens: int, window: int) -> dict:
@@ -42,13 +42,12 @@ def cell(model: str, data: str, bits: int, tmp: Path, group: int, max_tokens: in
     report = pipeline.run(load_recipe(path), out, force=True, quiet=True)
     run_s = next(t["seconds"] for t in report["stages"] if t["name"] == "eval")
     run_ev = next(iter(report["eval"].values()))
+    backends = {}
     t = time.perf_counter()
-    packed = evaluate_checkpoint(str(out / "hf"), reference=model, data=[data], window=window, max_tokens=max_tokens)
+    packed = evaluate_checkpoint(str(out / "hf"), reference=model, data=[data], window=window, max_tokens=max_tokens,
+                                 notify=backends.update)
     packed_s = time.perf_counter() - t
     ev = next(iter(packed.values()))
-    from compress.export.runtime import load_packed
-
-    backends = load_packed(out / "hf")[1]["backend"]
     shutil.rmtree(out, ignore_errors=True)
     return {"bits": bits, "group": group, "tokens": ev["tokens"], "run_eval_s": round(run_s, 2),
             "packed_eval_s": round(packed_s, 2), "ratio": round(packed_s / run_s, 3), "backends": backends,
