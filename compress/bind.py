@@ -24,6 +24,7 @@ from pydantic import BaseModel
 from compress import registry
 from compress.errors import BadInput
 from compress.handoff import ModelSpec, name
+from compress.quantize.spine import adapted_groups, group_for, planned_layers
 
 
 @dataclass
@@ -35,6 +36,7 @@ class Facts:
     exports: list[str] = field(default_factory=list)  # the recipe's export formats
     rounding: tuple[int, int, bool] | None = None  # (bits, group_size, sym) of the next quantize stage
     consumer: str | None = None  # method of the next quantize stage (the one an allocation plan is for)
+    capabilities: frozenset = frozenset()  # what that method can do (registry.Entry.capabilities)
     layers: dict = field(default_factory=dict)  # quantize: {name: LayerSpec} it rounds; allocate: its consumer's
     plan_from: str | None = None  # quantize: the key of the allocate stage whose Plan it applies
     spec: ModelSpec | None = None  # shapes before this stage
@@ -44,7 +46,8 @@ class Facts:
     widths: set = field(default_factory=set)  # exports: every bit width a layer may end up with
     stream: bool = False  # the model is streamed block by block
     after_quantize: bool = False  # a quantize stage runs before this one
-    earlier: list = field(default_factory=list)  # `stage/method` of every stage before this one
+    produced: set = field(default_factory=set)  # the hand-off types the stages before this one produce
+    adapted: dict = field(default_factory=dict)  # quantize: {layer: [group_size asked, group it gets]} (`fit_group`)
     notes: list = field(default_factory=list)  # what the plan tells the user before calibration (adaptations)
     # the group the next quantize stage gives layer `name` at `d_in` input columns (`quantize_stage.group_for`; a
     # per-chunk allocation in between: its one group), None without a quantize stage after this one
@@ -74,8 +77,6 @@ def stage_key(i: int, cfg) -> str:
 
 
 def bind(recipe, adapter) -> Binding:
-    from compress.quantize_stage import planned_layers
-
     cfgs, formats = recipe.stage_configs, recipe.export.names()
     entries = [registry.get(c.stage, c.method) for c in cfgs]
     _check_order(cfgs, recipe)
@@ -86,15 +87,15 @@ def bind(recipe, adapter) -> Binding:
     bound = []
     for i, (cfg, entry) in enumerate(zip(cfgs, entries)):
         facts = Facts(i, stage_key(i, cfg), exports=formats, spec=spec, stream=recipe.model.stream,
-                      after_quantize=any(c.stage == "quantize" for c in cfgs[:i]),
-                      earlier=[f"{c.stage}/{c.method}" for c in cfgs[:i]])
+                      after_quantize=any(c.stage == "quantize" for c in cfgs[:i]), produced=set(produced))
         q = _next(cfgs, i, "quantize")
         if q is not None:
             facts.rounding, facts.consumer = (cfgs[q].bits, cfgs[q].group_size, cfgs[q].sym), cfgs[q].method
-            facts.group_of = _group_of(cfgs, i, q)
+            facts.capabilities = entries[q].capabilities
+            facts.group_of = _group_of(cfgs, entries, i, q)
             layers.setdefault(q, planned_layers(adapter, cfgs[q]))
             if cfg.stage == "allocate":
-                if cfg.method != "moe":  # a per-chunk plan rounds every layer with one group: no per-layer fitting
+                if not entry.per_layer:  # a per-chunk plan rounds every layer with one group: no per-layer fitting
                     layers[q] = {n: dataclasses.replace(s, group_size=cfgs[q].group_size, asked=None)
                                  for n, s in layers[q].items()}
                 facts.layers = layers[q]
@@ -110,6 +111,7 @@ def bind(recipe, adapter) -> Binding:
                 del pending[kind]
         if cfg.stage == "quantize":
             facts.layers = layers.setdefault(i, planned_layers(adapter, cfg))
+            facts.adapted = adapted_groups(facts.layers)
         if entry.check is not None:
             cfg = entry.check(adapter, cfg, facts) or cfg
         for kind in entry.produces:
@@ -142,11 +144,11 @@ def _bind_exports(recipe, adapter, stages: list[Bound], base: ModelSpec, spec: M
                        "`export.formats` (evaluation only) or use a deployable configuration")
     quantized = [(b.index, b.cfg.method, (b.cfg.bits, b.cfg.group_size, b.cfg.sym), b.facts.layers)
                  for b in stages if b.cfg.stage == "quantize"]
-    mixed = any(b.cfg.stage == "allocate" and b.cfg.method != "moe" for b in stages)  # moe plans: a width per layer
+    mixed = any(b.cfg.stage == "allocate" and not b.entry.per_layer for b in stages)  # per-layer plans: no chunks
     widths = {spec.bits for *_, layers in quantized for spec in layers.values()}
     for b in stages:
         if b.cfg.stage == "allocate":
-            widths |= set(getattr(b.cfg, "bits", None) or [o.bits for o in getattr(b.cfg, "options", [])])
+            widths |= b.cfg.widths()
     out = []
     for fmt in formats:
         entry = registry.get("export", fmt)
@@ -188,11 +190,9 @@ def _check_order(cfgs, recipe) -> None:
             raise BadInput("model.stream exports only the `hf` format")
 
 
-def _group_of(cfgs, i: int, q: int):
+def _group_of(cfgs, entries, i: int, q: int):
     """`Facts.group_of` for stage i, whose next quantize stage is q."""
-    from compress.quantize_stage import group_for
-
-    if any(c.stage == "allocate" and c.method != "moe" for c in cfgs[i + 1:q]):
+    if any(c.stage == "allocate" and not e.per_layer for c, e in zip(cfgs[i + 1:q], entries[i + 1:q])):
         return lambda name, d_in: cfgs[q].group_size  # a per-chunk plan rounds every layer with one group
     return lambda name, d_in: group_for(cfgs[q], name, d_in)
 

@@ -347,7 +347,8 @@ def verify(directory: Path = typer.Argument(..., help="a run's output directory 
 
     Example: compress verify out/
     """
-    from compress.verify import run_root, verify as verify_files
+    from compress.verify import run_root
+    from compress.verify import verify as verify_files
     from compress.workspace import MANIFEST
 
     root, under = run_root(directory) or (directory, "")  # not a run's: verify says why

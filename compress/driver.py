@@ -139,7 +139,7 @@ def collect_hessians(block, linears: dict[str, nn.Linear], inputs, kwargs, cover
     """H = 2/n * sum x x^T over every calibration row reaching each linear (docs/quantize.md#gptq), accumulated
     in fp32 as the GPTQ reference does, in a `compress.hessian` store (on the CPU: the packed upper triangle).
     Linears fed the same tensor (q/k/v, gate/up) share one Hessian: the returned dict then maps their names to
-    the same store object. `cover` (MoE blocks, compress.moe.Coverage)
+    the same store object. `cover` (MoE blocks, compress.models.moe.Coverage)
     adds forced rows for the experts that too few rows reached."""
     H = _accumulate(block, linears, inputs, kwargs, cover, share=True)
     if H is None:  # a linear's input was not always its group's: collect again, one Hessian per linear

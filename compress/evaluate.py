@@ -5,9 +5,6 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from compress.models.adapters import ModelAdapter
-from compress.models.loading import load_model
-
 
 def bos_id(tokenizer, adapter) -> int | None:
     if adapter.kind == "encoder":
@@ -20,12 +17,9 @@ def param_bytes(model) -> int:
 
 
 def evaluate(ctx, r) -> dict:
-    """FP reference (reloaded from the checkpoint) vs the compressed in-memory model, same tokens."""
-    fp_model, _ = load_model(r.model.path, r.model.dtype, r.model.gguf_file)
-    ModelAdapter(fp_model)  # same module structure as the compressed model
-    out = evaluate_encoder(ctx, r, fp_model) if ctx.adapter.kind == "encoder" else evaluate_causal(ctx, r, fp_model)
-    del fp_model
-    return out
+    """The FP reference (`ctx.reference()`, the checkpoint as loaded) vs the compressed in-memory model, same tokens."""
+    fp_model = ctx.reference().model
+    return evaluate_encoder(ctx, r, fp_model) if ctx.adapter.kind == "encoder" else evaluate_causal(ctx, r, fp_model)
 
 
 def evaluate_encoder(ctx, r, fp_model) -> dict:

@@ -8,7 +8,7 @@ stage is never applied again on `--resume`: its hand-offs are loaded (and their 
 model restored).
 
     QuantizedWeights  the rounded layers of a `quantize` stage (codes in the stage's block checkpoints)
-    Plan              a mixed-precision allocation (compress/methods/allocate/plan.py), for the next quantize
+    Plan              a mixed-precision allocation (compress/allocate/plan.py), for the next quantize
     ModelSpec         the model's shapes: per block FFN channels, heads, experts; which source blocks remain
     TrainedWeights    parameters a training stage changed (router fine-tuning, heal), written back on --resume
 """

@@ -21,16 +21,16 @@ from typing import Callable
 
 import torch
 
-from compress import inputs, prunepath, rss
+from compress import inputs, registry, rss
 from compress.bind import Binding, Bound, Facts, bind
 from compress.calibration import calibration_tokens, tokens_hash
 from compress.errors import BadInput, RunFailure
 from compress.evaluate import bos_id, evaluate, param_bytes, size_report
+from compress.files import non_finite
 from compress.handoff import QuantizedWeights
 from compress.models.adapters import ModelAdapter
 from compress.models.loading import load_config, load_model, max_positions
-from compress.files import non_finite
-from compress.quantize_stage import adapted_groups
+from compress.prune import routing as prunepath
 from compress.workspace import Workspace
 
 log = logging.getLogger("compress")
@@ -70,6 +70,16 @@ class StageContext:
     _tokens: torch.Tensor | None = None
     calibration_info: dict = field(default_factory=dict)  # per source: format, tokens, windows drawn from it
     exports: dict = field(default_factory=dict)  # format -> what the run's earlier exports returned
+    _reference: ModelAdapter | None = None
+
+    def reference(self) -> ModelAdapter:
+        """The full-precision model as the recipe names it (its adapter; `.model`), loaded on first use and shared
+        by every stage that compares against it and by the evaluation: read it, never change it. The pipeline
+        releases it after the last stage registered `reference=True` when the run does not evaluate."""
+        if self._reference is None:
+            m = self.loaded.recipe.model
+            self._reference = ModelAdapter(load_model(m.path, m.dtype, m.gguf_file)[0])
+        return self._reference
 
     def emit(self, value) -> None:
         """Hand `value` (a compress.handoff.Handoff) to the later stages; the pipeline saves it."""
@@ -153,8 +163,8 @@ def _plan(loaded) -> tuple[dict, Binding]:
     stages = [{"key": b.key, "stage": b.cfg.stage, "method": b.cfg.method, "layers": len(b.facts.layers),
                "what": b.entry.description, "config": b.cfg.model_dump()} for b in binding.stages]
     for st, b in zip(stages, binding.stages):
-        if b.cfg.stage == "quantize" and adapted_groups(b.facts.layers):
-            st["adapted_groups"] = adapted_groups(b.facts.layers)
+        if b.facts.adapted:  # quantize: the layers whose group the plan adapted
+            st["adapted_groups"] = b.facts.adapted
         if b.facts.changes:  # the shapes the stage changes: per pruned layer, the width before and after
             st["changes"] = b.facts.changes
         if b.facts.notes:  # what the stage adapted to honour the recipe on this model
@@ -243,30 +253,22 @@ def _run(loaded, binding: Binding, ws: Workspace, quiet: bool) -> dict:
         ctx.streamer = BlockStreamer(model, adapter, source, r.model.dtype)
     handoffs: dict[type, list] = {}
     prefix: list = [ws.manifest["inputs"]["sha256"]]  # model and calibration, by path and by content
-    for b in binding.stages:
+    evaluates = r.eval.enabled and bool(r.eval.data) and not r.model.stream
+    for k, b in enumerate(binding.stages):
         files = inputs.stage_files(b.cfg)
         prefix.append({**b.cfg.model_dump(), "_files": files} if files else b.cfg.model_dump())
         _run_stage(ctx, b, _hash([*prefix, _facts_digest(b.facts)]), handoffs, timings)
+        if not evaluates and not any(later.entry.reference for later in binding.stages[k + 1:]):
+            ctx._reference = None  # no later reader of the full-precision model
     qweights = QuantizedWeights.merged(handoffs.get(QuantizedWeights, []))
     report = {"model": ctx.identity["model"]["name"], "recipe_sha256": loaded.sha256, "inputs": ctx.identity,
               "stages": timings}
     figures = {t: p for st in ws.manifest["stages"].values() for t, p in (st.get("metrics") or {}).get("figures", {}).items()}
     if figures:
         report["figures"] = figures
-    for section in ("allocation", "routers", "selection"):  # a stage's report section (the last stage's wins)
-        found = [st["metrics"][section] for st in ws.manifest["stages"].values() if section in (st.get("metrics") or {})]
-        if found:
-            report[section] = found[-1]
-    adapted = {n: g for st in ws.manifest["stages"].values() for n, g in
-               ((st.get("metrics") or {}).get("adapted_groups") or {}).items()}
-    if adapted:
-        report["adapted_groups"] = adapted
+    report.update(_sections(ws.manifest["stages"].values()))
     if ctx.calibration_info:
         report["calibration"] = ctx.calibration_info
-    steps = [st["metrics"]["structure"] for st in ws.manifest["stages"].values()
-             if "structure" in (st.get("metrics") or {})]
-    if steps:  # every prune / heal stage, in order
-        report["structure"] = steps
     if r.eval.enabled and r.eval.data and r.model.stream:
         log.warning("model.stream: the in-run evaluation needs the whole model in memory and is skipped; "
                     "run `compress eval OUTPUT/hf --reference MODEL --data FILE` where memory allows")
@@ -274,6 +276,7 @@ def _run(loaded, binding: Binding, ws: Workspace, quiet: bool) -> dict:
         log.info("evaluation: %s against the full-precision model", ", ".join(Path(p).name for p in r.eval.data))
         with _timed(timings, "eval", adapter.kind):
             report["eval"] = evaluate(ctx, r)
+        ctx._reference = None
     exports = ctx.exports
     for b in binding.exports:
         with _timed(timings, "export", b.cfg.format):
@@ -335,6 +338,17 @@ def _run(loaded, binding: Binding, ws: Workspace, quiet: bool) -> dict:
                               f"with `compress push {ws.root} --repo {r.push.repo}`") from None
         ws.save_manifest()
     return report
+
+
+def _sections(stages) -> dict:
+    """The stages' own report sections (registry.Section), collected from their metrics in stage order."""
+    out = {}
+    for key, section in registry.sections().items():
+        found = [st["metrics"][key] for st in stages if (st.get("metrics") or {}).get(key)]
+        if found:
+            out[key] = {"last": lambda: found[-1], "each": lambda: found,
+                        "merge": lambda: {k: v for d in found for k, v in d.items()}}[section.collect]()
+    return out
 
 
 def _identify_inputs(loaded, prior: dict) -> dict:

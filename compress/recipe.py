@@ -52,15 +52,37 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Optional, Sequence, Union
 
-from pydantic import BaseModel, Field, SerializeAsAny, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    Field,
+    SerializeAsAny,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from compress import extras, registry
 from compress.config import EVAL_MAX_TOKENS, StrictModel
 from compress.errors import BadInput
-from compress.recipe_errors import Problem, export_config, format_problems, from_pydantic, stage_config
-from compress.recipe_yaml import (Loc, Locator, apply_set, check_top, check_version, interpolate, line_map, read_yaml,
-                                  replace_key, with_where)
-
+from compress.recipe_errors import (
+    Problem,
+    export_config,
+    format_problems,
+    from_pydantic,
+    stage_config,
+)
+from compress.recipe_yaml import (
+    Loc,
+    Locator,
+    apply_set,
+    check_top,
+    check_version,
+    interpolate,
+    line_map,
+    read_yaml,
+    replace_key,
+    with_where,
+)
 
 
 # -- schema -----------------------------------------------------------------------------------------

@@ -23,17 +23,19 @@ from pydantic import BaseModel
 
 from compress.errors import BadInput
 
-# Modules that register stages, imported by name.
+# Modules that register stages, imported by name, in this order: report.md renders the stages' sections in the order
+# of their registrations.
 METHOD_MODULES = (
-    "compress.methods.rtn",
-    "compress.methods.gptq",
-    "compress.methods.autoround",
-    "compress.methods.allocate",
-    "compress.methods.router",
-    "compress.methods.prune",
-    "compress.methods.heal",
-    "compress.methods.prunepath",
-    "compress.methods.select",
+    "compress.quantize.rtn",
+    "compress.quantize.gptq",
+    "compress.quantize.autoround",
+    "compress.allocate.stage",
+    "compress.allocate.moe",
+    "compress.finetune.router",
+    "compress.select.stage",
+    "compress.prune.structured",
+    "compress.prune.heal",
+    "compress.prune.prunepath",
     "compress.rotation.walsh",
     "compress.rotation.autoround_hadamard",
     "compress.export.stage",
@@ -65,6 +67,43 @@ class Entry:
     # modules the stage imports beyond the core dependencies (compress/extras.py maps each to its extra): a recipe
     # naming the stage is refused at load time, with the install command, when one is missing
     requires: tuple[str, ...] = ()
+    # what the method can do, for the stages around it to ask (the bind step hands a quantize stage's to the stages
+    # before it in `Facts.capabilities`): e.g. a quantizer's "chunk_plan" (fits a per-chunk allocation plan) and
+    # "sign" (rounds 1-bit weights); see compress/quantize/spine.py `Quantizer.capabilities`
+    capabilities: frozenset[str] = frozenset()
+    # per_layer: an allocation whose Plan gives each layer one width (the quantize stage keeps fitting each layer's
+    # group); otherwise a Plan assigns widths per column chunk, all with the quantize stage's one group
+    per_layer: bool = False
+    # report: the stage's own sections of report.json / report.md (`Section`); the pipeline and eval/report.py
+    # render every registered section the same way and know none by name
+    report: tuple[Section, ...] = ()
+    # reference: the stage reads the full-precision model (`ctx.reference()`: loaded once per run, shared with the
+    # other stages and the evaluation, released after the last of them)
+    reference: bool = False
+
+
+@dataclass(frozen=True)
+class Section:
+    """A stage's section of the run's report: `metrics[key]` of each stage registering it goes to report.json's
+    `key`, and `render` turns it into report.md text.
+
+    collect: "last" (the last such stage's value), "merge" (every stage's dicts merged, in order) or "each" (a list
+    of every stage's value, in order; `render` then renders one stage's value, as a line below the `title`
+    heading, and each value is rendered by the section of the registration that produced it: a value names its
+    `stage` and `method`). place: "stages" (report.md after the calibration, before the evaluation) or "size" (after
+    the size tables)."""
+
+    key: str
+    render: Callable
+    collect: str = "last"
+    place: str = "stages"
+    title: str = ""
+
+    def __post_init__(self):
+        if self.collect not in ("last", "merge", "each") or self.place not in ("stages", "size"):
+            raise ValueError(f"section `{self.key}`: collect {self.collect!r}, place {self.place!r}")
+        if self.collect == "each" and not self.title:
+            raise ValueError(f"section `{self.key}` collects each stage's value: give it a title")
 
 
 _REGISTRY: dict[tuple[str, str], Entry] = {}
@@ -94,6 +133,30 @@ def stages() -> list[str]:
 def methods(stage: str) -> list[str]:
     load_all()
     return sorted(m for s, m in _REGISTRY if s == stage)
+
+
+def sections() -> dict[str, Section]:
+    """Every registered report section by key (registrations sharing a key share one section, except "each"
+    sections, whose values are rendered by their own registration's: `section_of`)."""
+    load_all()
+    out: dict[str, Section] = {}
+    for e in _REGISTRY.values():
+        for s in e.report:
+            out.setdefault(s.key, s)
+    return out
+
+
+def section_of(stage: str, method: str, key: str) -> Section | None:
+    """The section `key` of the registration `stage`/`method` (what renders one value of an "each" section)."""
+    load_all()
+    e = _REGISTRY.get((stage, method))
+    return next((s for s in e.report if s.key == key), None) if e is not None else None
+
+
+def having(stage: str, capability: str) -> list[str]:
+    """The methods of `stage` whose registration declares `capability`, in registration order."""
+    load_all()
+    return [m for (s, m), e in _REGISTRY.items() if s == stage and capability in e.capabilities]
 
 
 def suggest(word: str, choices) -> str:

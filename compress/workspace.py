@@ -19,8 +19,8 @@ from safetensors.torch import load_file, save_file
 
 from compress import locking, rss
 from compress.errors import BadInput, RunFailure
-from compress.inputs import file_sha256
 from compress.files import STAGING, atomic_write_bytes, strict_json
+from compress.inputs import file_sha256
 from compress.qweight import QuantizedWeight, qweights_to_tensors, tensors_to_qweights
 
 log = logging.getLogger(__name__)

@@ -5,11 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
-from compress import data as bundled_text, extras
+from compress import data as bundled_text
+from compress import extras
 from compress.errors import BadInput, RunFailure
 from compress.files import non_finite
 from compress.verify import verify_artifact
-
 
 BACKENDS = ("auto", "cpu", "cpu-a8", "triton", "reference", "transformers")
 
@@ -18,7 +18,7 @@ def _ffn_mass(model, tau: float | None) -> None:
     """`--ffn-mass`: the PrunePath threshold of every routed FFN (docs/prune.md)."""
     if tau is None:
         return
-    from compress import prunepath
+    from compress.prune import routing as prunepath
 
     if not 0 < tau <= 1:
         raise BadInput(f"--ffn-mass {tau}: the cumulative router mass must be in (0, 1]")
@@ -55,8 +55,8 @@ def _load(path: str, backend: str = "auto"):
             # nn.Module.float restores fp32 compute (see compress/export/hf.py).
             model = torch.nn.Module.float(model).eval()
             if getattr(model.config, "prunepath", None):  # routed FFNs: transformers dropped the router tensors
-                from compress import prunepath
                 from compress.export.hf import load_tensors
+                from compress.prune import routing as prunepath
 
                 prunepath.attach(model, load_tensors(Path(src)))
     except (OSError, ValueError) as e:
@@ -79,7 +79,8 @@ def evaluate_checkpoint(model_path: str, *, reference: str | None, data: list[st
     on `backend` (see `_load`); `ffn_mass` sets a PrunePath model's tau; `text_slice` (start, end) evaluates
     that fraction of each file (as a recipe's `eval.text_slice`); `notify(backends)` once the models are loaded,
     before the evaluation starts, with the packed layers per kernel backend ({} for a dense model)."""
-    from compress.eval.data import read_text, text_slice as cut, token_stream
+    from compress.eval.data import read_text, token_stream
+    from compress.eval.data import text_slice as cut
     from compress.eval.generation import compare_causal
     from compress.eval.metrics import perplexity
 
@@ -106,7 +107,7 @@ def evaluate_checkpoint(model_path: str, *, reference: str | None, data: list[st
             out[Path(path).name] = {"ppl": perplexity(model, ids, window=window, bos_id=bos, max_tokens=max_tokens,
                                                       progress=progress)}
         if ffn_mass is not None:
-            from compress import prunepath
+            from compress.prune import routing as prunepath
 
             out[Path(path).name].update(ffn_mass=ffn_mass, ffn_active=prunepath.mean_active(model))
     bad = non_finite(out)
@@ -139,9 +140,9 @@ def task_probes(model_path: str, tasks: list[str], *, data_dir: str | Path, pool
                 max_examples: int = 4000, max_length: int = 128, seed: int = 0, backend: str = "auto") -> dict:
     """Per task: test accuracy of a logistic-regression probe on the checkpoint's pooled output (the last block's
     hidden states; C picked on a quarter of the training rows), with the majority-class rate beside it."""
-    from compress import probscale as ps
     from compress.eval.data import read_labeled
     from compress.models.adapters import ModelAdapter
+    from compress.select import probscale as ps
 
     extras.require(("sklearn",), "compress eval --task")
     if pooling not in ("mean", "last"):

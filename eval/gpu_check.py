@@ -138,9 +138,8 @@ def best_config(gpu, p, x):
 def bench(n: int, k: int, bits: int, group: int, batch: int, sweep: bool) -> list[dict]:
     import torch
 
-    from compress.kernels import gpu
-
     from compress.eval.bench.kernels import random_qweight
+    from compress.kernels import gpu
 
     qw = random_qweight(n, k, bits, group)
     w = qw.dequantize().cuda()

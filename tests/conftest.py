@@ -1,9 +1,9 @@
 import contextlib
 import io
-import subprocess
-import sys
 import logging
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest

@@ -12,12 +12,12 @@ import onnx
 import onnxruntime as ort
 import openvino as ov
 import torch
+from conftest import MODELS, TEXT
 from transformers import AutoModelForCausalLM
 
 from compress.export.hf import read_quantized
 from compress.export.openvino import EXACT_CPU_CONFIG
 from compress.primitives import rtn
-from conftest import MODELS, TEXT
 
 
 def quantize_model(model, scheme_of) -> dict:

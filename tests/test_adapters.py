@@ -3,9 +3,9 @@ import torch
 
 from compress.driver import LayerSpec, run_blockwise
 from compress.errors import BadInput
-from compress.methods.autoround import AutoRound, AutoRoundConfig
-from compress.methods.rtn import RTN, RTNConfig
 from compress.models.adapters import ModelAdapter
+from compress.quantize.autoround import AutoRound, AutoRoundConfig
+from compress.quantize.rtn import RTN, RTNConfig
 from tests.tiny import configs, tiny_bert, tiny_causal
 
 SPEC = LayerSpec(bits=4, group_size=32, sym=False)

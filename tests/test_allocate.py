@@ -8,17 +8,16 @@ import json
 import pytest
 import torch
 import yaml
+from conftest import CAL, MODELS, REPO, TEXT, invoke, plan_path
+from helpers import check_reload
+from tiny import tiny_causal
 
-from compress.allocation import (Option)
+from compress.allocate.problem import Option
 from compress.errors import BadInput
 from compress.kernels.backends import QuantLinear
 from compress.kernels.packing import mixed_pack, mixed_unpack
 from compress.primitives import fit_mixed
 from compress.qweight import qweights_to_tensors, tensors_to_qweights
-from conftest import CAL, MODELS, REPO, TEXT, invoke, plan_path
-from helpers import check_reload
-
-from tiny import tiny_causal
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 OPTS = [Option(2, "minmax"), Option(3, "minmax"), Option(4, "minmax"), Option(16, "keep")]
@@ -163,13 +162,14 @@ def test_the_bind_step_hands_the_plan_to_the_next_quantize_stage():
     a plan nobody applies, one overwritten before use, and a quantizer that cannot fit it."""
     from types import SimpleNamespace as NS
 
-    from compress.bind import bind
-    from compress.methods.allocate.configs import GreedyConfig
-    from compress.methods.gptq import GPTQConfig
-    from compress.methods.rtn import RTNConfig
-    from compress.models.adapters import ModelAdapter
-    from compress.recipe import ExportSpec
     from tiny import tiny_causal
+
+    from compress.allocate.configs import GreedyConfig
+    from compress.bind import bind
+    from compress.models.adapters import ModelAdapter
+    from compress.quantize.gptq import GPTQConfig
+    from compress.quantize.rtn import RTNConfig
+    from compress.recipe import ExportSpec
 
     adapter = ModelAdapter(tiny_causal("llama"))
 
@@ -246,11 +246,11 @@ def mixed_stories260k():
 @pytest.mark.slow  # two graph traces (~27 s)
 def test_mixed_onnx_and_openvino_reproduce_the_model(tmp_path):
     import openvino as ov
-    from compress.kernels.backends import quantize_model
     from helpers import op_types, ort_logits, rel_err
 
     from compress.export.onnx import export_onnx
     from compress.export.openvino import EXACT_CPU_CONFIG, export_openvino
+    from compress.kernels.backends import quantize_model
 
     model, qweights = mixed_stories260k()
     res = export_onnx(model, qweights, tmp_path / "onnx")
@@ -277,9 +277,10 @@ def test_the_bundled_greedy_recipe_runs_on_a_hidden_size_that_is_not_a_multiple_
     attention and up/gate layer ends in a 32-column chunk. It used to fail after calibration (AutoRound's
     quantizer got a 64-wide perturbation for the 32 columns); now the plan holds, the stored bits equal it and
     `compress inspect` reads the export back."""
-    from compress.export.hf import read_quantized
     from helpers import shrink
     from tiny import save_tiny
+
+    from compress.export.hf import read_quantized
 
     model = save_tiny("llama", tmp_path / "m", hidden_size=96, intermediate_size=256, num_attention_heads=6,
                       num_key_value_heads=2)

@@ -1,18 +1,27 @@
-"""The allocation problem, its solvers and the PPO controller (compress/allocation.py, compress/ppo.py):
+"""The allocation problem, its solvers and the PPO controller (compress/allocate/problem.py, compress/allocate/ppo.py):
 exact accounting, budgets under masking, the controller against the knapsack baselines."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
+from tiny import tiny_causal
 
-from compress.allocation import (Option, action_mask, build_problem, fill, greedy, lagrangian, nearest_uniform,
-                                 refine, reweight, suffix_min, uniform)
+from compress.allocate.problem import (
+    Option,
+    action_mask,
+    build_problem,
+    fill,
+    greedy,
+    lagrangian,
+    nearest_uniform,
+    refine,
+    reweight,
+    suffix_min,
+    uniform,
+)
 from compress.errors import BadInput
 from compress.primitives import clip_search, fit_mixed, rtn
-
-from tiny import tiny_causal
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 OPTS = [Option(2, "minmax"), Option(3, "minmax"), Option(4, "minmax"), Option(16, "keep")]
@@ -140,7 +149,7 @@ def test_budget_below_cheapest_option_is_rejected():
 
 # -- (3) PPO ----------------------------------------------------------------------------------------
 def test_ppo_beats_uniform_and_approaches_greedy():
-    from compress.ppo import PPOSettings, train
+    from compress.allocate.ppo import PPOSettings, train
 
     model = tiny()
     p0, _ = problem(model, 3.0)
@@ -161,7 +170,7 @@ def test_ppo_beats_uniform_and_approaches_greedy():
 
 
 def test_ppo_layer_steps_factorised():
-    from compress.ppo import PPOSettings, Rollout, train
+    from compress.allocate.ppo import PPOSettings, Rollout, train
 
     p, _ = problem(tiny(), 3.0)
     ro = Rollout(p, layer_steps=True)
@@ -201,7 +210,7 @@ def test_reweight_scales_errors_per_layer_and_adds_a_feature():
 
 
 def test_warm_start_clones_the_reference_and_select_picks_the_plan():
-    from compress.ppo import PPOSettings, Rollout, clone, mlp, train
+    from compress.allocate.ppo import PPOSettings, Rollout, clone, mlp, train
 
     p, _ = problem(tiny(), 3.0)
     ref = greedy(p)
@@ -246,14 +255,13 @@ def test_every_allocate_method_and_quantizer_is_exact_on_any_width(d_in, g, c):
     """For each width: every solver's plan stays within the budget, and each quantizer that takes a plan (rtn,
     autoround) fits it into QuantizedWeights whose stored bits equal the plan's, through the packed mixed layout."""
     from dataclasses import replace
-
-    from compress.driver import LayerSpec
-    from compress.kernels.packing import mixed_pack, mixed_unpack
-    from compress.methods.allocate.plan import Plan, plan_from_choice
-    from compress.methods.autoround import _tuned
-    from compress.methods.rtn import quantize_layer
-    from compress.ppo import PPOSettings, train
     from types import SimpleNamespace
+
+    from compress.allocate.plan import Plan, plan_from_choice
+    from compress.allocate.ppo import PPOSettings, train
+    from compress.kernels.packing import mixed_pack, mixed_unpack
+    from compress.quantize.rtn import quantize_layer
+    from compress.quantize.signround import _tuned
 
     gen = torch.Generator().manual_seed(d_in)
     layers = {f"model.layers.0.mlp.{n}": (torch.randn(8 * (k + 1), d_in, generator=gen),

@@ -12,17 +12,17 @@ import json
 
 import pytest
 import torch
+from conftest import CAL, invoke
+from helpers import check_reload
+from tiny import save_tiny, tiny_causal
 
 from compress.driver import LayerSpec, run_blockwise
 from compress.export.hf import export_hf, loadable
-from compress.methods.autoround import AutoRound, AutoRoundConfig
-from compress.methods.gptq import GPTQ, GPTQConfig
-from compress.methods.rtn import RTN, RTNConfig
 from compress.models.adapters import ARCHS, ModelAdapter
-from conftest import CAL, invoke
-from helpers import check_reload
+from compress.quantize.autoround import AutoRound, AutoRoundConfig
+from compress.quantize.gptq import GPTQ, GPTQConfig
+from compress.quantize.rtn import RTN, RTNConfig
 from tests.rotation import exact_rmsnorm, ids, rotate
-from tiny import save_tiny, tiny_causal
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
@@ -141,10 +141,10 @@ def test_graph_exports_match_and_decode_with_a_kv_cache(model_type, tmp_path):
     in-memory quantized model's, then two decode steps through the KV cache, on a right-padded batch of two."""
     import onnxruntime as ort
     import openvino as ov
+    from helpers import in_blocks, quantize_model, rel_err
 
     from compress.export.onnx import export_onnx
     from compress.export.openvino import EXACT_CPU_CONFIG, export_openvino
-    from helpers import in_blocks, quantize_model, rel_err
 
     model = tiny_causal(model_type, **({} if model_type == "deepseek_v3" else {"num_hidden_layers": 1}))  # trace time
     ModelAdapter(model)
@@ -185,11 +185,11 @@ def test_genai_builder_export_runs_in_onnxruntime_genai_with_exact_logits(model_
     quantized model's, and greedy generation with its KV cache agrees."""
     import numpy as np
     import onnxruntime_genai as og
+    from conftest import STORIES260K
+    from helpers import in_blocks, quantize_model, rel_err
     from transformers import AutoTokenizer
 
     from compress.export.genai import export_genai
-    from conftest import STORIES260K
-    from helpers import in_blocks, quantize_model, rel_err
 
     extra = {"phi3": {"original_max_position_embeddings": 256},
              "gemma2": {"sliding_window": 8}}.get(model_type, {})  # its KV cache must hold the window

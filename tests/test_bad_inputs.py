@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import STORIES260K, TEXT, invoke, recipe, run
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning",

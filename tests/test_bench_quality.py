@@ -8,7 +8,6 @@ from compress.errors import BadInput
 from compress.eval.bench.quality import METHODS, QUICK, run_quality, selected
 
 
-
 @pytest.mark.e2e
 def test_quick_stories260k_rows_and_table():
     rows, md = run_quality(quick=True, only=["stories260K"])
@@ -39,7 +38,8 @@ def test_only_rejects_unknown_model():
 
 @pytest.mark.e2e
 def test_quick_lfq_suite_on_stories260k():
-    from compress.eval.bench.lfq import QUICK as LQ, VARIANTS, run_lfq
+    from compress.eval.bench.lfq import QUICK as LQ
+    from compress.eval.bench.lfq import VARIANTS, run_lfq
 
     result, md = run_lfq(quick=True, only=["stories260K"])
     assert [(c["variant"], c["bits"], c["seed"]) for c in result["cells"]] == [(v, 2, 0) for v in VARIANTS]
@@ -96,7 +96,8 @@ def test_walsh_suite_runs_chosen_variants_beside_vanilla(monkeypatch):
 
 @pytest.mark.e2e
 def test_quick_mixed_suite_on_stories260k(tmp_path):
-    from compress.eval.bench.mixed import METHODS as MM, run_mixed
+    from compress.eval.bench.mixed import METHODS as MM
+    from compress.eval.bench.mixed import run_mixed
 
     result, md = run_mixed(quick=True, only=["stories260K"], curve_png=tmp_path / "curves.png")
     assert [(c["method"], c["budget"], c["seed"]) for c in result["cells"]] == [(m, 3.0, 0) for m in MM]
@@ -141,8 +142,9 @@ def test_reproduce_reruns_seeded_cells_bit_for_bit():
     """`compress bench reproduce`: the quick cells rerun identically against an earlier run on this machine
     (the stored JSONs come from other CPUs; their float sums differ in the last digits), and a changed value
     is reported field by field."""
-    from compress.eval.bench.reproduce import run_reproduce
     from conftest import REPO
+
+    from compress.eval.bench.reproduce import run_reproduce
 
     bench = REPO / "bench"
     first, _ = run_reproduce(bench, quick=True)

@@ -5,9 +5,17 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from compress.eval.bench.scale import SHAPES, TARGETS, block_linears, extrapolate, features, working_mb, LIBRARIES_MB
 from conftest import invoke
+
+from compress.eval.bench.scale import (
+    LIBRARIES_MB,
+    SHAPES,
+    TARGETS,
+    block_linears,
+    extrapolate,
+    features,
+    working_mb,
+)
 
 
 def test_block_shapes_and_cost_features():

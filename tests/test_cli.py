@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-
 from conftest import MODELS, REPO, TEXT, invoke
 from helpers import WIKITEXT
 

@@ -10,9 +10,22 @@ import torch
 
 from compress.errors import BadInput
 from compress.eval.data import read_labeled_tsv, read_text, text_slice, token_stream
-from compress.eval.encoder import (compare_encoder, cosine_fidelity, embed, embed_batch,
-                                   ensure_minilm, mean_pool, train_probe)
-from compress.eval.metrics import compare_lm, mean_kl, perplexity, top1_agreement, windows
+from compress.eval.encoder import (
+    compare_encoder,
+    cosine_fidelity,
+    embed,
+    embed_batch,
+    ensure_minilm,
+    mean_pool,
+    train_probe,
+)
+from compress.eval.metrics import (
+    compare_lm,
+    mean_kl,
+    perplexity,
+    top1_agreement,
+    windows,
+)
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 STORIES = DATA / "models" / "stories260K"
@@ -348,8 +361,9 @@ def test_compress_eval_is_bounded_by_default_and_says_how_to_evaluate_everything
     whole file with --max-tokens 0."""
     import json
 
-    from compress.config import EVAL_MAX_TOKENS
     from conftest import CAL, STORIES260K, invoke
+
+    from compress.config import EVAL_MAX_TOKENS
 
     common = ("--reference", STORIES260K, "--gen-prompts", "0", "--json")
     rc, out, err = invoke("eval", STORIES260K, "--data", CAL, *common)

@@ -1,10 +1,17 @@
-"""The expert-level allocation program (compress/expert_allocation.py, docs/moe.md#allocation)."""
+"""The expert-level allocation program (compress/allocate/experts.py, docs/moe.md#allocation)."""
 
 import numpy as np
 import pytest
 
+from compress.allocate.experts import (
+    ExpertProblem,
+    brute_force,
+    greedy,
+    nearest_uniform,
+    solve_global,
+    solve_local,
+)
 from compress.errors import BadInput
-from compress.expert_allocation import ExpertProblem, brute_force, greedy, nearest_uniform, solve_global, solve_local
 from compress.qweight import unit_storage_bits
 
 BITS = (2, 3, 4)
@@ -18,7 +25,7 @@ def problem(seed, layers=2, experts=4, budget=3.3, top_widths=2, shapes=((32, 64
     # errors fall with the width (4^-b, as rounding noise), times a per-expert sensitivity spread over decades
     err = 10.0 ** rng.uniform(-3, 1, (U, 1)) * 4.0 ** -np.array(BITS)[None] * rng.uniform(0.8, 1.2, (U, 3))
     layer = np.repeat(np.arange(layers), experts)
-    from compress.allocation import budget_bits
+    from compress.allocate.problem import budget_bits
     return ExpertProblem(BITS, layer, cost, err, params, budget_bits(budget, int(params.sum())), top_widths)
 
 

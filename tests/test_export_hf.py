@@ -8,12 +8,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-from compress.export.hf import export_hf, read_quantized
 from conftest import STORIES260K
 from helpers import check_reload, in_blocks, quantize_model
 from tiny import tiny_llama
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+)
+
+from compress.export.hf import export_hf, read_quantized
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 

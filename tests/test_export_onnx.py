@@ -9,14 +9,14 @@ import onnx
 import onnxruntime as ort
 import pytest
 import torch
+from conftest import MODELS, TEXT, invoke
+from helpers import load, op_types, ort_logits, quantized, rel_err
+from tiny import tiny_causal
 from transformers import AutoModelForCausalLM
 
 from compress.errors import BadInput
 from compress.export.onnx import export_onnx, pack_lsb
 from compress.kernels.backends import quantize_model
-from conftest import MODELS, TEXT, invoke
-from tiny import tiny_causal
-from helpers import load, op_types, ort_logits, quantized, rel_err
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 

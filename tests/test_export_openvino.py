@@ -8,11 +8,11 @@ import numpy as np
 import openvino as ov
 import pytest
 import torch
+from conftest import MODELS, TEXT, invoke
+from helpers import load, quantized, rel_err, run_ir
 
 from compress.export.onnx import export_onnx
 from compress.export.openvino import EXACT_CPU_CONFIG, export_openvino
-from conftest import MODELS, TEXT, invoke
-from helpers import load, quantized, rel_err, run_ir
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 

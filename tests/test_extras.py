@@ -2,9 +2,9 @@
 `run` refuse with exit 1 and the install command before any model is loaded; `eval` refuses before loading."""
 
 import pytest
+from conftest import CAL, STORIES260K, invoke
 
 import compress.extras as extras
-from conftest import CAL, STORIES260K, invoke
 
 
 @pytest.fixture

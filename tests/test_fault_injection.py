@@ -19,7 +19,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import REPO, recipe
 
 pytestmark = [pytest.mark.slow,

@@ -14,10 +14,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import CAL, REPO, STORIES260K, invoke
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from conftest import CAL, REPO, STORIES260K, invoke
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning",
                                         "ignore::DeprecationWarning")

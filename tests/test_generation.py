@@ -6,13 +6,18 @@ import copy
 
 import pytest
 import torch
+from conftest import MODELS, TEXT
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from compress.errors import BadInput
 from compress.eval.data import read_text, token_stream
-from compress.eval.generation import common_prefix, compare_generation, greedy, prompts_from
+from compress.eval.generation import (
+    common_prefix,
+    compare_generation,
+    greedy,
+    prompts_from,
+)
 from compress.primitives import rtn
-from conftest import MODELS, TEXT
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

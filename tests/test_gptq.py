@@ -7,9 +7,9 @@ import torch
 
 from compress.errors import RunFailure
 from compress.hessian import DenseSym, PackedSym
-from compress.methods import gptq as gptq_module
-from compress.methods.gptq import gptq
 from compress.primitives import rtn
+from compress.quantize import gptq as gptq_module
+from compress.quantize.gptq import gptq
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 MODEL = SHARED / "models" / "stories-llama-1m"
@@ -291,7 +291,7 @@ def test_hessians_collected_again_when_an_input_is_not_shared_every_time():
 def test_gptq_on_shared_hessians_equals_gptq_on_copies():
     """GPTQConfig.quantize_block consumes a shared Hessian only at its last user."""
     from compress.driver import BlockData, LayerSpec
-    from compress.methods.gptq import GPTQ, GPTQConfig
+    from compress.quantize.gptq import GPTQ, GPTQConfig
 
     X = correlated(256, 48, seed=4)
     lins = {n: torch.nn.Linear(48, 16) for n in ("q", "k", "v")}

@@ -8,15 +8,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import CAL, STORIES260K, invoke
+from helpers import ort_logits, rel_err, run_ir
 from safetensors import safe_open
+from tiny import save_tiny
 from transformers import AutoModelForCausalLM
 
 from compress.export.hf import read_quantized
 from compress.kernels.backends import quantize_model
-from compress.quantize_stage import fit_group
-from conftest import CAL, STORIES260K, invoke
-from helpers import ort_logits, rel_err, run_ir
-from tiny import save_tiny
+from compress.quantize.spine import fit_group
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
@@ -135,7 +135,6 @@ def test_the_quickstart_runs_on_a_96_wide_model_and_reports_the_adapted_layers(q
     """recipes/quickstart.yaml as written (shrunk), on the 96-wide Qwen3: it runs, packs every layer and says
     which ones got another group."""
     import yaml
-
     from conftest import REPO
     from helpers import WIKITEXT, shrink
 
@@ -169,8 +168,8 @@ def test_one_bit_is_the_published_sign_rule(d_in, group):
     """1 bit (MC-MoE / GEMQ's binary rule): codes are the signs, the scale is mean |w| over the group's real
     columns (a short last group too), W_hat = s (2c - 1); no zero point is counted; GPTQ keeps the rule and
     lowers the H-weighted error below RTN's."""
-    from compress.methods.gptq import gptq
     from compress.primitives import rtn
+    from compress.quantize.gptq import gptq
     from compress.qweight import QuantizedWeight, unit_storage_bits
 
     W = torch.randn(24, d_in, generator=torch.Generator().manual_seed(d_in))

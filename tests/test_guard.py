@@ -7,12 +7,12 @@ import json
 
 import pytest
 import torch
+from conftest import STORIES260K, invoke, recipe
 from safetensors.torch import load_file
 
 from compress.config import GuardConfig
-from compress.guard import boundary_distance, flipguard
 from compress.primitives import choose_qparams, rtn
-from conftest import STORIES260K, invoke, recipe
+from compress.quantize.guard import boundary_distance, flipguard
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning",
                                         "ignore::DeprecationWarning")
@@ -73,7 +73,7 @@ def test_clip_moves_only_the_outermost_weights_and_shrinks_every_groups_grid(sym
 
 
 def test_guard_option_parses_a_name_or_a_mapping():
-    from compress.methods.rtn import RTNConfig
+    from compress.quantize.rtn import RTNConfig
 
     assert RTNConfig(guard="flipguard").guard == GuardConfig() and GuardConfig().rule == "clip"
     assert RTNConfig(guard={"method": "flipguard", "rule": "flip", "rho": 1.0}).guard.rho == 1.0

@@ -6,7 +6,12 @@ import pytest
 import torch
 
 from compress.errors import BadInput
-from compress.rotation.hadamard import factor, hadamard_matrix, hadamard_transform, supported_orders
+from compress.rotation.hadamard import (
+    factor,
+    hadamard_matrix,
+    hadamard_transform,
+    supported_orders,
+)
 
 
 def sylvester(n):

@@ -8,14 +8,19 @@ import sys
 
 import pytest
 import torch
-
-from compress.kernels import cpu
-from compress.kernels.backends import CPU, QuantLinear, Reference, quantize_model, select
-from compress.qweight import QuantizedWeight
-
 from conftest import held_lock
 from kernel_cases import assert_close_to_reference, rand_qw
 from tiny import tiny_causal
+
+from compress.kernels import cpu
+from compress.kernels.backends import (
+    CPU,
+    QuantLinear,
+    Reference,
+    quantize_model,
+    select,
+)
+from compress.qweight import QuantizedWeight
 
 
 @pytest.fixture(scope="module")

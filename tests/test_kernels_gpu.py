@@ -4,11 +4,10 @@ device when there is one (`-m gpu`)."""
 
 import pytest
 import torch
+from kernel_cases import assert_close_to_reference, rand_qw
 
 from compress.kernels import gpu
 from compress.kernels.backends import QuantLinear, Reference, select
-
-from kernel_cases import assert_close_to_reference, rand_qw
 
 CASES = [  # bits, group, (out, in): short last groups, per-channel, a group that is not a power of two
     (4, 128, (48, 256)), (4, 128, (40, 300)), (2, 64, (48, 256)), (2, 32, (16, 160)), (3, 32, (40, 96)),

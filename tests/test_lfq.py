@@ -8,15 +8,16 @@ import hashlib
 import pytest
 import torch
 import torch.nn.functional as F
+from tiny import tiny_causal
 from torch import nn
 
 from compress.driver import run_blockwise
-from compress.methods.autoround import AutoRound, AutoRoundConfig
-from compress.methods.gptq import GPTQ, GPTQConfig
-from compress.methods.lfq import LogitHead, kl_per_token, logit_loss_backward, shifted_labels
 from compress.models.adapters import ModelAdapter
-from compress.quantize_stage import FinalBlock, layer_spec
-from tiny import tiny_causal
+from compress.models.head import LogitHead
+from compress.quantize.autoround import AutoRound, AutoRoundConfig
+from compress.quantize.gptq import GPTQ, GPTQConfig
+from compress.quantize.lfq import kl_per_token, logit_loss_backward, shifted_labels
+from compress.quantize.spine import FinalBlock, layer_spec
 
 
 def test_soft_ce_minus_entropy_is_kl_and_zero_at_teacher():
@@ -124,8 +125,9 @@ def test_gptq_final_block_lfq_tunes_the_last_block_with_autoround():
 
 
 def test_final_block_objective_needs_a_causal_lm():
-    from compress.errors import BadInput
     from tiny import tiny_bert
+
+    from compress.errors import BadInput
 
     with pytest.raises(BadInput, match="needs a causal LM"):
         LogitHead.of(ModelAdapter(tiny_bert()))
@@ -136,9 +138,10 @@ def test_final_block_auto_is_lfq_on_causal_lms_and_same_on_encoders(method):
     """`final_block` is a property of the quantize spine, for every quantizer: `auto` (AutoRound's default)
     resolves per model at plan time; an explicit value is kept; the spine handed an unresolved `auto`
     refuses instead of guessing."""
-    from compress.quantize_stage import QUANTIZERS, FinalBlock
-    from compress.registry import get
     from tiny import tiny_bert
+
+    from compress.quantize.spine import QUANTIZERS, FinalBlock
+    from compress.registry import get
 
     entry = get("quantize", method)
     Config = entry.config

@@ -5,15 +5,15 @@ import json
 import pytest
 import torch
 import yaml
+from conftest import TEXT, invoke, plan_path
+from helpers import quick_suite
 from safetensors.torch import load_file
+from tiny import save_tiny, tiny_causal
 
-from compress import moe
+from compress.models import moe
 from compress.models.adapters import ModelAdapter
 from compress.primitives import rtn
 from compress.workspace import Workspace
-from conftest import TEXT, invoke, plan_path
-from helpers import quick_suite
-from tiny import save_tiny, tiny_causal
 
 MOE = ["mixtral", "qwen2_moe", "qwen3_moe"]
 
@@ -168,7 +168,7 @@ def test_gptq_never_rounds_an_unseen_expert_from_nothing():
     """An expert no calibration row reaches: without forced routing GPTQ's Hessian is empty and the expert's
     weights become zeros; with it, the expert is rounded from the rows its router scores highest."""
     from compress.driver import collect_hessians
-    from compress.methods.gptq import gptq
+    from compress.quantize.gptq import gptq
 
     a = ModelAdapter(tiny_causal("mixtral"))
     hook = never_fires(a.router(0), 3)
@@ -234,10 +234,18 @@ def test_per_expert_widths_survive_every_export(tmp_path, model_type):
     """Experts at 1 (the sign rule), 2, 3 and 4 bits (attention at 4): transformers with auto-round's loader,
     onnxruntime and OpenVINO give the in-memory model's logits (routing in the graphs); the hf checkpoint declares
     each packed width and stores the 1-bit experts dense."""
+    from helpers import (
+        check_reload,
+        op_types,
+        ort_logits,
+        quantize_model,
+        rel_err,
+        run_ir,
+    )
+
     from compress.export.hf import export_hf
     from compress.export.onnx import export_onnx
     from compress.export.openvino import export_openvino
-    from helpers import check_reload, op_types, ort_logits, quantize_model, rel_err, run_ir
 
     model = tiny_causal(model_type, seed=5)
     ModelAdapter(model)

@@ -4,7 +4,6 @@ model is built into the cache when it is missing, which takes about an hour on 2
 import json
 
 import pytest
-
 from conftest import TEXT, invoke
 
 
@@ -13,8 +12,9 @@ def test_the_bundled_gemq_recipe_runs_on_stories_moe(tmp_path):
     """recipes/moe-2.5-gemq.yaml as written (budget 2.5, group 128, GPTQ, router FT, hf + openvino) on the real
     MoE reference model, with less calibration: the plan mixes widths within 2.5 bits per expert parameter, and
     the result is closer to full precision than uniform 2-bit GPTQ is (x1.23 in bench/moe.md)."""
-    from compress.eval.bench import moe_model
     from conftest import REPO
+
+    from compress.eval.bench import moe_model
 
     model = moe_model.build()
     text = str(TEXT / "tinystories" / "tinystories_val.txt")

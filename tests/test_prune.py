@@ -7,14 +7,22 @@ import shutil
 import pytest
 import torch
 import yaml
-
-from compress.handoff import ModelSpec
-from compress.models.adapters import ModelAdapter
-from compress.prune import block_scores, blocks_to_remove, ffn_scores, global_counts, head_scores, kept_count, top
-from compress.structure import keep_blocks, keep_ffn, keep_kv_groups, sync_config
 from conftest import CAL, MODELS, REPO, invoke
 from helpers import quick_suite
 from tiny import tiny_causal
+
+from compress.handoff import ModelSpec
+from compress.models.adapters import ModelAdapter
+from compress.prune.scores import (
+    block_scores,
+    blocks_to_remove,
+    ffn_scores,
+    global_counts,
+    head_scores,
+    kept_count,
+    top,
+)
+from compress.structure import keep_blocks, keep_ffn, keep_kv_groups, sync_config
 
 TOKENS = torch.randint(0, 128, (4, 24), generator=torch.Generator().manual_seed(0))
 
@@ -249,9 +257,10 @@ def test_the_prune_suite_runs_quick(tmp_path):
 def test_onnx_and_openvino_hold_per_layer_ffn_widths_fewer_heads_and_blocks(tmp_path):
     """The traced graphs bake each layer's own FFN width in (what `scope: global` leaves); logits match the
     pruned model in onnxruntime and OpenVINO."""
+    from helpers import ort_logits, rel_err, run_ir
+
     from compress.export.onnx import export_onnx
     from compress.export.openvino import export_openvino
-    from helpers import ort_logits, rel_err, run_ir
 
     model, a = dead_units()
     s0 = ModelSpec.of(a)
@@ -295,9 +304,9 @@ def test_every_ffn_width_group_and_ratio_exports_the_planned_width(width, tmp_pa
     from types import SimpleNamespace as NS
 
     from compress.export.hf import export_hf, read_quantized
-    from compress.methods.prune import FFNPruneConfig, apply
-    from compress.methods.rtn import RTNConfig, quantize_layer
-    from compress.quantize_stage import planned_layers
+    from compress.prune.structured import FFNPruneConfig, apply
+    from compress.quantize.rtn import RTNConfig, quantize_layer
+    from compress.quantize.spine import planned_layers
 
     down = "model.layers.0.mlp.down_proj"
     source = tiny_causal("llama", hidden_size=64, intermediate_size=width, num_hidden_layers=1, vocab_size=64)
@@ -354,8 +363,8 @@ def test_a_prune_that_would_remove_nothing_is_refused_at_plan_time():
     """Nothing to remove at any allowed multiple, an explicit multiple that keeps everything, or no quantize stage
     and a ratio below one channel: exit 1 at plan time with the nearest ratio that prunes."""
     from compress.errors import BadInput
-    from compress.methods.prune import FFNPruneConfig
-    from compress.methods.rtn import RTNConfig
+    from compress.prune.structured import FFNPruneConfig
+    from compress.quantize.rtn import RTNConfig
 
     q = RTNConfig(bits=4, group_size=32)
     with pytest.raises(BadInput, match=r"would remove nothing.*use `ratio: 0.5` or more \(keeps 32 of 64\)"):

@@ -4,15 +4,14 @@ and the stage in a recipe."""
 import json
 
 import pytest
-
 import torch
 import yaml
-
-from compress import prunepath as pp
-from compress.models.adapters import ModelAdapter
-from compress.structure import keep_ffn
 from conftest import CAL, MODELS, invoke
 from tiny import tiny_causal
+
+from compress.models.adapters import ModelAdapter
+from compress.prune import routing as pp
+from compress.structure import keep_ffn
 
 X = torch.randn(64, 64, generator=torch.Generator().manual_seed(1))
 
@@ -174,9 +173,10 @@ def test_the_gather_path_equals_the_masked_ffn_for_one_token(packed):
 
 def test_onnx_and_openvino_route_the_ffn_like_the_model(tmp_path):
     """The graphs compute the routed FFN at the checkpoint's tau (mask in the graph): logits equal the model's."""
+    from helpers import ort_logits, rel_err, run_ir
+
     from compress.export.onnx import export_onnx
     from compress.export.openvino import export_openvino
-    from helpers import ort_logits, rel_err, run_ir
 
     model = tiny_causal("llama")
     a = ModelAdapter(model)

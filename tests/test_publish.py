@@ -19,7 +19,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import CAL, REPO, STORIES260K, invoke, recipe
 from hub_server import HubServer
 
@@ -332,9 +331,8 @@ def test_a_hub_model_path_is_the_cards_base_model():
 def test_the_example_workflows_commands_run(hub, tmp_path):
     """examples/ci/compress.yml, step by step: its `run` commands in bash with the job's environment, the base model
     downloaded from (and the result pushed to) the loopback Hub; only the install step is left out."""
-    from huggingface_hub import HfApi
-
     from conftest import MODELS, TEXT
+    from huggingface_hub import HfApi
 
     api = HfApi(endpoint=hub.url)
     api.create_repo("org/base", exist_ok=True)

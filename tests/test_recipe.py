@@ -9,8 +9,8 @@ import pytest
 import yaml
 
 from compress.errors import BadInput
-from compress.methods.autoround import AutoRoundConfig
-from compress.methods.rtn import RTNConfig
+from compress.quantize.autoround import AutoRoundConfig
+from compress.quantize.rtn import RTNConfig
 from compress.recipe import LoadedRecipe, Recipe, describe, load_recipe, validate_paths
 
 VALID = """\

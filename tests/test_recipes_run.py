@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-
 from conftest import MODELS, REPO, invoke, plan_path
 from helpers import WIKITEXT, shrink
 

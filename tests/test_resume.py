@@ -18,7 +18,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import MODELS, REPO, invoke
 from helpers import tensor_hashes
 

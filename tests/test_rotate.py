@@ -3,21 +3,28 @@ checkpoints, broken when a reader of the rotated stream is left out, exportable 
 
 from __future__ import annotations
 
-
 import pytest
 import torch
+from helpers import check_reload, in_blocks, quantize_model
 from pydantic import ValidationError
+from tiny import tiny_llama
 from transformers import AutoModelForCausalLM
 
 from compress.errors import BadInput as BadInputErr
 from compress.export.hf import export_hf
 from compress.models.adapters import ModelAdapter
-from compress.rotation import walsh
+from compress.rotation import scaling
 from compress.rotation.walsh import WalshConfig
 from tests.conftest import MODELS
-from helpers import check_reload, in_blocks, quantize_model
-from tiny import tiny_llama
-from tests.rotation import CONFIGS, exact_rmsnorm, ids, plain_rmsnorm, recipe_of, rel, rotate
+from tests.rotation import (
+    CONFIGS,
+    exact_rmsnorm,
+    ids,
+    plain_rmsnorm,
+    recipe_of,
+    rel,
+    rotate,
+)
 from tests.tiny import tiny_causal
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
@@ -122,14 +129,14 @@ def test_real_models_are_invariant_in_float64(name, cfg):
 
 
 def test_scales_formula():
-    s = walsh.scales(torch.ones(8, dtype=torch.float64), 0.5)
+    s = scaling.scales(torch.ones(8, dtype=torch.float64), 0.5)
     torch.testing.assert_close(s, torch.full((8,), 2**0.5, dtype=torch.float64))  # uniform energy -> sqrt(2)
     e = torch.tensor([3.0, 1.0, 0.0, 0.0], dtype=torch.float64)
-    torch.testing.assert_close(walsh.scales(e, 1.0), torch.tensor([4.0, 2.0, 1.0, 1.0], dtype=torch.float64))
+    torch.testing.assert_close(scaling.scales(e, 1.0), torch.tensor([4.0, 2.0, 1.0, 1.0], dtype=torch.float64))
 
 
 def _rtn_error(W, s, a, bits=2, group=16):
-    """sum_k a_k / s_k^2 ||(W s - RTN(W s))[:, k]||^2, written out independently of walsh.Scaler."""
+    """sum_k a_k / s_k^2 ||(W s - RTN(W s))[:, k]||^2, written out independently of scaling.Scaler."""
     from compress.primitives import rtn
 
     Ws = W * s
@@ -139,7 +146,7 @@ def _rtn_error(W, s, a, bits=2, group=16):
 def test_auto_alpha_picks_the_grid_alpha_with_the_least_weighted_rounding_error():
     g = torch.Generator().manual_seed(0)
     grid = (0.0, 0.25, 0.5, 1.0)
-    scaler = walsh.Scaler("auto", grid, (2, 16, False))
+    scaler = scaling.Scaler("auto", grid, (2, 16, False))
     picks = []
     for case in range(6):
         W = torch.randn(24, 32, generator=g, dtype=torch.float64)
@@ -148,22 +155,22 @@ def test_auto_alpha_picks_the_grid_alpha_with_the_least_weighted_rounding_error(
         # the loud coordinate is real (actual = e), or only in the basis the scale is computed in (actual flat)
         actual = e if case % 2 == 0 else torch.ones(32, dtype=torch.float64)
         s = scaler(e, [W], actual)
-        errors = {a: _rtn_error(W, walsh.scales(e, a), actual) for a in grid}
+        errors = {a: _rtn_error(W, scaling.scales(e, a), actual) for a in grid}
         best = min(errors, key=errors.get)
         assert scaler.picked[-1] == best
-        torch.testing.assert_close(s, walsh.scales(e, best))
+        torch.testing.assert_close(s, scaling.scales(e, best))
         picks.append(best)
     assert any(p > 0 for p in picks[0::2]), picks  # a loud real coordinate is worth boosting
     assert all(p == 0.0 for p in picks[1::2]), picks  # boosting a coordinate the reader does not see only costs
     assert scaler.summary()["alpha_picked"] == {str(a): picks.count(a) for a in grid}
-    fixed = walsh.Scaler(0.5)
-    torch.testing.assert_close(fixed(e, [W]), walsh.scales(e, 0.5))
+    fixed = scaling.Scaler(0.5)
+    torch.testing.assert_close(fixed(e, [W]), scaling.scales(e, 0.5))
     assert fixed.summary() == {}
 
 
 def test_auto_alpha_needs_a_quantize_stage_after_the_rotation():
     from compress.bind import bind
-    from compress.methods.rtn import RTNConfig
+    from compress.quantize.rtn import RTNConfig
 
     llama = ModelAdapter(tiny_causal("llama"))
     cfg = WalshConfig(alpha="auto")
@@ -238,9 +245,9 @@ def test_walsh_recipes_run_on_stories_llama_1m(recipe, tmp_path):
     import json
 
     import yaml
+    from helpers import WIKITEXT, shrink
 
     from tests.conftest import REPO, invoke
-    from helpers import WIKITEXT, shrink
 
     path = REPO / "recipes" / f"{recipe}.yaml"
     spec = yaml.safe_load(path.read_text())
@@ -279,8 +286,9 @@ def test_resume_reapplies_the_rotation(tmp_path):
     re-applies the quantize checkpoints to the same rotated weights and exports the same bytes."""
     import json
 
-    from tests.conftest import REPO, invoke
     from helpers import tensor_hashes
+
+    from tests.conftest import REPO, invoke
 
     args = ["run", REPO / "recipes" / "w2-walsh-fused-autoround.yaml", "--model", MODELS / "stories-llama-1m",
             "--output", tmp_path / "o", "--json", "--set", "calibration.nsamples=4", "--set", "calibration.seqlen=32",
@@ -322,10 +330,10 @@ def test_size_report_compares_against_the_model_as_loaded(tmp_path):
 def test_fused_rotated_quantized_model_runs_in_onnxruntime_and_openvino(name, tmp_path):
     """The fused variant is an ordinary Llama at full compression: the ONNX (MatMulNBits) and OpenVINO
     (compressed constants) exports of the rotated, quantized model reproduce its logits."""
+    from helpers import load, op_types, ort_logits, quantized, rel_err, run_ir
+
     from compress.export.onnx import export_onnx
     from compress.export.openvino import export_openvino
-    from helpers import load, op_types, ort_logits, quantized, rel_err
-    from helpers import run_ir
 
     model = load(name)
     with torch.no_grad():

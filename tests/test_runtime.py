@@ -7,14 +7,14 @@ import json
 
 import pytest
 import torch
+from conftest import MODELS, TEXT, invoke
+from helpers import quantized
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from compress.export.hf import export_hf, loadable
 from compress.export.runtime import load_packed
 from compress.kernels import cpu
 from compress.kernels.backends import QuantLinear
-from conftest import MODELS, TEXT, invoke
-from helpers import quantized
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 

@@ -1,4 +1,4 @@
-"""ProbScale layer selection (`stage: select`, compress/probscale.py; docs/select.md)."""
+"""ProbScale layer selection (`stage: select`, compress/select/probscale.py; docs/select.md)."""
 
 import json
 import random
@@ -7,12 +7,12 @@ import pytest
 import torch
 import transformers as T
 import yaml
-
-from compress import probscale as ps
-from compress.models.adapters import ModelAdapter
 from conftest import CAL, invoke, run
 from helpers import quick_suite
 from tiny import save_tiny, tiny_bert, tiny_llama
+
+from compress.models.adapters import ModelAdapter
+from compress.select import probscale as ps
 
 WORDS = ["good", "great", "fine", "nice", "bad", "awful", "poor", "sad"] + [f"w{i}" for i in range(112)]
 

@@ -2,9 +2,9 @@
 
 This file registers a stage of its own, `measure/ffn-occupancy`: it consumes the quantize stage's
 `QuantizedWeights`, keeps the FFN channels whose rounded `down_proj` columns carry the most weight, and
-produces a `ModelSpec`. Nothing else in the package knows it; it runs in a recipe, the bind step checks
-its hand-offs and the exports against its shapes at plan time, and `--resume` loads its spec instead of
-applying it again.
+produces a `ModelSpec`, and contributes its own section to report.json and report.md. Nothing else in the
+package knows it; it runs in a recipe, the bind step checks its hand-offs and the exports against its shapes
+at plan time, `--resume` loads its spec instead of applying it again, and the report renders its section.
 """
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ from typing import Literal
 import pytest
 import torch
 import yaml
+from conftest import CAL, STORIES260K, TEXT, invoke
 from pydantic import Field
 
 from compress import registry
 from compress.config import StrictModel
 from compress.handoff import ModelSpec, QuantizedWeights
-from conftest import CAL, STORIES260K, TEXT, invoke
 
 CALLS: list[str] = []
 
@@ -50,13 +50,21 @@ def apply(ctx, cfg: OccupancyConfig) -> dict:
     spec = dataclasses.replace(spec, kept_ffn={0: kept} if n < norms.numel() else {})
     spec.restore(ctx.adapter)  # the model takes the shapes the spec describes
     ctx.emit(spec)
-    return {"kept": n, "of": norms.numel()}
+    return {"kept": n, "of": norms.numel(), "occupancy": {"kept": n, "of": norms.numel(), "block": 0}}
+
+
+def occupancy_markdown(occ: dict) -> str:
+    return f"\n## FFN occupancy\n\nblock {occ['block']} keeps {occ['kept']} of its {occ['of']} FFN channels\n"
+
+
+OCCUPANCY = registry.Section("occupancy", occupancy_markdown)
 
 
 @pytest.fixture
 def occupancy_stage():
     registry.register("measure", "ffn-occupancy", OccupancyConfig, "test-only: FFN channels by rounded weight",
-                      consumes=(QuantizedWeights,), produces=(ModelSpec,), reshape=reshape)(apply)
+                      consumes=(QuantizedWeights,), produces=(ModelSpec,), reshape=reshape,
+                      report=(OCCUPANCY,))(apply)
     CALLS.clear()
     yield
     del registry._REGISTRY[("measure", "ffn-occupancy")]
@@ -87,6 +95,12 @@ def test_a_registered_stage_runs_in_a_recipe_and_resumes_from_its_hand_off(tmp_p
     manifest = json.loads((out / "manifest.json").read_text())
     assert "stages/01-measure-ffn-occupancy/model_spec.json" in manifest["files"]
     assert manifest["stages"]["01-measure-ffn-occupancy"]["metrics"]["kept"] == saved["blocks"][0]["ffn"]
+    # its report section: report.json's `occupancy`, rendered by its own registration between the stages' sections
+    n = saved["blocks"][0]["ffn"]
+    assert first["occupancy"] == {"kept": n, "of": 172, "block": 0}
+    md = (out / "report.md").read_text()
+    section = f"\n## FFN occupancy\n\nblock 0 keeps {n} of its 172 FFN channels\n"
+    assert section in md and md.index("## Stages") < md.index(section) < md.index("## Evaluation")
 
     rc, stdout, err = invoke("run", write_recipe(tmp_path, 0.5), "--output", out, "--resume", "--json")
     assert rc == 0, err

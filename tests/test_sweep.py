@@ -7,7 +7,6 @@ import json
 
 import pytest
 import yaml
-
 from conftest import CAL, invoke, recipe
 
 

@@ -78,9 +78,9 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from compress.files import staged_directory
 from compress.kernels.packing import gptq_pack, gptq_unpack
 from compress.qweight import QuantizedWeight
-from compress.files import staged_directory
 
 logger = logging.getLogger(__name__)
 

@@ -268,9 +268,9 @@ def cache_shapes(model) -> list[tuple[tuple[int, int], tuple[int, int]]]:
 def trace(model, path: Path, kv_cache: bool, metadata: dict[str, str]) -> None:
     """Export the (already substituted) model to `path` with the I/O of the module docstring and `metadata`
     (metadata_props); the tensors go to `model.onnx.data` beside it above EXTERNAL_DATA_BYTES."""
-    import onnx_ir
     import warnings
 
+    import onnx_ir
     from torch.export import Dim
 
     batch, seq = Dim("batch", max=1024), Dim("seq", max=MAX_LEN)

@@ -31,8 +31,8 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
-from compress.qweight import QuantizedWeight
 from compress.files import staged_directory
+from compress.qweight import QuantizedWeight
 
 logger = logging.getLogger(__name__)
 

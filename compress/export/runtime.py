@@ -34,9 +34,9 @@ def load_packed(directory, backend: str = "auto"):
     """(model in eval mode, {"backend": {name: count}, "quantized_layers": n}) for a packed checkpoint."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from compress import prunepath
     from compress.export.hf import load_tensors, read_quantized
     from compress.kernels.backends import QuantLinear, quantize_model
+    from compress.prune import routing as prunepath
 
     directory = Path(directory)
     tensors = load_tensors(directory)

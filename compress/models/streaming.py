@@ -18,7 +18,12 @@ from safetensors import safe_open
 
 from compress.errors import BadInput
 from compress.models.adapters import ARCHS, ModelAdapter
-from compress.models.loading import DTYPES, load_config, quiet_transformers, resolve_source
+from compress.models.loading import (
+    DTYPES,
+    load_config,
+    quiet_transformers,
+    resolve_source,
+)
 
 
 class WeightSource:

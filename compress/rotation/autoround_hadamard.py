@@ -39,7 +39,9 @@ def check(adapter, cfg: AutoRoundHadamardConfig, facts=None) -> None:
           replay=True, evaluation_only=lambda cfg: ("keeps auto-round's online Hadamard hooks (use `rotate/walsh` "
                                                     "with `fused: true`)"))
 def apply(ctx, cfg: AutoRoundHadamardConfig) -> dict:
-    from auto_round.algorithms.transforms.hadamard.dispatcher import apply_hadamard_rotation
+    from auto_round.algorithms.transforms.hadamard.dispatcher import (
+        apply_hadamard_rotation,
+    )
 
     model = ctx.adapter.model
     check(ctx.adapter, cfg)

@@ -31,8 +31,8 @@ from compress.calibration import collect_energy
 from compress.models.adapters import get_module
 from compress.rotation.hadamard import hadamard_transform
 from compress.rotation.pca import principal_axes, qk_covariances, rotate_head_rows
+from compress.rotation.scaling import Scaler, pad_to, pow2
 from compress.rotation.surgery import set_param
-from compress.rotation.walsh import Scaler, pad_to, pow2
 
 
 # -- head_pca: matrix-gamma q_norm/k_norm --------------------------------------------------------------

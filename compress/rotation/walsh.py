@@ -52,15 +52,23 @@ import torch
 from pydantic import Field, model_validator
 from torch import nn
 
-from compress.config import StrictModel
 from compress.calibration import collect_energy
+from compress.config import StrictModel
 from compress.errors import BadInput
-from compress.primitives import fake_quantize
 from compress.registry import register
 from compress.rotation.hadamard import factor, hadamard_transform
 from compress.rotation.pca import apply_pair_pca
-from compress.rotation.surgery import (fuse_norms, map_columns, map_rows, rotate_residual, rotate_value_heads, set_param,
-                                       untie_embeddings)
+from compress.rotation.research import apply_head_pca, apply_spectral, spectral_targets
+from compress.rotation.scaling import Scaler, pad_pow2
+from compress.rotation.surgery import (
+    fuse_norms,
+    map_columns,
+    map_rows,
+    rotate_residual,
+    rotate_value_heads,
+    set_param,
+    untie_embeddings,
+)
 
 
 class WalshConfig(StrictModel):
@@ -132,7 +140,6 @@ def check(adapter, cfg: WalshConfig, facts=None) -> None:
         raise BadInput("rotate/walsh `alpha: auto` picks alpha against the rounding of the next `quantize` stage; "
                        "add one after the rotation or give a number")
     if cfg.mode == "spectral":
-        from compress.rotation.research import spectral_targets
 
         if cfg.pad == "none":
             for name, lin in spectral_targets(adapter).items():
@@ -168,24 +175,6 @@ def check(adapter, cfg: WalshConfig, facts=None) -> None:
 
 
 # -- energy statistics and scaling ------------------------------------------------------------------
-def pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
-
-
-def pad_to(x: torch.Tensor, n: int) -> torch.Tensor:
-    return torch.nn.functional.pad(x, (0, n - x.shape[-1])) if n > x.shape[-1] else x
-
-
-def _pad_pow2(x: torch.Tensor) -> torch.Tensor:
-    return pad_to(x, pow2(x.shape[-1]))
-
-
-def scales(energy: torch.Tensor, alpha: float) -> torch.Tensor:
-    """s = (1 + n rho)^alpha with rho = e / sum(e) over the n coordinates; uniform energy -> 2^alpha."""
-    rho = energy / energy.sum()
-    return ((1 + energy.numel() * rho) ** alpha).clamp(min=1e-2)
-
-
 def measure(adapter, tokens: torch.Tensor, basis: str) -> dict:
     """Energy of every scaling group's input on the calibration tokens (calibration.collect_energy)."""
     taps = {}
@@ -195,7 +184,7 @@ def measure(adapter, tokens: torch.Tensor, basis: str) -> dict:
         taps[(i, "o")] = (adapter.role(i, "o"), "input")
         for j, (_, down) in enumerate(adapter.up_down_pairs(i)):
             taps[(i, "down", j)] = (down, "input")
-    transform = (lambda x: hadamard_transform(_pad_pow2(x))) if basis == "wht" else None
+    transform = (lambda x: hadamard_transform(pad_pow2(x))) if basis == "wht" else None
     return collect_energy(adapter.model, tokens, taps, transform)
 
 
@@ -203,48 +192,6 @@ def _first(energy: dict, key, d: int) -> torch.Tensor | None:
     """The first d coordinates (tail of a zero-padded WHT dropped), or None when nothing reached the tap."""
     e = energy.get(key)
     return None if e is None or float(e[:d].sum()) == 0.0 else e[:d]
-
-
-class Scaler:
-    """The energy scale of one scaling group: `scales(e, alpha)` for a fixed alpha, or with `alpha: auto`
-    the candidate alpha whose round-to-nearest error on the group's quantized readers is least.
-
-    The error of a reader `W` (columns in the basis of `e`) scaled by `s` is
-    `sum_k a_k / s_k^2 ||W[:, k] s_k - Q(W s)[:, k]||^2`: the diagonal part of the rounded weight's output
-    error on the calibration data, with `a` the energy of the input the reader sees before scaling and `Q`
-    the next quantize stage's RTN at its bits, group size and symmetry (AWQ's search over its exponent,
-    applied to the BBT scale)."""
-
-    def __init__(self, alpha, grid=(), rounding: tuple[int, int, bool] | None = None):
-        self.alpha, self.grid, self.rounding = alpha, tuple(grid), rounding
-        self.picked: list[float] = []
-
-    def __call__(self, e: torch.Tensor, readers=(), actual: torch.Tensor | None = None, spread=None) -> torch.Tensor:
-        """e: energy in the basis of the scale; readers: weights (d_out, n) whose columns get `spread(s)`;
-        actual: the energy of those n columns' input (default e)."""
-        spread = spread or (lambda s: s)
-        if self.alpha != "auto":
-            return scales(e, self.alpha)
-        a = (e if actual is None else actual).double()
-        bits, group, sym = self.rounding
-        best = None
-        for alpha in self.grid:
-            s = scales(e, alpha)
-            cols = spread(s)
-            err = 0.0
-            for W in readers:
-                Ws = W.detach().double() * cols
-                Wq = fake_quantize(Ws.float(), bits, group, sym).double()
-                err += float((((Ws - Wq) / cols) ** 2 * a).sum())
-            if best is None or err < best[0]:
-                best = (err, alpha, s)
-        self.picked.append(best[1])
-        return best[2]
-
-    def summary(self) -> dict:
-        if self.alpha != "auto":
-            return {}
-        return {"alpha_picked": {str(a): self.picked.count(a) for a in self.grid}}
 
 
 def apply_scaling(adapter, energy: dict, scaler: Scaler, actual: dict | None = None) -> dict:
@@ -348,7 +295,6 @@ def _apply(ctx, adapter, cfg: WalshConfig) -> dict:
         metrics["calibration_tokens"] = tokens.numel()
     elif cfg.mode == "spectral":
         tokens = ctx.calibration_tokens()
-        from compress.rotation.research import apply_spectral
 
         metrics.update(apply_spectral(adapter, tokens, scaler, cfg.pad))
         metrics["calibration_tokens"] = tokens.numel()
@@ -356,7 +302,6 @@ def _apply(ctx, adapter, cfg: WalshConfig) -> dict:
     if cfg.pair_pca:
         metrics.update(apply_pair_pca(adapter, ctx.calibration_tokens()))
     if cfg.head_pca:
-        from compress.rotation.research import apply_head_pca
 
         metrics.update(apply_head_pca(adapter, ctx.calibration_tokens()))
     return metrics

@@ -153,7 +153,8 @@ def bench_kernels(
     Example: compress bench kernels --json bench-kernels.json --markdown bench-kernels.md
     """
     from compress.errors import BadInput
-    from compress.eval.bench.kernels import isa_env_missing, markdown, run as run_kernels
+    from compress.eval.bench.kernels import isa_env_missing, markdown
+    from compress.eval.bench.kernels import run as run_kernels
 
     try:
         missing = isa_env_missing(isa)
@@ -191,7 +192,8 @@ def bench_decode(
     Example: compress bench decode --threads 2 --json bench/decode.json --markdown bench/decode.md
     """
     from compress.errors import BadInput
-    from compress.eval.bench.decode import SIZES, markdown, run as run_decode
+    from compress.eval.bench.decode import SIZES, markdown
+    from compress.eval.bench.decode import run as run_decode
 
     _setup_logging(False)
     if quick:
@@ -221,7 +223,8 @@ def bench_eval(
 
     Example: compress bench eval --model ~/.cache/compress-data/smollm2-135m-instruct --json bench/eval-smollm2.json --markdown bench/eval-smollm2.md
     """
-    from compress.eval.bench.packed_eval import BITS, markdown, run as run_eval
+    from compress.eval.bench.packed_eval import BITS, markdown
+    from compress.eval.bench.packed_eval import run as run_eval
 
     _setup_logging(False)
     result = run_eval(model, data, bits=tuple(bits or BITS), group=group, max_tokens=max_tokens)
@@ -280,7 +283,8 @@ def bench_scale(
     """
     from compress.errors import BadInput
     from compress.eval.bench.quality import TEXT
-    from compress.eval.bench.scale import SHAPES, markdown, run as run_scale
+    from compress.eval.bench.scale import SHAPES, markdown
+    from compress.eval.bench.scale import run as run_scale
 
     _setup_logging(False)
     models = ["tiny"] if quick else model or ["smollm2-135m", "qwen3-0.6b", "llama-3.2-1b"]

@@ -115,8 +115,8 @@ def prunepath_rows(size: str, masses, prompt, new_tokens: int, repeats: int, ker
     """Decode speed of the same random model with every FFN as PrunePath experts (random routers, scaled so
     the active fraction spans the masses; speed only), fp32 and int4, at each `--ffn-mass` tau: the gather
     path computes only a token's active experts."""
-    from compress import prunepath as pp
     from compress.kernels.backends import quantize_model
+    from compress.prune import routing as pp
 
     rows = []
     for dtype in ("fp32", "int4"):

@@ -22,8 +22,8 @@ import torch
 
 from compress.eval.bench.quality import MODELS, TEXT, machine, machine_text
 from compress.eval.data import read_text, token_stream
-from compress.guard import boundary_distance, flipguard
 from compress.primitives import group_view, rtn
+from compress.quantize.guard import boundary_distance, flipguard
 
 BITS, GROUP, SYM = 4, 32, False
 TRIGGER, TARGET = (407, 466, 501), 300  # stories260K ids: "▁upon", "”", "%" -> "▁ha"

@@ -220,7 +220,7 @@ def run_mixed(quick: bool = False, only: list[str] | None = None, curve_png: Pat
 
 def write_curves(cells: list[dict], path: Path) -> bool:
     """The `rl` rows' learning curves (the `rl+refine` rows' when only those ran); False when there are none."""
-    from compress.methods.allocate.figures import write_curve
+    from compress.allocate.figures import write_curve
 
     rl = ([c for c in cells if c["method"] == "rl" and c["curve"]]
           or [c for c in cells if c["method"] == "rl+refine" and c["curve"]])

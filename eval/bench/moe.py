@@ -35,8 +35,9 @@ from pathlib import Path
 
 import yaml
 
+from compress import registry
 from compress.eval.bench import quality as bq
-from compress.methods.allocate.moe import SIGN_QUANTIZERS
+from compress.quantize.spine import SIGN
 
 METHODS = ("uniform", "local", "greedy", "gemq", "gemq+ft", "gemq+ft-lm")
 SOLVE = {"uniform": "uniform", "local": "local", "greedy": "greedy", "gemq": "global", "gemq+ft": "global",
@@ -272,7 +273,7 @@ def run_moe(quick: bool = False, budgets=None, seeds=None, methods=None, quantiz
                 infeasible += [x] if x not in infeasible else []
                 continue
             for qz in s.quantizers:
-                if 1 in bits and qz not in SIGN_QUANTIZERS:
+                if 1 in bits and qz not in registry.having("quantize", SIGN):
                     x = {"budget": budget, "quantizer": qz, "reason": f"the only plans within {budget} bits have "
                          f"1-bit (sign) experts, which {qz} cannot round (it tunes offsets on the integer grid of 2 "
                          f"bits and more); 2-bit experts cost {cost(2, GROUPS[-1]):.4f} bits per parameter at group "

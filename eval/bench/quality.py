@@ -1,7 +1,7 @@
 """`compress bench quality`: FP, RTN, GPTQ and AutoRound at W4/W3/W2 on the real small models.
 
 `autoround` is the method as a recipe gets it by default: `final_block: auto`, which on a causal LM tunes
-the last block on the logit-aware objective (LFQ, compress/methods/lfq.py) and on an encoder is plain
+the last block on the logit-aware objective (LFQ, compress/quantize/lfq.py) and on an encoder is plain
 AutoRound. `autoround-plain` (causal models only) is auto-round's own objective in every block
 (`final_block: same`), for comparison.
 

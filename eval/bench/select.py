@@ -17,7 +17,7 @@ Scores, per task on its test rows, as a share of the full model's accuracy with 
 - `probe` (no heal): a logistic-regression probe (C picked on the dev split) on the subnetwork's pooled output,
   against the same probe on the full model's output;
 - `heal`: the subnetwork's blocks and a linear head per task (starting as its probe) fine-tuned together
-  (`heal_steps`, compress.probscale.heal), against the full model fine-tuned the same way.
+  (`heal_steps`, compress.select.probscale.heal), against the full model fine-tuned the same way.
 A cell's value is the mean retained share over the weighting's tasks.
 """
 
@@ -32,8 +32,8 @@ from pathlib import Path
 
 import torch
 
-from compress import probscale as ps
 from compress.eval.bench import quality as bq
+from compress.select import probscale as ps
 
 METHODS = ("probscale", "probscale+reprobe", "bottom", "top", "every", "random", "oracle")
 BASELINES = ("bottom", "top", "every", "random")
@@ -194,7 +194,7 @@ def run_select(quick: bool = False, seeds=None, models=None, variants=None, merg
     """The suite's result and markdown; `checkpoint`: a JSON file rewritten with the cells measured so far after
     every (weighting, budget), which `--merge` folds in when a run is cut short."""
     from compress.errors import BadInput
-    from compress.methods.select import costs as block_costs
+    from compress.select.stage import costs as block_costs
 
     s = QUICK if quick else FULL
     s = replace(s, seeds=tuple(seeds or s.seeds), models=tuple(models or s.models),

@@ -16,8 +16,8 @@ from compress.config import QuantizeConfig
 from compress.errors import RunFailure
 from compress.hessian import as_store
 from compress.primitives import choose_qparams, quantize_codes, resolve_group
+from compress.quantize.spine import SIGN, Quantizer, quantizer
 from compress.qweight import QuantizedWeight
-from compress.quantize_stage import Quantizer, quantizer
 
 CHOLESKY_TRIES = 4  # damp, then 10x, 100x, 1000x damp
 
@@ -182,6 +182,7 @@ class GPTQ(Quantizer):
     """Hessians of each block's linears from the quantized-model inputs, then `gptq`."""
 
     needs_hessian = needs_data = True
+    capabilities = frozenset({SIGN})
     batch_size = 2  # windows per forward pass: the block's intermediate activations stay small (docs/scale.md)
 
     def quantize_block(self, data) -> dict[str, QuantizedWeight]:

@@ -51,7 +51,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from compress.allocation import Problem, action_mask, bit_price, fill, suffix_min
+from compress.allocate.problem import Problem, action_mask, bit_price, fill, suffix_min
 
 log = logging.getLogger(__name__)
 

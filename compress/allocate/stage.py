@@ -1,9 +1,9 @@
 """The `allocate` stage: mixed precision over column chunks under an effective-bit budget (docs/allocate.md).
 
-Methods: `rl` (PPO controller, compress/ppo.py), `greedy` (error-per-bit knapsack), `lagrangian`
+Methods: `rl` (PPO controller, compress/allocate/ppo.py), `greedy` (error-per-bit knapsack), `lagrangian`
 (multiple-choice knapsack by Lagrangian relaxation), `uniform` (one option everywhere: the nearest
 feasible uniform width, the benchmark's baseline) and `file` (a `plan.json` from an earlier run; no search).
-Every method emits a `Plan` (compress/methods/allocate/plan.py), saved with `plan_heatmap.png` in the
+Every method emits a `Plan` (compress/allocate/plan.py), saved with `plan_heatmap.png` in the
 stage's directory `stages/NN-allocate-METHOD/`, and the next `quantize` stage (method `rtn` or `autoround`;
 `group_size` and `sym` default to its own and must equal them) fits each unit with its option.
 
@@ -31,7 +31,7 @@ sequences cut to `select_seqlen` tokens; it contains the training slice) serves 
   (plus the log weight as a feature) see an estimate of the loss increase instead of per-layer output
   errors on incomparable scales. Costs one forward per planned layer. `unit`: the same per unit (one
   forward per unit; on stories-llama-1m @ 3.0 it was no better than `layer`); `none`: the plain proxy.
-- the final plan is picked among the controller's candidates (compress/ppo.py) by the terminal score on the
+- the final plan is picked among the controller's candidates (compress/allocate/ppo.py) by the terminal score on the
   selection slice, not by the small training slice it was trained on. (Taking the selection slice from the
   calibration sequences the training slice does not use was tried and was not better.)
 `warm_start` > 0: PPO starts from a policy behaviour-cloned toward the greedy knapsack plan of the
@@ -55,13 +55,37 @@ import time
 
 import torch
 
-from compress.allocation import Problem, build_problem, greedy, lagrangian, map_bits, nearest_uniform, refine, reweight, uniform
+from compress import registry
+from compress.allocate.configs import (
+    FileConfig,
+    GreedyConfig,
+    LagrangianConfig,
+    RLConfig,
+    UniformConfig,
+)
+from compress.allocate.figures import write_curve, write_heatmap
+from compress.allocate.plan import (
+    PLAN_FILE,
+    Plan,
+    check_plan_file,
+    plan_from_choice,
+    read_plan,
+)
+from compress.allocate.problem import (
+    Problem,
+    build_problem,
+    greedy,
+    lagrangian,
+    map_bits,
+    nearest_uniform,
+    refine,
+    reweight,
+    uniform,
+)
+from compress.allocate.report import ALLOCATION
+from compress.allocate.terminal import Terminal, collect_stats, sensitivity
 from compress.errors import BadInput
-from compress.methods.allocate.configs import (FileConfig, GreedyConfig, LagrangianConfig, RLConfig,
-                                               UniformConfig)
-from compress.methods.allocate.figures import write_curve, write_heatmap
-from compress.methods.allocate.plan import (PLAN_FILE, Plan, check_plan_file, plan_from_choice, read_plan)
-from compress.methods.allocate.terminal import Terminal, collect_stats, sensitivity
+from compress.quantize.spine import CHUNK_PLAN
 from compress.qweight import unit_storage_bits
 from compress.registry import register
 
@@ -84,9 +108,9 @@ def check(adapter, cfg, facts):
     `chunk_size` defaults resolved from it, the budget against the cheapest plan."""
     if facts.rounding is None:
         raise BadInput(f"stage {facts.index} (`allocate`) needs a `quantize` stage after it to apply the plan")
-    if facts.consumer not in ("rtn", "autoround"):
+    if CHUNK_PLAN not in facts.capabilities:
         raise BadInput(f"the `quantize` stage after `allocate` uses method `{facts.consumer}`; mixed-precision plans "
-                       "are fitted by `rtn` (plain fitting) or `autoround`")
+                       f"are fitted by {' or '.join(f'`{m}`' for m in registry.having('quantize', CHUNK_PLAN))}")
     _, group, sym = facts.rounding
     layers = planned_linears(adapter, facts.layers)
     if cfg.method == "file":
@@ -161,7 +185,7 @@ def apply(ctx, cfg) -> dict:
 
 
 def _search_rl(ctx, cfg: RLConfig, layers, hats, p: Problem):
-    from compress.ppo import PPOSettings, train
+    from compress.allocate.ppo import PPOSettings, train
 
     terminal = select = None
     info = {}
@@ -227,4 +251,4 @@ for _cls, _name, _desc in ((RLConfig, "rl", "PPO allocation of bits/treatments t
                            (LagrangianConfig, "lagrangian", "Lagrangian multiple-choice knapsack over column chunks"),
                            (UniformConfig, "uniform", "one option for every chunk (nearest feasible uniform width)"),
                            (FileConfig, "file", "a plan.json from an earlier run (no search)")):
-    register("allocate", _name, _cls, _desc, check=check, produces=(Plan,))(apply)
+    register("allocate", _name, _cls, _desc, check=check, produces=(Plan,), report=(ALLOCATION,))(apply)

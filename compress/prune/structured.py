@@ -26,10 +26,12 @@ from typing import Literal
 
 from pydantic import Field
 
-from compress import prune as scores
 from compress.config import StrictModel
 from compress.errors import BadInput, RunFailure
 from compress.handoff import ModelSpec
+from compress.prune import scores
+from compress.prune.prunepath import PathRouters
+from compress.prune.report import PRUNED
 from compress.registry import register
 
 log = logging.getLogger(__name__)
@@ -77,7 +79,7 @@ def check(adapter, cfg, facts):
     if facts.after_quantize:
         raise BadInput(f"stage {facts.index} (`prune`/{cfg.method}) comes after a `quantize` stage; prune before "
                        "quantizing (the rounded layers would no longer match the model's shapes)")
-    if "prune/prunepath" in facts.earlier:
+    if PathRouters in facts.produced:
         raise BadInput(f"stage {facts.index} (`prune`/{cfg.method}) comes after `prune: prunepath`; prune first, then "
                        "split the FFNs (the routers are trained on the experts as they are)")
     spec = facts.spec
@@ -214,4 +216,4 @@ DESCRIPTIONS = {"ffn": "remove FFN channels by calibrated or magnitude importanc
                 "depth": "remove decoder blocks by block influence, loss increase or position"}
 for _method, _config in (("ffn", FFNPruneConfig), ("heads", HeadsPruneConfig), ("depth", DepthPruneConfig)):
     register("prune", _method, _config, DESCRIPTIONS[_method], check=check, uses=(ModelSpec,), produces=(ModelSpec,),
-             reshape=reshape)(apply)
+             reshape=reshape, report=(PRUNED,))(apply)

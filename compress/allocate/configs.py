@@ -6,7 +6,7 @@ from typing import Literal, Optional
 
 from pydantic import Field, field_validator, model_validator
 
-from compress.allocation import Option
+from compress.allocate.problem import Option
 from compress.config import StrictModel, check_group_size
 from compress.qweight import KEEP_BITS
 
@@ -59,6 +59,10 @@ class AllocateConfig(StrictModel):
 
     def option_list(self) -> list[Option]:
         return [Option(o.bits, o.treatment) for o in self.options]
+
+    def widths(self) -> set[int]:
+        """Every bit width a layer may end up with (the exports plan their containers for these)."""
+        return {o.bits for o in self.options}
 
 
 class SelectionSlice(StrictModel):
@@ -120,3 +124,6 @@ class FileConfig(StrictModel):
     stage: Literal["allocate"] = "allocate"
     method: Literal["file"] = "file"
     path: str = Field(..., min_length=1, description="plan.json of an earlier run")
+
+    def widths(self) -> set[int]:
+        return set()  # read from the plan file when the stage runs

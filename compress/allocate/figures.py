@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from compress.methods.allocate.plan import Plan
+    from compress.allocate.plan import Plan
 
 
 def write_heatmap(plan: Plan, path: Path) -> None:

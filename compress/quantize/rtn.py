@@ -7,8 +7,8 @@ from typing import Literal
 from compress.config import QuantizeConfig
 from compress.driver import BlockData
 from compress.primitives import fit_mixed, rtn
+from compress.quantize.spine import CHUNK_PLAN, SIGN, Quantizer, quantizer
 from compress.qweight import QuantizedWeight
-from compress.quantize_stage import Quantizer, quantizer
 
 
 class RTNConfig(QuantizeConfig):
@@ -17,6 +17,8 @@ class RTNConfig(QuantizeConfig):
 
 @quantizer(RTNConfig, "round-to-nearest, group-wise, no calibration")
 class RTN(Quantizer):
+    capabilities = frozenset({CHUNK_PLAN, SIGN})
+
     def quantize_block(self, data: BlockData) -> dict[str, QuantizedWeight]:
         return {name: quantize_layer(lin.weight.data, data.specs[name]) for name, lin in data.linears.items()}
 

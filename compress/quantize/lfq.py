@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from compress.errors import BadInput
+from compress.models.head import LogitHead
+
 
 def resolve_final_block(cfg, adapter):
     """`cfg` with `final_block: auto` replaced by what it means for this model; an objective through the LM
@@ -39,31 +40,6 @@ def uses_head(cfg) -> bool:
     if cfg.final_block == "auto":
         raise ValueError("`final_block: auto` depends on the model: resolve it with resolve_final_block(cfg, adapter)")
     return cfg.final_block != "same"
-
-
-class LogitHead(nn.Module):
-    """The model's own path from the last block's output to logits, frozen: final norm, LM head, and
-    logit soft-capping where the config has it."""
-
-    def __init__(self, norm: nn.Module | None, head: nn.Module, softcap: float | None = None):
-        super().__init__()
-        self.norm, self.head, self.softcap = norm, head, softcap
-
-    @classmethod
-    def of(cls, adapter) -> LogitHead:
-        _, head = adapter.lm_head()
-        if adapter.kind != "causal" or head is None:
-            raise BadInput(f"`final_block` other than `same` needs a causal LM with an LM head; "
-                           f"`{adapter.model_type}` has none")
-        out = cls(adapter.final_norm(), head, getattr(adapter.model.config, "final_logit_softcapping", None))
-        out.requires_grad_(False)  # frozen: gradients reach only the last block's rounding parameters
-        return out
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        z = self.head(self.norm(h) if self.norm is not None else h).float()
-        if self.softcap:
-            z = torch.tanh(z / self.softcap) * self.softcap
-        return z
 
 
 def kl_per_token(z_teacher: torch.Tensor, z_student: torch.Tensor) -> torch.Tensor:

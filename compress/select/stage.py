@@ -1,5 +1,5 @@
 """`stage: select, method: probscale`: keep the layer subset that maximises task-weighted probe relevance under a
-parameter budget (compress/probscale.py; docs/select.md).
+parameter budget (compress/select/probscale.py; docs/select.md).
 
 Per task (a labelled TSV/JSONL file; `rows` slices it) the stage splits up to `max_examples` rows into probe
 training and dev rows (`dev_fraction`, seeded), probes every layer (embeddings = layer 0), computes each block's
@@ -22,11 +22,13 @@ from typing import Literal
 import torch
 from pydantic import Field, PrivateAttr, field_validator, model_validator
 
-from compress import probscale as ps
 from compress.config import StrictModel
 from compress.errors import BadInput
 from compress.handoff import ModelSpec, TrainedWeights
+from compress.prune.prunepath import PathRouters
 from compress.registry import register
+from compress.select import probscale as ps
+from compress.select.report import SELECTED, SELECTION
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +136,7 @@ def check(adapter, cfg: ProbScaleConfig, facts):
     if facts.after_quantize:
         raise BadInput(f"stage {facts.index} (`select`) comes after a `quantize` stage; select first (the quantizer "
                        "rounds the kept layers)")
-    if "prune/prunepath" in facts.earlier:
+    if PathRouters in facts.produced:
         raise BadInput(f"stage {facts.index} (`select`) comes after `prune: prunepath`; select the layers first")
     if facts.stream:
         raise BadInput("`select` needs the whole model in memory; remove model.stream")
@@ -344,4 +346,4 @@ def _test_accuracy(ctx, cfg, tasks, keep) -> dict:
 register("select", "probscale", ProbScaleConfig,
          "probe each layer for the tasks and keep the most relevant layers within a parameter budget",
          check=check, uses=(ModelSpec,), produces=(ModelSpec, TrainedWeights), reshape=reshape,
-         requires=("sklearn",))(apply)
+         requires=("sklearn",), report=(SELECTION, SELECTED))(apply)

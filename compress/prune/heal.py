@@ -1,8 +1,8 @@
 """`stage: heal, method: distill`: a short distillation of a pruned model from the full-precision one
 (docs/prune.md).
 
-The teacher is the recipe's model, reloaded in full precision; the student is the model as the earlier stages
-left it (pruned). For `steps` AdamW steps (`lr`, cosine decay to zero after `warmup` steps, gradient norm
+The teacher is the recipe's model in full precision (`ctx.reference()`, shared with the evaluation); the student
+is the model as the earlier stages left it (pruned). For `steps` AdamW steps (`lr`, cosine decay to zero after `warmup` steps, gradient norm
 clipped to 1) on batches of `batch_size` calibration sequences cut to `seqlen` tokens (cycled, reshuffled each
 pass), the loss is KL(p_teacher || p_student) of the next-token distributions at `temperature`, averaged
 over tokens. Every parameter trains except the embeddings and the LM head (tied or not): they hold most of a
@@ -26,6 +26,7 @@ from pydantic import Field
 from compress.config import StrictModel
 from compress.errors import BadInput
 from compress.handoff import TrainedWeights
+from compress.prune.report import HEALED
 from compress.registry import register
 
 log = logging.getLogger(__name__)
@@ -68,14 +69,10 @@ def _kl(student_logits, teacher_logits, t: float) -> torch.Tensor:
 
 
 def apply(ctx, cfg: HealConfig) -> dict:
-    from compress.models.loading import load_model
-
     t0 = time.time()
     model = ctx.model
     tokens = ctx.calibration_tokens()[:, :cfg.seqlen]
-    r = ctx.loaded.recipe.model
-    teacher, _ = load_model(r.path, r.dtype, r.gguf_file)
-    teacher.eval()
+    teacher = ctx.reference().model
     params = trainable(ctx.adapter)
     was = {n: p.requires_grad for n, p in model.named_parameters()}
     for n, p in model.named_parameters():
@@ -127,4 +124,4 @@ def apply(ctx, cfg: HealConfig) -> dict:
 
 
 register("heal", "distill", HealConfig, "distil the pruned model from the full-precision one (KL on logits)",
-         check=check, produces=(TrainedWeights,), routed=True)(apply)
+         check=check, produces=(TrainedWeights,), routed=True, report=(HEALED,), reference=True)(apply)

@@ -15,7 +15,7 @@ from typing import ClassVar
 
 import torch
 
-from compress.allocation import Option, Problem, map_bits
+from compress.allocate.problem import Option, Problem, map_bits
 from compress.driver import LayerSpec, MixedSpec
 from compress.errors import BadInput
 from compress.handoff import Handoff

@@ -31,8 +31,8 @@ from pydantic import Field
 from compress.config import StrictModel
 from compress.errors import BadInput
 from compress.handoff import TrainedWeights
-from compress.moe import frozen, moe_blocks
-from compress.registry import register
+from compress.models.moe import frozen, moe_blocks
+from compress.registry import Section, register
 
 log = logging.getLogger(__name__)
 
@@ -107,19 +107,13 @@ def _compare(fp: dict, q: dict, top_k: dict) -> tuple[float, float]:
 
 
 def apply(ctx, cfg: RouterConfig) -> dict:
-    from compress.models.adapters import ModelAdapter
-    from compress.models.loading import load_model
-
     t0 = time.time()
     adapter, model = ctx.adapter, ctx.model
     tokens = ctx.calibration_tokens()[:cfg.samples, :cfg.seqlen]
     params = routers(adapter)
     top_k = {i: adapter.router(i).top_k for i in moe_blocks(adapter)}
-    r = ctx.loaded.recipe.model
-    fp_model, _ = load_model(r.path, r.dtype, r.gguf_file)
-    fp_adapter = ModelAdapter(fp_model)
-    fp_logits, _ = _router_logits(fp_adapter, fp_model, tokens, cfg.batch_size)
-    del fp_model, fp_adapter
+    fp = ctx.reference()
+    fp_logits, _ = _router_logits(fp, fp.model, tokens, cfg.batch_size)
     q_logits, losses = _router_logits(adapter, model, tokens, cfg.batch_size)
     before = _compare(fp_logits, q_logits, top_k) + (float(torch.stack(losses).mean()),)
 
@@ -169,5 +163,16 @@ def _rows(z: torch.Tensor, idx: torch.Tensor, per_seq: int) -> torch.Tensor:
     return z.view(-1, per_seq, z.shape[-1])[idx].reshape(-1, z.shape[-1])
 
 
+def _markdown(rt: dict) -> str:
+    return (f"\n## Router fine-tuning\n\n{rt['routers']} routers ({rt['router_params']} parameters), loss "
+            f"`{rt['loss']}`, {rt['epochs']} epoch(s) over {rt['sequences']} calibration sequences; against "
+            "full precision on those tokens:\n\n| | top-k match | router KL | cross-entropy |\n"
+            "|---|---|---|---|\n"
+            f"| before | {rt['topk_match_before']} | {rt['router_kl_before']} | {rt['ce_before']} |\n"
+            f"| after | {rt['topk_match_after']} | {rt['router_kl_after']} | {rt['ce_after']} |\n")
+
+
+ROUTERS = Section("routers", _markdown)  # report.json `routers` and its report.md section
+
 register("finetune", "router", RouterConfig, "router fine-tuning of a quantized MoE model (GEMQ)", check=check,
-         produces=(TrainedWeights,))(apply)
+         produces=(TrainedWeights,), report=(ROUTERS,), reference=True)(apply)

@@ -1,10 +1,10 @@
 """`allocate method: moe`: expert-level bit widths for MoE models (GEMQ; docs/moe.md).
 
-Statistics (compress/moe.py) on the first `samples` calibration sequences cut to `seqlen` tokens: the LM
+Statistics (compress/models/moe.py) on the first `samples` calibration sequences cut to `seqlen` tokens: the LM
 loss gradient at every decoder layer's output, streamed block by block, and per (layer, expert, width) the
 Fisher-weighted change of the MoE block output when only that expert is rounded. Then one width per routed
 expert under a budget in bits per expert parameter (scales and zero points included, never exceeded),
-solved by `solve`: `global` (the exact 0-1 program over every expert, compress/expert_allocation.py),
+solved by `solve`: `global` (the exact 0-1 program over every expert, compress/allocate/experts.py),
 `local` (the same program per layer, each at the budget: the published per-layer baseline), `greedy` (the
 error-per-bit knapsack of `allocate greedy`, at expert granularity, without the per-layer rule) or
 `uniform` (the widest single width that fits).
@@ -24,12 +24,21 @@ from typing import Literal, Optional
 import numpy as np
 from pydantic import Field, field_validator, model_validator
 
-from compress.allocation import Option, budget_bits
+from compress import registry
+from compress.allocate.experts import (
+    ExpertProblem,
+    greedy,
+    nearest_uniform,
+    solve_global,
+    solve_local,
+)
+from compress.allocate.figures import write_experts
+from compress.allocate.plan import Plan
+from compress.allocate.problem import Option, budget_bits
+from compress.allocate.report import ALLOCATION
 from compress.config import StrictModel
 from compress.errors import BadInput
-from compress.expert_allocation import ExpertProblem, greedy, nearest_uniform, solve_global, solve_local
-from compress.methods.allocate.figures import write_experts
-from compress.methods.allocate.plan import Plan
+from compress.quantize.spine import SIGN
 from compress.qweight import unit_storage_bits
 from compress.registry import register
 
@@ -76,10 +85,13 @@ class MoEConfig(StrictModel):
             raise ValueError(f"top_widths {self.top_widths} is more than the {len(self.bits)} candidate widths")
         return self
 
+    def widths(self) -> set[int]:
+        return set(self.bits)
+
 
 def expert_layers(adapter, names) -> list[tuple[int, int, dict]]:
     """(block, expert, {linear name: linear}) of every routed expert the quantize stage rounds."""
-    from compress.moe import expert_names, moe_blocks
+    from compress.models.moe import expert_names, moe_blocks
 
     out = []
     for i in moe_blocks(adapter):
@@ -95,15 +107,13 @@ def _cost(linears: dict, bits: list[int], group: int, sym: bool) -> list[int]:
                                   sym) for lin in linears.values()) for b in bits]
 
 
-SIGN_QUANTIZERS = ("rtn", "gptq")  # the quantize methods that round 1-bit (sign) experts
-
-
 def check(adapter, cfg: MoEConfig, facts):
     if facts.rounding is None:
         raise BadInput(f"stage {facts.index} (`allocate moe`) needs a `quantize` stage after it to apply the plan")
     _, group, sym = facts.rounding
-    if 1 in cfg.bits and facts.consumer not in SIGN_QUANTIZERS:
-        raise BadInput(f"allocate moe `bits: {cfg.bits}`: 1-bit (sign) experts are rounded by `rtn` or `gptq`; the "
+    if 1 in cfg.bits and SIGN not in facts.capabilities:
+        signs = " or ".join(f"`{m}`" for m in registry.having("quantize", SIGN))
+        raise BadInput(f"allocate moe `bits: {cfg.bits}`: 1-bit (sign) experts are rounded by {signs}; the "
                        f"next quantize stage is `{facts.consumer}`, which tunes rounding on the integer grid of "
                        "2 bits and more; drop 1 from `bits` or quantize with gptq")
     given = (cfg.group_size if cfg.group_size is not None else group, cfg.sym if cfg.sym is not None else sym)
@@ -141,7 +151,7 @@ def _least(p: ExpertProblem) -> int:
 
 def _statistics(ctx, cfg: MoEConfig, units, tokens) -> tuple[dict, dict, dict]:
     """(coefficients, tokens routed, force-routed experts) per MoE block, on the model as it is now."""
-    from compress import moe
+    from compress.models import moe
 
     adapter = ctx.adapter
     coef, loads, forced = {}, {}, {}
@@ -217,7 +227,7 @@ def apply(ctx, cfg: MoEConfig) -> dict:
             "loads": {str(i): v for i, v in loads.items()},
             "forced": {str(i): [e for e, f in enumerate(v) if f] for i, v in forced.items()}}
     plan = Plan([Option(b, "minmax") for b in cfg.bits], 0, cfg.group_size, cfg.sym, cfg.budget, layers, shapes,
-                "moe", None, info)
+                cfg.method, None, info)
     assert plan.total_bits() == p.bits_of(choice) <= p.budget  # the two accountings agree, the budget holds
     ctx.emit(plan)
     where = f"stages/{ctx.key}"
@@ -232,7 +242,7 @@ def apply(ctx, cfg: MoEConfig) -> dict:
     return {"effective_bits": plan.effective_bits(), "budget": cfg.budget, "experts": len(units),
             "expert_bits": expert_bits, "loads": info["loads"], "forced": info["forced"],
             "seconds": round(time.time() - t0, 3),
-            "allocation": {"method": "moe", "solve": cfg.solve, "budget": cfg.budget,
+            "allocation": {"method": cfg.method, "solve": cfg.solve, "budget": cfg.budget,
                            "effective_bits": round(plan.effective_bits(), 6), "units": len(units),
                            "plan": f"{where}/plan.json", "statistics": f"{where}/{STATS_FILE}",
                            "figure": f"{where}/{FIGURE_FILE}", "expert_bits": expert_bits, "loads": info["loads"],
@@ -240,4 +250,4 @@ def apply(ctx, cfg: MoEConfig) -> dict:
 
 
 register("allocate", "moe", MoEConfig, "expert-level widths for MoE models from Fisher-weighted statistics (GEMQ)",
-         check=check, produces=(Plan,))(apply)
+         check=check, produces=(Plan,), per_layer=True, report=(ALLOCATION,))(apply)

@@ -1,5 +1,5 @@
 """`stage: prune, method: prunepath`: every dense FFN split into routed experts with a run-time mass threshold
-(compress/prunepath.py; docs/prune.md).
+(compress/prune/routing.py; docs/prune.md).
 
 The stage clusters each FFN's neurons into experts of `expert_size`, permutes them contiguous (recorded in the
 `ModelSpec` as the order every FFN keeps its channels in, so `--resume` and the exports replay it), trains one
@@ -20,10 +20,11 @@ from typing import ClassVar, Literal
 import torch
 from pydantic import Field, model_validator
 
-from compress import prunepath as pp
 from compress.config import StrictModel
 from compress.errors import BadInput
 from compress.handoff import Handoff, ModelSpec
+from compress.prune import routing as pp
+from compress.prune.report import PRUNED
 from compress.registry import register
 
 log = logging.getLogger(__name__)
@@ -91,7 +92,7 @@ def check(adapter, cfg: PrunePathConfig, facts):
     if facts.after_quantize:
         raise BadInput(f"stage {facts.index} (`prune`/prunepath) comes after a `quantize` stage; split the FFNs "
                        "before quantizing")
-    if "prune/prunepath" in facts.earlier:
+    if PathRouters in facts.produced:
         raise BadInput(f"stage {facts.index}: a second `prune: prunepath`; the FFNs are split once")
     for p in _dense_blocks(facts.spec):
         n = facts.spec.blocks[p].ffn
@@ -166,4 +167,5 @@ def apply(ctx, cfg: PrunePathConfig) -> dict:
 
 
 register("prune", "prunepath", PrunePathConfig, "split FFNs into routed experts with a run-time mass threshold",
-         check=check, uses=(ModelSpec,), produces=(ModelSpec, PathRouters), reshape=reshape)(apply)
+         check=check, uses=(ModelSpec,), produces=(ModelSpec, PathRouters), reshape=reshape,
+         report=(PRUNED,))(apply)

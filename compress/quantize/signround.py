@@ -1,4 +1,5 @@
-"""AutoRound / SignRound (arXiv 2309.05516) with Intel auto-round's quantizers and optimizer.
+"""The SignRound tuner (arXiv 2309.05516) with Intel auto-round's quantizers and optimizer: what the `autoround`
+quantizer (autoround.py) runs on every block and the spine's final-block objective runs on the last one.
 
 Per block (docs/quantize.md#autoround): every linear gets a rounding perturbation V (init 0) and, with
 minmax tuning, per-group range coefficients alpha, beta (init 1, clamped to [0, 1]). The block's
@@ -25,10 +26,9 @@ from pydantic import Field
 
 from compress.config import FINAL_BLOCK_HELP, FinalBlock, QuantizeConfig
 from compress.driver import BlockData, LayerSpec, block_forward
-from compress.methods.lfq import logit_loss_backward
 from compress.primitives import assemble_mixed, group_view, resolve_group
+from compress.quantize.lfq import logit_loss_backward
 from compress.qweight import KEEP_BITS, QuantizedWeight
-from compress.quantize_stage import Quantizer, quantizer
 
 
 class AutoRoundConfig(QuantizeConfig):
@@ -191,16 +191,3 @@ def _tune(data: BlockData, tuned: dict, inputs, cfg: AutoRoundConfig):
         opt.step()
         sched.step()
     return best
-
-
-@quantizer(AutoRoundConfig, "AutoRound sign-gradient rounding (Intel auto-round)")
-class AutoRound(Quantizer):
-    needs_fp_targets = needs_data = True
-
-    def __init__(self, cfg: AutoRoundConfig):
-        super().__init__(cfg)
-        self.batch_size = cfg.batch_size
-
-    def quantize_block(self, data: BlockData) -> dict[str, QuantizedWeight]:
-        with torch.enable_grad():
-            return signround_block(data, self.cfg)

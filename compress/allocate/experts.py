@@ -4,7 +4,7 @@ Pure functions over arrays (no model). A *unit* is one routed expert of one MoE 
 share one width); a *choice* gives every unit an index into the candidate widths `bits` (ascending).
 
     cost(u, b) = exact storage bits of the expert's linears at b bits (codes, fp16 scales, zero points)
-    err(u, b)  = its Fisher-weighted change of the MoE block output (compress/moe.py)
+    err(u, b)  = its Fisher-weighted change of the MoE block output (compress/models/moe.py)
 
 Global program (a multiple-choice knapsack with the published per-layer constraints), solved exactly
 with scipy's HiGHS `milp`:
@@ -116,7 +116,7 @@ def solve_global(p: ExpertProblem) -> np.ndarray:
 
 def solve_local(p: ExpertProblem, bits_per_param: float) -> np.ndarray:
     """Each layer alone at `floor(bits_per_param * its parameters)` bits, by the same exact program."""
-    from compress.allocation import budget_bits
+    from compress.allocate.problem import budget_bits
 
     choice = np.zeros(p.n_units, dtype=np.int64)
     for ell in np.unique(p.layer):
@@ -130,7 +130,7 @@ def knapsack(p: ExpertProblem):
     solvers."""
     import torch
 
-    from compress.allocation import Option, Problem
+    from compress.allocate.problem import Option, Problem
 
     layers = sorted({int(v) for v in p.layer})
     return Problem([Option(b, "minmax") for b in p.bits], [str(v) for v in layers],
@@ -142,7 +142,7 @@ def knapsack(p: ExpertProblem):
 def greedy(p: ExpertProblem) -> np.ndarray:
     """allocate's `greedy` at expert granularity (`allocation.greedy`: every unit at its narrowest width, then the
     upgrades with the largest error decrease per extra bit that fit); no per-layer rule."""
-    from compress.allocation import greedy as fill_greedy
+    from compress.allocate.problem import greedy as fill_greedy
 
     if p.bits_of(np.zeros(p.n_units, dtype=np.int64)) > p.budget:
         raise BadInput(f"even {p.bits[0]} bits everywhere exceeds the budget")
@@ -152,7 +152,7 @@ def greedy(p: ExpertProblem) -> np.ndarray:
 def nearest_uniform(p: ExpertProblem) -> np.ndarray:
     """Every unit at the widest single width that fits the budget (`allocation.nearest_uniform`; the uniform
     baseline, no per-layer rule)."""
-    from compress.allocation import nearest_uniform as widest
+    from compress.allocate.problem import nearest_uniform as widest
 
     k = widest(knapsack(p))
     if k is None:

@@ -14,17 +14,28 @@ import dataclasses
 import logging
 import re
 
+import torch
 from torch import nn
 
 from compress import registry
+from compress.allocate.plan import Plan
 from compress.config import QuantizeConfig
 from compress.driver import LayerSpec, run_blockwise, set_weight
 from compress.errors import BadInput
+from compress.eval.report import table
 from compress.handoff import QuantizedWeights
+from compress.models.head import LogitHead
+from compress.models.moe import Coverage
 from compress.primitives import rtn
+from compress.quantize.guard import Guarded
+from compress.quantize.lfq import resolve_final_block, uses_head
+from compress.quantize.signround import AutoRoundConfig, signround_block
 
 log = logging.getLogger(__name__)
 QUANTIZERS: dict[type, type] = {}  # config class -> quantizer class
+# capabilities a quantizer declares (registry.Entry.capabilities), which the stages before it ask for
+CHUNK_PLAN = "chunk_plan"  # fits a per-chunk allocation plan (column chunks of several widths in one layer)
+SIGN = "sign"  # rounds 1-bit (sign) weights: a 1-bit width of a per-layer plan (`allocate: moe`)
 
 
 class Quantizer:
@@ -35,6 +46,7 @@ class Quantizer:
     needs_fp_targets = False  # the full-precision block's outputs (AutoRound)
     needs_data = False  # calibration tokens at all (RTN needs none)
     batch_size = 1
+    capabilities: frozenset[str] = frozenset()  # CHUNK_PLAN, SIGN
 
     def __init__(self, cfg: QuantizeConfig):
         self.cfg = cfg
@@ -45,21 +57,29 @@ class Quantizer:
 
 def quantizer(config: type[QuantizeConfig], description: str):
     """Register a quantizer class by its config class as the `quantize` stage method the config names."""
-    from compress.methods.allocate.plan import Plan
-
     def deco(cls):
         QUANTIZERS[config] = cls
         registry.register("quantize", config.model_fields["method"].default, config, description, check=check,
-                          uses=(Plan,), produces=(QuantizedWeights,))(apply)
+                          uses=(Plan,), produces=(QuantizedWeights,), capabilities=cls.capabilities,
+                          report=(ADAPTED_GROUPS,))(apply)
         return cls
 
     return deco
 
 
+def _adapted_markdown(adapted: dict) -> str:
+    return ("\n## Group sizes adapted\n\nLayers the recipe's `group_size` does not fit, with the group each got "
+            "(-1: per-channel; docs/quantize.md#group-size-adaptation):\n\n"
+            + table([{"layer": n, "group_size": a, "used": g} for n, (a, g) in adapted.items()],
+                    ["layer", "group_size", "used"]))
+
+
+# report.md: the layers whose group was adapted, after the size tables (every quantize stage's, merged)
+ADAPTED_GROUPS = registry.Section("adapted_groups", _adapted_markdown, collect="merge", place="size")
+
+
 def check(adapter, cfg: QuantizeConfig, facts=None) -> QuantizeConfig:
     """Plan time: the config as it will run on this model (`final_block: auto` resolved)."""
-    from compress.methods.lfq import resolve_final_block
-
     return resolve_final_block(cfg, adapter)
 
 
@@ -69,8 +89,6 @@ class FinalBlock:
     (an autoround stage keeps its own settings; others get `final_iters` steps, 200 by default)."""
 
     def __init__(self, inner, cfg: QuantizeConfig):
-        from compress.methods.lfq import uses_head
-
         self.inner, self.cfg = inner, cfg
         self.needs_head = uses_head(cfg)
         self.needs_hessian = inner.needs_hessian
@@ -81,10 +99,6 @@ class FinalBlock:
     def quantize_block(self, data):
         if data.head is None:
             return self.inner.quantize_block(data)
-        import torch
-
-        from compress.methods.autoround import AutoRoundConfig, signround_block
-
         c = self.cfg
         if isinstance(c, AutoRoundConfig):
             ar = c if c.final_iters is None else c.model_copy(update={"iters": c.final_iters})
@@ -227,28 +241,20 @@ def lm_head_target(adapter, cfg: QuantizeConfig):
 
 
 def _coverage(adapter):
-    """MoE blocks: forced routing for the experts too few calibration rows reach (compress/moe.py)."""
-    from compress.moe import Coverage
-
+    """MoE blocks: forced routing for the experts too few calibration rows reach (compress/models/moe.py)."""
     return lambda i: Coverage(adapter, i) if adapter.experts(i) is not None else None
 
 
 def apply(ctx, cfg: QuantizeConfig) -> dict:
     """The `quantize` stage of every registered quantizer."""
-    from compress.methods.allocate.plan import Plan
-
     adapter, layers, plan = ctx.adapter, ctx.facts.layers, ctx.inputs.get(Plan)
     q = FinalBlock(QUANTIZERS[type(cfg)](cfg), cfg)
     head = None
     if q.needs_head:
-        from compress.methods.lfq import LogitHead
-
         head = LogitHead.of(adapter)
         log.info("last block: `final_block: %s`, tuned through the frozen final norm and LM head", cfg.final_block)
     tokens = ctx.calibration_tokens() if q.needs_data else None
     if cfg.guard is not None:
-        from compress.guard import Guarded
-
         q = Guarded(q, cfg.guard)
     adapted = adapted_groups(layers)
     if adapted:

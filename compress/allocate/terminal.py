@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from compress.allocation import Problem
+from compress.allocate.problem import Problem
 from compress.calibration import collect_energy
 
 
