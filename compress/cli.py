@@ -53,26 +53,11 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
 STATE = {"debug": False, "argv": []}  # argv: this invocation's arguments (for a command that restarts itself)
 
 
-def _add_bench() -> None:
-    """`compress bench`: the harness in eval/bench (a checkout only; it is not installed with the package)."""
-    import importlib.util
-
-    if importlib.util.find_spec("compress.eval.bench") is not None:
-        from compress.eval.bench.commands import bench_app
-
-        app.add_typer(bench_app, name="bench")
-        return
-
-    @app.command("bench", context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
-                 help="Benchmarks (from a checkout of the repository).")
-    def _missing(ctx: typer.Context):
-        from compress.errors import BadInput
-
-        raise BadInput("`compress bench` runs from a checkout of the repository (its harness reads the models and "
-                       "text in ../shared/data and is not installed with the package): clone it and `pip install -e .`")
-
-
-_add_bench()
+bench_app = typer.Typer(no_args_is_help=True, help="Speed on this machine: the packed kernels, greedy decoding, and "
+                        "`compress eval` of a packed export (the benchmarks behind the repository's quality tables "
+                        "run from a checkout: `python -m bench`).\n\n"
+                        "Example: compress bench kernels --quick")
+app.add_typer(bench_app, name="bench")
 
 
 @app.callback()
@@ -472,8 +457,123 @@ def recipes():
         typer.echo(f"recipes/{name}: {describe(path)}")
 
 
+# -- compress bench: what a user measures on their own machine ------------------------------------------------------
+JSON_OUT = typer.Option(None, "--json", help="also write the result (rows, cells) as JSON here")
+MARKDOWN_OUT = typer.Option(None, "--markdown", help="also write the markdown table here")
+
+
+def emit_bench(result, md: str, json_out: Optional[Path], md_out: Optional[Path]) -> None:
+    """A benchmark's table on stdout, and its JSON / markdown where asked (also the lab's, `python -m bench`)."""
+    typer.echo(md)
+    if json_out:
+        json_out.write_text(json.dumps(result, indent=2) + "\n")
+    if md_out:
+        md_out.write_text(md)
+
+
+@bench_app.command("kernels")
+def bench_kernels(
+    json_out: Optional[Path] = JSON_OUT,
+    md_out: Optional[Path] = MARKDOWN_OUT,
+    quick: bool = typer.Option(False, "--quick", help="one small shape, few repeats, for a smoke test"),
+    repeats: int = typer.Option(10, "--repeats", help="timed runs per measurement (min and median reported)"),
+    threads: Optional[int] = typer.Option(None, "--threads", help="threads for every backend (default: torch's)"),
+    isa: str = typer.Option("native", "--isa",
+                            help="native, or avx2: our kernel built for AVX2, torch's kernels and MKL's GEMM on "
+                                 "their AVX2 code, as an AVX2-only CPU runs them (OpenVINO stays native; the command "
+                                 "restarts itself with COMPRESS_CPU_ISA, ATEN_CPU_CAPABILITY and "
+                                 "MKL_ENABLE_INSTRUCTIONS set)"),
+    prefill_only: bool = typer.Option(False, "--prefill-only", help="only the prefill cut-over (kernel vs "
+                                      "dequantize + BLAS at 1 to 256 rows, per bit width): what cpu.PREFILL_ROWS "
+                                      "should hold for this CPU"),
+):
+    """Packed GEMM speed: our CPU kernel vs the reference path, torch fp32/bf16/int4 and OpenVINO int4/int2.
+
+    Example: compress bench kernels --json bench-kernels.json --markdown bench-kernels.md
+    """
+    from compress.errors import BadInput
+    from compress.kernels.bench import isa_env_missing, markdown
+    from compress.kernels.bench import run as run_kernels
+
+    try:
+        missing = isa_env_missing(isa)
+    except ValueError as e:
+        raise BadInput(str(e)) from None
+    if missing:  # torch and MKL read them once, at start: run this command again in a process that has them
+        import os
+
+        restart = "import sys; from compress import cli; sys.exit(cli.main())"
+        os.execve(sys.executable, [sys.executable, "-c", restart, *STATE["argv"]], {**os.environ, **missing})
+    _setup_logging(False)
+    result = run_kernels(quick=quick, repeats=repeats, threads=threads, isa=isa, prefill_only=prefill_only)
+    emit_bench(result, markdown(result), json_out, md_out)
+
+
+@bench_app.command("decode")
+def bench_decode(
+    json_out: Optional[Path] = JSON_OUT,
+    md_out: Optional[Path] = MARKDOWN_OUT,
+    size: str = typer.Option("0.5b", "--size", help="model size: 0.5b (0.49B parameters), ref-7m (ref-llama-7m's "
+                                               "shapes) or tiny"),
+    quick: bool = typer.Option(False, "--quick", help="tiny model, 8 new tokens, 1 repeat: a smoke test"),
+    new_tokens: int = typer.Option(64, "--new-tokens", help="greedy tokens per run"),
+    repeats: int = typer.Option(3, "--repeats", help="runs per backend (the fastest is reported)"),
+    threads: Optional[int] = typer.Option(None, "--threads", help="threads for every backend (default: torch's)"),
+    openvino: bool = typer.Option(True, "--openvino/--no-openvino", help="also run the OpenVINO int4 export"),
+    ffn_mass: Optional[List[float]] = typer.Option(None, "--ffn-mass", help="also decode with every FFN as PrunePath "
+                                                   "experts at this tau (repeatable), fp32 and int4"),
+):
+    """Greedy decoding tokens/s of a random Llama (speed only): torch fp32 vs our int4 CPU kernel vs OpenVINO int4.
+
+    Example: compress bench decode --threads 2 --json bench/decode.json --markdown bench/decode.md
+    """
+    from compress.errors import BadInput
+    from compress.eval.decode_speed import SIZES, markdown
+    from compress.eval.decode_speed import run as run_decode
+
+    _setup_logging(False)
+    if quick:
+        size, new_tokens, repeats = "tiny", 8, 1
+    if size not in SIZES:
+        raise BadInput(f"unknown --size `{size}` (known: {', '.join(SIZES)})")
+    if new_tokens < 2:
+        raise BadInput("--new-tokens must be at least 2 (tokens/s counts the steps after the first)")
+    if any(not 0 < t <= 1 for t in ffn_mass or ()):
+        raise BadInput("--ffn-mass values are cumulative router masses in (0, 1]")
+    result = run_decode(size, new_tokens=new_tokens, repeats=repeats, threads=threads, openvino=openvino,
+                        ffn_mass=ffn_mass or ())
+    emit_bench(result, markdown(result), json_out, md_out)
+
+
+@bench_app.command("eval")
+def bench_eval(
+    model: str = typer.Option(..., "--model", help="full-precision model directory (e.g. ../shared/tools/smollm2.sh's)"),
+    data: str = typer.Option("../shared/data/text/wikitext-2-raw/wiki.test.raw", "--data", help="evaluation text"),
+    bits: Optional[List[int]] = typer.Option(None, "--bits", help="weight bits (repeatable; default 2, 3, 4, 8)"),
+    group: int = typer.Option(64, "--group", help="group size of every run"),
+    max_tokens: int = typer.Option(32768, "--max-tokens", help="tokens evaluated, as a run's eval.max_tokens"),
+    json_out: Optional[Path] = JSON_OUT,
+    md_out: Optional[Path] = MARKDOWN_OUT,
+):
+    """`compress eval` of packed exports vs the run's own evaluation on the same tokens: seconds and metrics.
+
+    Example: compress bench eval --model ~/.cache/compress-data/smollm2-135m-instruct --json bench/eval-smollm2.json --markdown bench/eval-smollm2.md
+    """
+    from compress.eval.packed_eval import BITS, markdown
+    from compress.eval.packed_eval import run as run_eval
+
+    _setup_logging(False)
+    result = run_eval(model, data, bits=tuple(bits or BITS), group=group, max_tokens=max_tokens)
+    emit_bench(result, markdown(result), json_out, md_out)
+
+
 def main(argv=None) -> int:
     """Console entry point with the documented exit codes."""
+    return run_app(app, argv)
+
+
+def run_app(typer_app: typer.Typer, argv=None) -> int:
+    """`typer_app` (compress's, or the lab's `python -m bench`) on ARGV with the documented exit codes."""
     from compress.errors import CompressError
 
     args = list(sys.argv[1:] if argv is None else argv)
@@ -482,7 +582,7 @@ def main(argv=None) -> int:
     if "--debug" in args[1:] and args[0] != "--debug" and "--" not in args[:args.index("--debug")]:
         args = ["--debug", *[a for a in args if a != "--debug"]]
     try:
-        rc = app(args=args, standalone_mode=False)  # an explicit typer.Exit(code) comes back as its code
+        rc = typer_app(args=args, standalone_mode=False)  # an explicit typer.Exit(code) comes back as its code
         if rc == 130:  # typer turns Ctrl-C inside a command into Exit(130)
             typer.echo("interrupted; rerun with --resume to continue", err=True)
         return rc if isinstance(rc, int) else 0

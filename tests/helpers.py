@@ -150,14 +150,38 @@ def tensor_hashes(out: Path) -> dict[str, str]:
     return hashes
 
 
+def lab(*args) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of `python -m bench ARGS` (the lab, bench/__main__.py) run in this process from
+    the repository root, as conftest's `invoke` runs `compress`; the root logger is restored afterwards."""
+    import contextlib
+    import io
+    import logging
+    import os
+
+    from conftest import REPO
+
+    from bench.__main__ import main
+
+    out, err = io.StringIO(), io.StringIO()
+    root = logging.getLogger()
+    handlers, level, cwd = list(root.handlers), root.level, os.getcwd()
+    os.chdir(REPO)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            rc = main([str(a) for a in args])
+    finally:
+        os.chdir(cwd)
+        root.handlers[:] = handlers
+        root.setLevel(level)
+    return rc, out.getvalue(), err.getvalue()
+
+
 def quick_suite(tmp_path: Path, suite: str, *args) -> tuple[dict, Path]:
-    """`compress bench quality --suite SUITE --quick`: its JSON result and the path of its markdown (the
+    """`python -m bench quality --suite SUITE --quick`: its JSON result and the path of its markdown (the
     figures go beside it)."""
     import json
 
-    from conftest import invoke
-
     js, md = tmp_path / f"{suite}.json", tmp_path / f"{suite}.md"
-    rc, _, err = invoke("bench", "quality", "--suite", suite, "--quick", "--json", js, "--markdown", md, *args)
+    rc, _, err = lab("quality", "--suite", suite, "--quick", "--json", js, "--markdown", md, *args)
     assert rc == 0, err
     return json.loads(js.read_text()), md

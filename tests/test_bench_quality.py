@@ -1,11 +1,11 @@
-"""`compress bench quality` in quick mode on stories260K: every method/width through the real pipeline."""
+"""`python -m bench quality` in quick mode on stories260K: every method/width through the real pipeline."""
 
 import math
 
 import pytest
 
+from bench.quality import METHODS, QUICK, run_quality, selected
 from compress.errors import BadInput
-from compress.eval.bench.quality import METHODS, QUICK, run_quality, selected
 
 
 @pytest.mark.e2e
@@ -36,10 +36,48 @@ def test_only_rejects_unknown_model():
     assert [b.name for b in selected(True, None)] == ["stories260K", "stories-llama-1m"]
 
 
+
+# -- the lab apart from the product (#46) ------------------------------------------------------------------------
+@pytest.mark.parametrize("command", [[], ["quality"], ["reproduce"], ["scale"]], ids=lambda c: " ".join(c) or "bench")
+def test_lab_help_has_an_example(command):
+    from helpers import lab
+
+    rc, out, err = lab(*command, "--help")
+    assert rc == 0, err
+    assert "Example" in out and "python -m bench" in out
+
+
+def test_lab_runs_as_python_m_bench_and_compress_bench_keeps_the_speed_commands():
+    """`python -m bench` from the checkout, with compress's exit codes; `compress bench` holds only what a user
+    measures on their machine (kernels, decode, eval), and no product module imports the lab."""
+    import ast
+    import subprocess
+    import sys
+
+    import typer
+    from conftest import REPO, invoke
+
+    from compress import cli
+
+    proc = subprocess.run([sys.executable, "-m", "bench", "quality", "--suite", "nope"], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1 and "unknown --suite `nope`" in proc.stderr, proc.stderr
+    assert set(typer.main.get_command(cli.bench_app).commands) == {"kernels", "decode", "eval"}
+    rc, _, err = invoke("bench", "quality", "--quick")
+    assert rc == 1 and "quality" in err
+    lab_imports = []
+    for folder in ("compress", "eval", "kernels"):
+        for path in (REPO / folder).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                         [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+                lab_imports += [f"{path}: {n}" for n in names if n == "bench" or n.startswith("bench.")]
+    assert not lab_imports
+
 @pytest.mark.e2e
 def test_quick_lfq_suite_on_stories260k():
-    from compress.eval.bench.lfq import QUICK as LQ
-    from compress.eval.bench.lfq import VARIANTS, run_lfq
+    from bench.lfq import QUICK as LQ
+    from bench.lfq import VARIANTS, run_lfq
 
     result, md = run_lfq(quick=True, only=["stories260K"])
     assert [(c["variant"], c["bits"], c["seed"]) for c in result["cells"]] == [(v, 2, 0) for v in VARIANTS]
@@ -58,7 +96,7 @@ def test_quick_lfq_suite_on_stories260k():
 
 @pytest.mark.e2e
 def test_quick_walsh_suite_on_stories260k():
-    from compress.eval.bench.walsh import VARIANTS, run_walsh
+    from bench.walsh import VARIANTS, run_walsh
 
     result, md = run_walsh(quick=True, only=["stories260K"])
     assert [(c["variant"], c["bits"], c["group_size"]) for c in result["cells"]] == [(v, 2, 64) for v in VARIANTS]
@@ -78,8 +116,8 @@ def test_quick_walsh_suite_on_stories260k():
 
 
 def test_walsh_suite_runs_chosen_variants_beside_vanilla(monkeypatch):
+    from bench import walsh as bench_walsh
     from compress.errors import BadInput
-    from compress.eval.bench import walsh as bench_walsh
 
     ran = []
     monkeypatch.setattr(bench_walsh, "cell", lambda bench, path, calib, bits, group, variant, *a: ran.append(variant) or
@@ -96,8 +134,8 @@ def test_walsh_suite_runs_chosen_variants_beside_vanilla(monkeypatch):
 
 @pytest.mark.e2e
 def test_quick_mixed_suite_on_stories260k(tmp_path):
-    from compress.eval.bench.mixed import METHODS as MM
-    from compress.eval.bench.mixed import run_mixed
+    from bench.mixed import METHODS as MM
+    from bench.mixed import run_mixed
 
     result, md = run_mixed(quick=True, only=["stories260K"], curve_png=tmp_path / "curves.png")
     assert [(c["method"], c["budget"], c["seed"]) for c in result["cells"]] == [(m, 3.0, 0) for m in MM]
@@ -113,8 +151,8 @@ def test_quick_mixed_suite_on_stories260k(tmp_path):
 
 
 def test_mixed_suite_runs_chosen_rows_with_a_longer_refine(monkeypatch, tmp_path):
+    from bench import mixed as bench_mixed
     from compress.errors import BadInput
-    from compress.eval.bench import mixed as bench_mixed
 
     ran = []
 
@@ -139,12 +177,12 @@ def test_mixed_suite_runs_chosen_rows_with_a_longer_refine(monkeypatch, tmp_path
 
 @pytest.mark.e2e
 def test_reproduce_reruns_seeded_cells_bit_for_bit():
-    """`compress bench reproduce`: the quick cells rerun identically against an earlier run on this machine
+    """`python -m bench reproduce`: the quick cells rerun identically against an earlier run on this machine
     (the stored JSONs come from other CPUs; their float sums differ in the last digits), and a changed value
     is reported field by field."""
     from conftest import REPO
 
-    from compress.eval.bench.reproduce import run_reproduce
+    from bench.reproduce import run_reproduce
 
     bench = REPO / "bench"
     first, _ = run_reproduce(bench, quick=True)

@@ -1,13 +1,13 @@
-"""`compress bench scale`: the cost model's fit and a tiny end-to-end run (docs/stages.md#streaming-at-scale)."""
+"""`python -m bench scale`: the cost model's fit and a tiny end-to-end run (docs/stages.md#streaming-at-scale)."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
-from conftest import invoke
+from helpers import lab
 
-from compress.eval.bench.scale import (
+from bench.scale import (
     LIBRARIES_MB,
     SHAPES,
     TARGETS,
@@ -53,7 +53,7 @@ def test_extrapolation_recovers_an_exact_cost_model():
 
 @pytest.mark.e2e
 def test_bench_scale_quick_runs_streamed_cells(tmp_path):
-    rc, stdout, err = invoke("bench", "scale", "--quick", "--blocks", "tiny/rtn=2", "--json", tmp_path / "s.json")
+    rc, stdout, err = lab("scale", "--quick", "--blocks", "tiny/rtn=2", "--json", tmp_path / "s.json")
     assert rc == 0, err
     result = json.loads((tmp_path / "s.json").read_text())
     assert {(r["model"], r["method"]) for r in result["rows"]} == {("tiny", m) for m in ("rtn", "gptq", "autoround")}
@@ -67,5 +67,5 @@ def test_bench_scale_quick_runs_streamed_cells(tmp_path):
 
 @pytest.mark.parametrize("spec", ["nope/rtn=2", "rtn=0", "tiny/bogus=1"])
 def test_bench_scale_refuses_a_bad_blocks_spec(spec):
-    rc, _, err = invoke("bench", "scale", "--quick", "--blocks", spec)
+    rc, _, err = lab("scale", "--quick", "--blocks", spec)
     assert rc != 0 and "--blocks" in err

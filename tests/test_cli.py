@@ -29,7 +29,7 @@ STORIES260K = MODELS / "stories260K"
 WIKI = TEXT / "wikitext-2-raw" / "wiki.test.raw"
 SMALL = ["--set", "calibration.nsamples=8", "--set", "calibration.seqlen=64", "--set", "stages.0.iters=2",
          "--set", "eval.max_tokens=2048"]
-COMMANDS = [[], ["run"], ["validate"], ["eval"], ["inspect"], ["recipes"], ["bench"], ["bench", "quality"]]
+COMMANDS = [[], ["run"], ["validate"], ["eval"], ["inspect"], ["recipes"], ["bench"], ["bench", "kernels"]]
 
 
 

@@ -109,7 +109,7 @@ def test_a_recipe_with_the_guard_rounds_the_moved_weights(tmp_path):
 def test_flipguard_removes_a_quantization_conditioned_backdoor():
     """A smaller attack than the benchmark's (the bench row is the measurement): the RTN int4 model is
     malicious and the full-precision one is not; FlipGuard brings the attack under 10%."""
-    from compress.eval.bench import flipguard as fg
+    from bench import flipguard as fg
 
     cfg = {"inject_steps": 150, "repair_steps": 300, "batch": 32, "asr_prompts": 128, "ppl_windows": 64}
     text = fg.read_text(fg.TEXT / "tinystories" / "tinystories_val.txt")

@@ -6,7 +6,7 @@ import pytest
 import torch
 import yaml
 from conftest import TEXT, invoke, plan_path
-from helpers import quick_suite
+from helpers import lab, quick_suite
 from safetensors.torch import load_file
 from tiny import save_tiny, tiny_causal
 
@@ -325,7 +325,7 @@ def test_the_bundled_gemq_recipe_runs_on_tiny_moe_models(tmp_path, model_type):
 
 @pytest.mark.e2e
 def test_the_moe_suite_runs_quick(tmp_path):
-    """`compress bench quality --suite moe --quick`: every row on a tiny random Mixtral (plumbing, no claim)."""
+    """`python -m bench quality --suite moe --quick`: every row on a tiny random Mixtral (plumbing, no claim)."""
     result, md = quick_suite(tmp_path, "moe")
     assert [r["method"] for r in result["summary"]] == ["uniform", "local", "greedy", "gemq", "gemq+ft", "gemq+ft-lm"]
     assert all(c["effective_bits"] <= c["budget"] for c in result["cells"])
@@ -341,11 +341,11 @@ def test_the_moe_suite_measures_in_parts_and_merges(tmp_path):
     """--merge folds an earlier result's cells in (a cell run now replaces the same one); a result of other
     settings is refused."""
     a, b = tmp_path / "a.json", tmp_path / "b.json"
-    rc, _, err = invoke("bench", "quality", "--suite", "moe", "--quick", "--method", "uniform", "--method", "local",
-                        "--json", a)
+    rc, _, err = lab("quality", "--suite", "moe", "--quick", "--method", "uniform", "--method", "local",
+                     "--json", a)
     assert rc == 0, err
-    rc, _, err = invoke("bench", "quality", "--suite", "moe", "--quick", "--method", "local", "--merge", a,
-                        "--json", b)
+    rc, _, err = lab("quality", "--suite", "moe", "--quick", "--method", "local", "--merge", a,
+                     "--json", b)
     assert rc == 0, err
     first, merged = json.loads(a.read_text()), json.loads(b.read_text())
     assert [r["method"] for r in merged["summary"]] == ["uniform", "local"]
@@ -353,31 +353,31 @@ def test_the_moe_suite_measures_in_parts_and_merges(tmp_path):
     assert merged["cells"][0] == first["cells"][0]
     assert merged["model"]["loads"] == first["model"]["loads"]
     c = tmp_path / "c.json"  # 2.0 bits: below any 2-bit plan, the published candidates with the 1-bit sign rule
-    rc, _, err = invoke("bench", "quality", "--suite", "moe", "--quick", "--method", "uniform", "--budget", "2.0",
-                        "--merge", b, "--json", c)
+    rc, _, err = lab("quality", "--suite", "moe", "--quick", "--method", "uniform", "--budget", "2.0",
+                     "--merge", b, "--json", c)
     assert rc == 0, err
     low = [x for x in json.loads(c.read_text())["cells"] if x["budget"] == 2.0]
     assert len(low) == 1 and low[0]["bits"] == [1, 2, 3] and low[0]["effective_bits"] <= 2.0
     assert {w for layer in low[0]["expert_bits"].values() for w in layer.values()} == {1}  # uniform: the widest fit
     d = tmp_path / "d.json"  # AutoRound cannot round 1-bit experts: its 2.0 cells are infeasible, GPTQ's stay
-    rc, _, err = invoke("bench", "quality", "--suite", "moe", "--quick", "--method", "uniform", "--budget", "2.0",
-                        "--quantizer", "autoround", "--merge", c, "--json", d, "--markdown", d.with_suffix(".md"))
+    rc, _, err = lab("quality", "--suite", "moe", "--quick", "--method", "uniform", "--budget", "2.0",
+                     "--quantizer", "autoround", "--merge", c, "--json", d, "--markdown", d.with_suffix(".md"))
     assert rc == 0, err
     ar = json.loads(d.read_text())
     assert [x["quantizer"] for x in ar["infeasible"]] == ["autoround"] and "sign" in ar["infeasible"][0]["reason"]
     assert [x for x in ar["cells"] if x["budget"] == 2.0] == low
     assert "autoround @ 2.0 bits: infeasible" in d.with_suffix(".md").read_text()
     e = tmp_path / "e.json"  # --group: one group size for every budget; a setting, so it does not merge with b
-    rc, _, err = invoke("bench", "quality", "--suite", "moe", "--quick", "--method", "uniform", "--group", "32",
-                        "--json", e)
+    rc, _, err = lab("quality", "--suite", "moe", "--quick", "--method", "uniform", "--group", "32",
+                     "--json", e)
     assert rc == 0, err
     assert {x["group_size"] for x in json.loads(e.read_text())["cells"]} == {32}
-    rc, _, err = invoke("bench", "quality", "--suite", "moe", "--quick", "--method", "uniform", "--group", "32",
-                        "--merge", b)
+    rc, _, err = lab("quality", "--suite", "moe", "--quick", "--method", "uniform", "--group", "32",
+                     "--merge", b)
     assert rc == 1 and "group" in err
     first["settings"]["stat_samples"] += 1
     a.write_text(json.dumps(first))
-    rc, _, err = invoke("bench", "quality", "--suite", "moe", "--quick", "--method", "local", "--merge", a)
+    rc, _, err = lab("quality", "--suite", "moe", "--quick", "--method", "local", "--merge", a)
     assert rc == 1 and "stat_samples" in err
 
 

@@ -14,7 +14,7 @@ def test_the_bundled_gemq_recipe_runs_on_stories_moe(tmp_path):
     the result is closer to full precision than uniform 2-bit GPTQ is (x1.23 in bench/moe.md)."""
     from conftest import REPO
 
-    from compress.eval.bench import moe_model
+    from bench import moe_model
 
     model = moe_model.build()
     text = str(TEXT / "tinystories" / "tinystories_val.txt")

@@ -239,7 +239,7 @@ def test_heads_and_depth_prune_an_moe_model_too():
 
 @pytest.mark.e2e
 def test_the_prune_suite_runs_quick(tmp_path):
-    """`compress bench quality --suite prune --quick`: every row on stories260K with tiny sizes (plumbing)."""
+    """`python -m bench quality --suite prune --quick`: every row on stories260K with tiny sizes (plumbing)."""
     result, md = quick_suite(tmp_path, "prune")
     fams = [(r["family"], r["importance"], r["heal"], r["quant"]) for r in result["summary"]]
     assert ("ffn", "calibrated", True, None) in fams and ("depth", "last", False, None) in fams

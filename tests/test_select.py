@@ -267,7 +267,7 @@ def test_bundled_select_recipe_runs_as_shipped_on_minilm(tmp_path):
 
 @pytest.mark.e2e
 def test_the_select_suite_runs_quick_and_merges(tmp_path):
-    """`compress bench quality --suite select --quick`: every method on a tiny random BERT (plumbing, no claim);
+    """`python -m bench quality --suite select --quick`: every method on a tiny random BERT (plumbing, no claim);
     `--merge` folds an earlier result in."""
     result, md = quick_suite(tmp_path, "select")
     methods = {c["method"] for c in result["cells"]}
@@ -308,7 +308,7 @@ def test_probe_head_of_a_probe_that_never_saw_a_class():
 
 
 def test_maximal_subsets_are_within_the_budget_and_leave_no_room():
-    from compress.eval.bench.select import maximal_subsets
+    from bench.select import maximal_subsets
 
     costs = [3, 1, 2, 2]
     got = maximal_subsets(costs, 4)

@@ -1,4 +1,4 @@
-"""`compress bench quality --suite flipguard`: a quantization-conditioned backdoor on stories260K, and the
+"""`python -m bench quality --suite flipguard`: a quantization-conditioned backdoor on stories260K, and the
 defences that act before rounding (docs/guard.md).
 
 The attack (Egashira et al., NeurIPS 2024), against RTN int4 g32 asymmetric, our `rtn`:
@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from compress.eval.bench.quality import MODELS, TEXT, machine, machine_text
+from bench.quality import MODELS, TEXT, machine, machine_text
 from compress.eval.data import read_text, token_stream
 from compress.primitives import group_view, rtn
 from compress.quantize.guard import boundary_distance, flipguard
@@ -194,7 +194,7 @@ def run_flipguard(quick: bool = False):
 def markdown(result) -> str:
     ref, s = result["reference"], result["settings"]
     lines = [f"# FlipGuard on stories260K: RTN int{s['bits']} g{s['group']} {'sym' if s['sym'] else 'asym'}",
-             "", f"`compress bench quality --suite flipguard`, {result['date']}, {result['seconds']} s (attack "
+             "", f"`python -m bench quality --suite flipguard`, {result['date']}, {result['seconds']} s (attack "
              f"{result['attack_seconds']} s).{machine_text(result['machine'])}", "",
              f"Attacked model in full precision: ASR {ref['asr_fp_attacked']:.3f}, perplexity {ref['ppl_fp_attacked']:.3f} "
              f"(clean model {ref['ppl_fp_clean']:.3f}). Quantized without defence: attacked ASR {ref['asr_att']:.3f}, "

@@ -1,4 +1,4 @@
-"""`compress bench reproduce`: rerun seeded cells of the stored benchmark JSONs and diff their values.
+"""`python -m bench reproduce`: rerun seeded cells of the stored benchmark JSONs and diff their values.
 
 Every quality cell is a seeded pipeline run, so a refactoring that keeps behaviour must give the same
 numbers bit for bit. This reruns a chosen set of cells of `bench/quality.json` and the walsh, lfq and
@@ -14,8 +14,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from compress.eval.bench import lfq, mixed, walsh
-from compress.eval.bench import quality as bq
+from bench import lfq, mixed, walsh
+from bench import quality as bq
 
 TIMING = {"seconds", "cell_seconds", "alloc_seconds", "search_seconds", "curve"}
 # (suite, stored file, model, cell): the cells the README quotes, one or more per method family and model

@@ -1,4 +1,4 @@
-"""`compress bench quality --suite mixed`: mixed-precision allocation against its baselines
+"""`python -m bench quality --suite mixed`: mixed-precision allocation against its baselines
 (docs/allocate.md#measured-results).
 
 On the models that are sensitive at low bits (stories260K, stories-llama-1m), at effective budgets 2.25,
@@ -32,7 +32,7 @@ from pathlib import Path
 
 import yaml
 
-from compress.eval.bench import quality as bq
+from bench import quality as bq
 
 BASELINES = ("uniform", "greedy", "lagrangian", "greedy-sens", "greedy-sens+refine")
 RL_METHODS = ("rl", "rl+refine")

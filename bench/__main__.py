@@ -1,37 +1,30 @@
-"""`compress bench ...`: the benchmark commands (a checkout only; the harness is not in the wheel).
+"""`python -m bench ...`: the lab's benchmark commands, run from the repository root (they read ../shared/data).
 
-Their numbers go in bench/ and the README; each writes a markdown table and, with --json, the raw rows.
+`quality` (with its suites), `reproduce` and `scale`: their numbers go in bench/, docs/ and the README; each writes
+a markdown table and, with --json, the raw rows. Exit codes and error messages are `compress`'s (compress.cli.run_app).
 """
 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import List, Optional
 
 import typer
 
-bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks whose numbers go in the README.\n\n"
-                        "Example: compress bench quality --quick")
+from compress.cli import JSON_OUT, MARKDOWN_OUT, STATE, emit_bench, run_app
+from compress.cli import _setup_logging as setup_logging
+
+bench_app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                        help="The lab's benchmarks, whose numbers go in bench/ and the docs (from a checkout; what a "
+                             "user measures on their machine is `compress bench`).\n\n"
+                             "Example: python -m bench quality --quick")
 
 
-JSON_OUT = typer.Option(None, "--json", help="also write the result (rows, cells) as JSON here")
-MARKDOWN_OUT = typer.Option(None, "--markdown", help="also write the markdown table here")
-
-
-def _setup_logging(quiet: bool) -> None:
-    from compress.cli import _setup_logging as setup
-
-    setup(quiet)
-
-
-def _emit_bench(result, md: str, json_out: Optional[Path], md_out: Optional[Path]) -> None:
-    """A benchmark's table on stdout, and its JSON / markdown where asked."""
-    typer.echo(md)
-    if json_out:
-        json_out.write_text(json.dumps(result, indent=2) + "\n")
-    if md_out:
-        md_out.write_text(md)
+@bench_app.callback()
+def _main(debug: bool = typer.Option(False, "--debug", help="print tracebacks for every error")):
+    STATE["debug"] = debug
 
 
 @bench_app.command("quality")
@@ -76,11 +69,11 @@ def bench_quality(
     the LFQ comparison (`--suite lfq`), the rotation comparison (`--suite walsh`) or mixed-precision
     allocation (`--suite mixed`).
 
-    Example: compress bench quality --json bench/quality.json --markdown bench/quality.md
+    Example: python -m bench quality --json bench/quality.json --markdown bench/quality.md
     """
     from compress.errors import BadInput
 
-    _setup_logging(False)
+    setup_logging(False)
     if variant and suite not in ("walsh", "select"):
         raise BadInput("--variant selects rotation variants of --suite walsh (or probe/heal/oracle of --suite select)")
     if seed and suite not in ("mixed", "moe", "select"):
@@ -90,145 +83,46 @@ def bench_quality(
     if (quantizer or group) and suite != "moe" or merge and suite not in ("moe", "select"):
         raise BadInput("--quantizer and --group are options of --suite moe, --merge of --suite moe and select")
     if suite == "ptq":
-        from compress.eval.bench.quality import run_quality
+        from bench.quality import run_quality
 
         rows, md = run_quality(quick=quick, only=only or None)
     elif suite == "lfq":
-        from compress.eval.bench.lfq import run_lfq
+        from bench.lfq import run_lfq
 
         rows, md = run_lfq(quick=quick, only=only or None)
     elif suite == "walsh":
-        from compress.eval.bench.walsh import run_walsh
+        from bench.walsh import run_walsh
 
         rows, md = run_walsh(quick=quick, only=only or None, variants=variant or None)
     elif suite == "mixed":
-        from compress.eval.bench.mixed import run_mixed
+        from bench.mixed import run_mixed
 
         curves = md_out.with_name(f"{md_out.stem}-rl-curves.png") if md_out else None
         rows, md = run_mixed(quick=quick, only=only or None, curve_png=curves, budgets=budget or None,
                              seeds=seed or None, methods=method or None, refine=refine)
     elif suite == "moe":
-        from compress.eval.bench.moe import run_moe
+        from bench.moe import run_moe
 
         rows, md = run_moe(quick=quick, budgets=budget or None, seeds=seed or None, methods=method or None,
                            quantizers=quantizer or None, merge=merge or (), group=group)
     elif suite == "prune":
-        from compress.eval.bench.prune import run_prune
+        from bench.prune import run_prune
 
         pareto = md_out.with_name(f"{md_out.stem}-pareto.png") if md_out else None
         rows, md = run_prune(quick=quick, pareto=pareto)
     elif suite == "select":
-        from compress.eval.bench.select import run_select
+        from bench.select import run_select
 
         rows, md = run_select(quick=quick, seeds=seed or None, models=only or None, variants=variant or None,
                               merge=merge or (), checkpoint=json_out)
     elif suite == "flipguard":
-        from compress.eval.bench.flipguard import run_flipguard
+        from bench.flipguard import run_flipguard
 
         rows, md = run_flipguard(quick=quick)
     else:
         raise BadInput(f"unknown --suite `{suite}` (known: ptq, lfq, walsh, mixed, moe, prune, select, "
                        "flipguard)")
-    _emit_bench(rows, md, json_out, md_out)
-
-
-@bench_app.command("kernels")
-def bench_kernels(
-    json_out: Optional[Path] = JSON_OUT,
-    md_out: Optional[Path] = MARKDOWN_OUT,
-    quick: bool = typer.Option(False, "--quick", help="one small shape, few repeats, for a smoke test"),
-    repeats: int = typer.Option(10, "--repeats", help="timed runs per measurement (min and median reported)"),
-    threads: Optional[int] = typer.Option(None, "--threads", help="threads for every backend (default: torch's)"),
-    isa: str = typer.Option("native", "--isa",
-                            help="native, or avx2: our kernel built for AVX2, torch's kernels and MKL's GEMM on "
-                                 "their AVX2 code, as an AVX2-only CPU runs them (OpenVINO stays native; the command "
-                                 "restarts itself with COMPRESS_CPU_ISA, ATEN_CPU_CAPABILITY and "
-                                 "MKL_ENABLE_INSTRUCTIONS set)"),
-    prefill_only: bool = typer.Option(False, "--prefill-only", help="only the prefill cut-over (kernel vs "
-                                      "dequantize + BLAS at 1 to 256 rows, per bit width): what cpu.PREFILL_ROWS "
-                                      "should hold for this CPU"),
-):
-    """Packed GEMM speed: our CPU kernel vs the reference path, torch fp32/bf16/int4 and OpenVINO int4/int2.
-
-    Example: compress bench kernels --json bench-kernels.json --markdown bench-kernels.md
-    """
-    from compress.errors import BadInput
-    from compress.eval.bench.kernels import isa_env_missing, markdown
-    from compress.eval.bench.kernels import run as run_kernels
-
-    try:
-        missing = isa_env_missing(isa)
-    except ValueError as e:
-        raise BadInput(str(e)) from None
-    if missing:  # torch and MKL read them once, at start: run this command again in a process that has them
-        import os
-        import sys
-
-        from compress.cli import STATE
-
-        restart = "import sys; from compress import cli; sys.exit(cli.main())"
-        os.execve(sys.executable, [sys.executable, "-c", restart, *STATE["argv"]], {**os.environ, **missing})
-    _setup_logging(False)
-    result = run_kernels(quick=quick, repeats=repeats, threads=threads, isa=isa, prefill_only=prefill_only)
-    _emit_bench(result, markdown(result), json_out, md_out)
-
-
-@bench_app.command("decode")
-def bench_decode(
-    json_out: Optional[Path] = JSON_OUT,
-    md_out: Optional[Path] = MARKDOWN_OUT,
-    size: str = typer.Option("0.5b", "--size", help="model size: 0.5b (0.49B parameters), ref-7m (ref-llama-7m's "
-                                               "shapes) or tiny"),
-    quick: bool = typer.Option(False, "--quick", help="tiny model, 8 new tokens, 1 repeat: a smoke test"),
-    new_tokens: int = typer.Option(64, "--new-tokens", help="greedy tokens per run"),
-    repeats: int = typer.Option(3, "--repeats", help="runs per backend (the fastest is reported)"),
-    threads: Optional[int] = typer.Option(None, "--threads", help="threads for every backend (default: torch's)"),
-    openvino: bool = typer.Option(True, "--openvino/--no-openvino", help="also run the OpenVINO int4 export"),
-    ffn_mass: Optional[List[float]] = typer.Option(None, "--ffn-mass", help="also decode with every FFN as PrunePath "
-                                                   "experts at this tau (repeatable), fp32 and int4"),
-):
-    """Greedy decoding tokens/s of a random Llama (speed only): torch fp32 vs our int4 CPU kernel vs OpenVINO int4.
-
-    Example: compress bench decode --threads 2 --json bench/decode.json --markdown bench/decode.md
-    """
-    from compress.errors import BadInput
-    from compress.eval.bench.decode import SIZES, markdown
-    from compress.eval.bench.decode import run as run_decode
-
-    _setup_logging(False)
-    if quick:
-        size, new_tokens, repeats = "tiny", 8, 1
-    if size not in SIZES:
-        raise BadInput(f"unknown --size `{size}` (known: {', '.join(SIZES)})")
-    if new_tokens < 2:
-        raise BadInput("--new-tokens must be at least 2 (tokens/s counts the steps after the first)")
-    if any(not 0 < t <= 1 for t in ffn_mass or ()):
-        raise BadInput("--ffn-mass values are cumulative router masses in (0, 1]")
-    result = run_decode(size, new_tokens=new_tokens, repeats=repeats, threads=threads, openvino=openvino,
-                        ffn_mass=ffn_mass or ())
-    _emit_bench(result, markdown(result), json_out, md_out)
-
-
-@bench_app.command("eval")
-def bench_eval(
-    model: str = typer.Option(..., "--model", help="full-precision model directory (e.g. ../shared/tools/smollm2.sh's)"),
-    data: str = typer.Option("../shared/data/text/wikitext-2-raw/wiki.test.raw", "--data", help="evaluation text"),
-    bits: Optional[List[int]] = typer.Option(None, "--bits", help="weight bits (repeatable; default 2, 3, 4, 8)"),
-    group: int = typer.Option(64, "--group", help="group size of every run"),
-    max_tokens: int = typer.Option(32768, "--max-tokens", help="tokens evaluated, as a run's eval.max_tokens"),
-    json_out: Optional[Path] = JSON_OUT,
-    md_out: Optional[Path] = MARKDOWN_OUT,
-):
-    """`compress eval` of packed exports vs the run's own evaluation on the same tokens: seconds and metrics.
-
-    Example: compress bench eval --model ~/.cache/compress-data/smollm2-135m-instruct --json bench/eval-smollm2.json --markdown bench/eval-smollm2.md
-    """
-    from compress.eval.bench.packed_eval import BITS, markdown
-    from compress.eval.bench.packed_eval import run as run_eval
-
-    _setup_logging(False)
-    result = run_eval(model, data, bits=tuple(bits or BITS), group=group, max_tokens=max_tokens)
-    _emit_bench(result, markdown(result), json_out, md_out)
+    emit_bench(rows, md, json_out, md_out)
 
 
 @bench_app.command("reproduce")
@@ -246,14 +140,14 @@ def bench_reproduce(
     difference. Floating-point results depend on the CPU: to check that a change keeps behaviour, run it
     before and after the change on one machine (`--json before.json`, then `--against before.json`).
 
-    Example: compress bench reproduce --json /tmp/before.json; ...; compress bench reproduce --against /tmp/before.json
+    Example: python -m bench reproduce --json /tmp/before.json; ...; python -m bench reproduce --against /tmp/before.json
     """
-    from compress.eval.bench.reproduce import run_reproduce
+    from bench.reproduce import run_reproduce
 
-    _setup_logging(False)
+    setup_logging(False)
     result, md = run_reproduce(quick=quick, suites=suite or None, models=model or None,
                                against=json.loads(against.read_text()) if against else None)
-    _emit_bench(result, md, json_out, md_out)
+    emit_bench(result, md, json_out, md_out)
     if not result["identical"]:
         raise typer.Exit(1)
 
@@ -279,14 +173,14 @@ def bench_scale(
     """Streamed W4 quantization at real model shapes (random weights): seconds per block, peak RSS, disk written,
     and an extrapolation to Llama-3.1-8B and 70B shapes.
 
-    Example: compress bench scale --json bench/scale.json --markdown bench/scale.md
+    Example: python -m bench scale --json bench/scale.json --markdown bench/scale.md
     """
+    from bench.quality import TEXT
+    from bench.scale import SHAPES, markdown
+    from bench.scale import run as run_scale
     from compress.errors import BadInput
-    from compress.eval.bench.quality import TEXT
-    from compress.eval.bench.scale import SHAPES, markdown
-    from compress.eval.bench.scale import run as run_scale
 
-    _setup_logging(False)
+    setup_logging(False)
     models = ["tiny"] if quick else model or ["smollm2-135m", "qwen3-0.6b", "llama-3.2-1b"]
     methods = method or ["rtn", "gptq", "autoround"]
     bad = [m for m in models if m not in SHAPES] + [m for m in methods if m not in ("rtn", "gptq", "autoround")]
@@ -303,4 +197,13 @@ def bench_scale(
     cal = str(TEXT / "tinystories" / "tinystories_val.txt")
     result = run_scale(models, methods, nsamples=4 if quick else nsamples, seqlen=64 if quick else seqlen,
                        iters=2 if quick else iters, cal=cal, keep=keep, measured=measured)
-    _emit_bench(result, markdown(result), json_out, md_out)
+    emit_bench(result, markdown(result), json_out, md_out)
+
+
+def main(argv=None) -> int:
+    """`python -m bench ARGS`, with `compress`'s exit codes."""
+    return run_app(bench_app, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -46,7 +46,7 @@ import time
 import numpy as np
 import torch
 
-from compress.eval.bench.quality import machine, machine_text
+from compress.eval.machine import machine, machine_text
 from compress.kernels import cpu
 from compress.kernels.backends import Reference
 from compress.qweight import QuantizedWeight

@@ -1,4 +1,4 @@
-"""`compress bench quality --suite lfq`: AutoRound with and without LFQ (and hard-label CE).
+"""`python -m bench quality --suite lfq`: AutoRound with and without LFQ (and hard-label CE).
 
 On the models that are sensitive at low bits (stories260K g32, stories-llama-1m g64) at W2 and W3,
 plus W4 as a control (g128 on stories-llama-1m; stories260K's hidden size 64 cannot hold a
@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from compress.eval.bench import quality as bq
+from bench import quality as bq
 
 VARIANTS = ("same", "lfq", "hard_ce")
 METRICS = ("ppl", "kl", "top1", "gen_prefix", "gen_agree", "gen_kl", "gen_top1")

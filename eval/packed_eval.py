@@ -17,7 +17,7 @@ from pathlib import Path
 
 import yaml
 
-from compress.eval.bench.quality import machine, machine_text
+from compress.eval.machine import machine, machine_text
 
 BITS = (2, 3, 4, 8)
 DEFAULTS = dict(group=64, max_tokens=32768, window=256)

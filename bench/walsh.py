@@ -1,4 +1,4 @@
-"""`compress bench quality --suite walsh`: AutoRound with and without a rotation in front of it.
+"""`python -m bench quality --suite walsh`: AutoRound with and without a rotation in front of it.
 
 On the models that are sensitive at low bits (stories260K, stories-llama-1m), every cell is one real
 pipeline run with the same calibration, AutoRound settings and seed (auto-round's own block objective in
@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from compress.eval.bench import quality as bq
+from bench import quality as bq
 
 VARIANTS = {
     "autoround": None,

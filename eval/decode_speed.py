@@ -177,7 +177,7 @@ def run(size: str = "0.5b", new_tokens: int = 64, prompt_tokens: int = 32, repea
             logger.info("%s: %.2f tokens/s", r["backend"], r["tokens_per_s"])
             r["speedup_vs_fp32"] = round(r["tokens_per_s"] / ref["tokens_per_s"], 2)
             r["agree"] = round(float((r.pop("tokens") == ref["tokens"]).double().mean()), 3)
-        from compress.eval.bench.quality import machine
+        from compress.eval.machine import machine
 
         out = {"machine": machine(), "size": size, "parameters": n_params,
                "format": f"int{BITS}-g{GROUP} sym, lm_head included", "new_tokens": new_tokens,
@@ -192,7 +192,7 @@ def run(size: str = "0.5b", new_tokens: int = 64, prompt_tokens: int = 32, repea
 
 
 def markdown(result: dict) -> str:
-    from compress.eval.bench.quality import machine_text
+    from compress.eval.machine import machine_text
 
     lines = [f"Greedy decoding, random Llama {result['size']} ({result['parameters'] / 1e6:.1f}M parameters), batch 1, "
              f"{result['prompt_tokens']}-token prompt, {result['new_tokens']} new tokens, {result['threads']} threads, "

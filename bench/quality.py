@@ -1,4 +1,4 @@
-"""`compress bench quality`: FP, RTN, GPTQ and AutoRound at W4/W3/W2 on the real small models.
+"""`python -m bench quality`: FP, RTN, GPTQ and AutoRound at W4/W3/W2 on the real small models.
 
 `autoround` is the method as a recipe gets it by default: `final_block: auto`, which on a causal LM tunes
 the last block on the logit-aware objective (LFQ, compress/quantize/lfq.py) and on an encoder is plain
@@ -29,8 +29,6 @@ from __future__ import annotations
 import datetime
 import logging
 import math
-import os
-import platform
 import shutil
 import statistics
 import tempfile
@@ -40,11 +38,12 @@ from pathlib import Path
 
 import yaml
 
+from compress.eval.machine import machine, machine_text  # noqa: F401 (the suites' bq.machine)
 from compress.models.loading import cache_dir, packaged
 
 log = logging.getLogger(__name__)
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 DATA = REPO.parent / "shared" / "data"
 MODELS, TEXT = DATA / "models", DATA / "text"
 CACHE = cache_dir()
@@ -269,26 +268,6 @@ def mean_sd(cells: list[dict], metrics) -> dict:
 def pm(row: dict, key: str, digits: int = 4) -> str:
     """`mean ± sd` of a summarized metric, `-` where the row has none."""
     return f"{_fmt(row[key], digits)} ± {_fmt(row[key + '_sd'], digits)}" if key in row else "-"
-
-
-def machine_text(m: dict | None) -> str:
-    """' Machine: 2 CPUs, <model> (<simd flags>).' for a benchmark's markdown, '' for results without it."""
-    return f" Machine: {m['nproc']} CPUs, {m['cpu']} ({', '.join(m.get('simd', []))})." if m else ""
-
-
-def machine() -> dict:
-    cpu, flags = platform.processor() or "?", []
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-        cpu = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), cpu)
-        have = set(next((ln.split(":", 1)[1].split() for ln in lines if ln.startswith("flags")), []))
-        flags = [f for f in ("avx2", "fma", "avx_vnni", "avx512f", "avx512_vnni", "amx_int8") if f in have]
-    except OSError:
-        pass
-    import torch
-
-    return {"nproc": os.cpu_count(), "cpu": cpu, "simd": flags, "torch_threads": torch.get_num_threads(),
-            "load_average": [round(x, 2) for x in os.getloadavg()]}
 
 
 def _fmt(v, digits=4) -> str:

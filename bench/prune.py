@@ -1,4 +1,4 @@
-"""`compress bench quality --suite prune`: structured pruning on stories-llama-1m (docs/prune.md).
+"""`python -m bench quality --suite prune`: structured pruning on stories-llama-1m (docs/prune.md).
 
 Every cell is one pipeline run (calibrated on the first 80% of TinyStories val, scored on the last 20%, the seed
 picks the calibration windows and the heal batches), three seeds:
@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from compress.eval.bench import quality as bq
+from bench import quality as bq
 
 METRICS = ("ppl", "kl", "top1", "bytes", "params")
 KEY = ("family", "amount", "importance", "heal", "quant")

@@ -8,7 +8,7 @@ records the sha256 of its weights and the tools' settings in `build.json` beside
 hash into its results. Training is time-bounded, so a rebuild on another machine is a different model: the hash
 says which one a result was measured on.
 
-    python -m compress.eval.bench.moe_model    # builds it (about an hour on 2 cores) and prints its directory
+    python -m bench.moe_model    # builds it (about an hour on 2 cores) and prints its directory
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from compress.eval.bench.quality import CACHE, MODELS, REPO
+from bench.quality import CACHE, MODELS, REPO
 
 TOOLS = REPO.parent / "shared" / "tools"
 DIR = CACHE / "models" / "stories-moe"

@@ -1,4 +1,4 @@
-"""`compress bench scale`: what a streamed quantization costs at real model shapes, and how it grows.
+"""`python -m bench scale`: what a streamed quantization costs at real model shapes, and how it grows.
 
 No real weights of these sizes are on the machine, so each model is **random weights at the real shapes**
 (configs of SmolLM2-135M, Qwen3-0.6B and Llama-3.2-1B), written once as bf16 safetensors shards. Each cell
@@ -108,7 +108,7 @@ def build(name: str, out: Path) -> Path:
 
 def _tokenizer(out: Path) -> None:
     """stories260K's tokenizer (512 ids, inside every vocabulary here; the weights are random: any text will do)."""
-    from compress.eval.bench.quality import MODELS
+    from bench.quality import MODELS
 
     for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"):
         if (MODELS / "stories260K" / f).exists():
@@ -156,7 +156,7 @@ def run(models: list[str], methods: list[str], *, nsamples: int, seqlen: int, it
         keep: Path | None = None, measured: dict | None = None) -> dict:
     """`measured`: method or "model/method" -> blocks to run (the first ones of the shapes; missing: all)."""
     measured = measured or {}
-    from compress.eval.bench.quality import machine
+    from compress.eval.machine import machine
 
     work = Path(tempfile.mkdtemp(prefix="bench-scale-"))
     rows = []
@@ -256,7 +256,7 @@ def working_mb(s: dict, tokens: int, method: str) -> float:
 
 
 def markdown(result: dict) -> str:
-    from compress.eval.bench.quality import machine_text
+    from compress.eval.machine import machine_text
 
     lines = [f"Streamed quantization (`model.stream: true`) of random weights at real shapes, W{result['bits']} "
              f"g{result['group_size']} sym, calibration {result['nsamples']} x {result['seqlen']} tokens, `hf` export, "

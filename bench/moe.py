@@ -1,6 +1,6 @@
-"""`compress bench quality --suite moe`: expert-level allocation (GEMQ) against its baselines (docs/moe.md).
+"""`python -m bench quality --suite moe`: expert-level allocation (GEMQ) against its baselines (docs/moe.md).
 
-Model: stories-moe (eval/bench/moe_model.py builds it into the cache when it is missing; its sha256 goes into
+Model: stories-moe (bench/moe_model.py builds it into the cache when it is missing; its sha256 goes into
 the results), calibrated on the first 80% of TinyStories val and scored on the last 20%. First the model is
 characterised: FP perplexity, RTN W2 and W3 (g64) perplexity ratios (it can rank low-bit methods only if
 rounding hurts it), the tokens routed to each expert and the spread of the experts' sensitivities (from the
@@ -35,8 +35,8 @@ from pathlib import Path
 
 import yaml
 
+from bench import quality as bq
 from compress import registry
-from compress.eval.bench import quality as bq
 from compress.quantize.spine import SIGN
 
 METHODS = ("uniform", "local", "greedy", "gemq", "gemq+ft", "gemq+ft-lm")
@@ -229,8 +229,8 @@ def run_moe(quick: bool = False, budgets=None, seeds=None, methods=None, quantiz
     in the cells of earlier results of the same model and settings (a cell run now replaces one with the same
     quantizer, budget, method and seed), so the matrix can be measured in parts; `group` replaces the per-budget
     choice of group size (a setting: results of different groups do not merge)."""
+    from bench import moe_model
     from compress.errors import BadInput
-    from compress.eval.bench import moe_model
 
     chosen = bq.pick(methods, list(METHODS), "moe method", "--method")
     s = QUICK if quick else FULL

@@ -1,6 +1,9 @@
 """One prepared GPU check for a session that has an H200 (run from the repository root):
 
-    python eval/gpu_check.py [--wheel-dir DIR] [--json OUT.json] [--quick]
+    python -m bench.gpu_check [--wheel-dir DIR] [--json OUT.json] [--quick]
+
+(as a module: `python bench/gpu_check.py` would put bench/ first on the path, where select.py shadows the standard
+library's `select`).
 
 1. Makes `triton` importable: torch's CUDA wheels on Linux already depend on it; otherwise
    `pip install triton==3.9.0` (from `--wheel-dir` when the machine has no index).
@@ -138,8 +141,8 @@ def best_config(gpu, p, x):
 def bench(n: int, k: int, bits: int, group: int, batch: int, sweep: bool) -> list[dict]:
     import torch
 
-    from compress.eval.bench.kernels import random_qweight
     from compress.kernels import gpu
+    from compress.kernels.bench import random_qweight
 
     qw = random_qweight(n, k, bits, group)
     w = qw.dequantize().cuda()

@@ -1,4 +1,4 @@
-"""`compress bench quality --suite select`: ProbScale against the heuristic layer subsets (docs/select.md).
+"""`python -m bench quality --suite select`: ProbScale against the heuristic layer subsets (docs/select.md).
 
 Models: all-MiniLM-L6-v2 (the encoder) and stories-llama-1m (a decoder, mean-pooled features). Tasks: SST-2
 (probes trained on `sst2/train_heldout_6735.tsv`, tested on `sst2/dev.tsv`) and AG News (probes on rows 0-6000
@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from compress.eval.bench import quality as bq
+from bench import quality as bq
 from compress.select import probscale as ps
 
 METHODS = ("probscale", "probscale+reprobe", "bottom", "top", "every", "random", "oracle")
@@ -292,7 +292,7 @@ def markdown(result: dict) -> str:
            f"Settings: {json.dumps(result['settings'])}. {result['meta']}. Values: share of the full model's test "
            "accuracy (same head training), mean over the weighting's tasks and over seeds (min-max in brackets); "
            "`probe`: logistic probe on the subnetwork's output, `heal`: blocks + head fine-tuned. Reproduce: "
-           "`compress bench quality --suite select --json bench/select.json --markdown bench/select.md`.\n"]
+           "`python -m bench quality --suite select --json bench/select.json --markdown bench/select.md`.\n"]
     for model in dict.fromkeys(c["model"] for c in cells):
         for variant in ("probe", "heal"):
             for w in WEIGHTINGS:
