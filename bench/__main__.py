@@ -111,7 +111,7 @@ def bench_quality(
         pareto = md_out.with_name(f"{md_out.stem}-pareto.png") if md_out else None
         rows, md = run_prune(quick=quick, pareto=pareto)
     elif suite == "select":
-        from bench.select import run_select
+        from bench.selection import run_select
 
         rows, md = run_select(quick=quick, seeds=seed or None, models=only or None, variants=variant or None,
                               merge=merge or (), checkpoint=json_out)

@@ -23,8 +23,7 @@ from pydantic import BaseModel
 
 from compress.errors import BadInput
 
-# Modules that register stages, imported by name, in this order: report.md renders the stages' sections in the order
-# of their registrations.
+# Modules that register stages, imported by name; report.md renders the stages' sections in this order.
 METHOD_MODULES = (
     "compress.quantize.rtn",
     "compress.quantize.gptq",
@@ -136,11 +135,13 @@ def methods(stage: str) -> list[str]:
 
 
 def sections() -> dict[str, Section]:
-    """Every registered report section by key (registrations sharing a key share one section, except "each"
-    sections, whose values are rendered by their own registration's: `section_of`)."""
+    """Every registered report section by key, in the order of `METHOD_MODULES` (registrations from elsewhere, e.g.
+    a test's, after them); registrations sharing a key share one section, except "each" sections, whose values
+    are rendered by their own registration's (`section_of`)."""
     load_all()
+    rank = {m: k for k, m in enumerate(METHOD_MODULES)}
     out: dict[str, Section] = {}
-    for e in _REGISTRY.values():
+    for e in sorted(_REGISTRY.values(), key=lambda e: rank.get(e.apply.__module__, len(rank))):
         for s in e.report:
             out.setdefault(s.key, s)
     return out

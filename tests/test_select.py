@@ -308,7 +308,7 @@ def test_probe_head_of_a_probe_that_never_saw_a_class():
 
 
 def test_maximal_subsets_are_within_the_budget_and_leave_no_room():
-    from bench.select import maximal_subsets
+    from bench.selection import maximal_subsets
 
     costs = [3, 1, 2, 2]
     got = maximal_subsets(costs, 4)

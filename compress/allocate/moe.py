@@ -249,5 +249,5 @@ def apply(ctx, cfg: MoEConfig) -> dict:
                            "forced": info["forced"]}}
 
 
-register("allocate", "moe", MoEConfig, "expert-level widths for MoE models from Fisher-weighted statistics (GEMQ)",
-         check=check, produces=(Plan,), per_layer=True, report=(ALLOCATION,))(apply)
+register("allocate", MoEConfig.model_fields["method"].default, MoEConfig,
+         "expert-level widths for MoE models from Fisher-weighted statistics (GEMQ)", check=check, produces=(Plan,), per_layer=True, report=(ALLOCATION,))(apply)
