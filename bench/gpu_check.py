@@ -9,7 +9,7 @@ library's `select`).
    `pip install triton==3.9.0` (from `--wheel-dir` when the machine has no index).
 2. Makes `compress.kernels` importable without installing the package (aliases `kernels/`), so the
    machine needs only torch and triton.
-3. Correctness: `pytest -m gpu tests/test_kernels_gpu.py` (the compiled kernels on CUDA vs x @ W_hat.T,
+3. Correctness: `pytest -m gpu tests/kernels/test_kernels_gpu.py` (the compiled kernels on CUDA vs x @ W_hat.T,
    every bit width and path) when pytest is present; every benchmark row also reports its relative
    error against the dense fp32 product of the same dequantized weight.
 4. Benchmark, int4 g128 (and int2 g64) at batch 1 (and 8, 32): ours (`triton`, the default launch
@@ -67,7 +67,7 @@ def run_pytest() -> int | None:
         return None
     sys.path.insert(0, str(REPO / "tests"))
     # only the compiled-kernel tests: the interpreter tests would leave triton.language patched
-    args = ["-q", "-p", "no:cacheprovider", "-o", "addopts=", "-m", "gpu", str(REPO / "tests/test_kernels_gpu.py")]
+    args = ["-q", "-p", "no:cacheprovider", "-o", "addopts=", "-m", "gpu", str(REPO / "tests/kernels/test_kernels_gpu.py")]
     return int(pytest.main(args))
 
 

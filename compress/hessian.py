@@ -41,7 +41,7 @@ class PackedSym:
 
     With n1 = n // 2 and n2 = n - n1 the storage, seen row-major as (n + 1 - n % 2, n2), holds
     `U[i, n1 + c] = R[i, c]` (i < n1), `U[i, j] = R[i, j - n1]` (n1 <= i <= j) and `U[i, j] = R[n1 + 1 + j, i]`
-    (i <= j < n1); `tests/test_hessian.py` checks it against LAPACK's own conversion."""
+    (i <= j < n1); `tests/quantize/test_hessian.py` checks it against LAPACK's own conversion."""
 
     def __init__(self, n: int, data: torch.Tensor):
         self.n, self.data = n, data

@@ -79,6 +79,7 @@ class Entry:
     # reference: the stage reads the full-precision model (`ctx.reference()`: loaded once per run, shared with the
     # other stages and the evaluation, released after the last of them)
     reference: bool = False
+    module: str = ""  # the registering module (set by `register`)
 
 
 @dataclass(frozen=True)
@@ -112,6 +113,7 @@ def register(stage: str, method: str, config: type[BaseModel], description: str 
              **declared):
     """Register `fn(ctx, cfg) -> metrics` as `stage`/`method`; `declared`: the Entry fields above."""
     def deco(fn):
+        declared.setdefault("module", fn.__module__)
         _REGISTRY[(stage, method)] = Entry(stage, method, config, fn, description or (fn.__doc__ or "").strip(),
                                            check, **declared)
         return fn
@@ -138,10 +140,8 @@ def sections() -> dict[str, Section]:
     """Every registered report section by key, in the order of `METHOD_MODULES` (registrations from elsewhere, e.g.
     a test's, after them); registrations sharing a key share one section, except "each" sections, whose values
     are rendered by their own registration's (`section_of`)."""
-    load_all()
-    rank = {m: k for k, m in enumerate(METHOD_MODULES)}
     out: dict[str, Section] = {}
-    for e in sorted(_REGISTRY.values(), key=lambda e: rank.get(e.apply.__module__, len(rank))):
+    for e in _ordered():
         for s in e.report:
             out.setdefault(s.key, s)
     return out
@@ -155,9 +155,16 @@ def section_of(stage: str, method: str, key: str) -> Section | None:
 
 
 def having(stage: str, capability: str) -> list[str]:
-    """The methods of `stage` whose registration declares `capability`, in registration order."""
+    """The methods of `stage` whose registration declares `capability`, in the order of `METHOD_MODULES`."""
+    return [e.method for e in _ordered() if e.stage == stage and capability in e.capabilities]
+
+
+def _ordered() -> list[Entry]:
+    """Every registration in the order of `METHOD_MODULES` (a quantizer: of its class's module), whatever order the
+    modules were imported in; registrations from elsewhere (a test's) after them."""
     load_all()
-    return [m for (s, m), e in _REGISTRY.items() if s == stage and capability in e.capabilities]
+    rank = {m: k for k, m in enumerate(METHOD_MODULES)}
+    return sorted(_REGISTRY.values(), key=lambda e: rank.get(e.module, len(rank)))
 
 
 def suggest(word: str, choices) -> str:

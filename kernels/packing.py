@@ -20,7 +20,7 @@ Value `j` occupies stream bits `[j*b, (j+1)*b)`, i.e. word `(j*b) // 32` from bi
 
 This is AutoGPTQ's / auto-round's layout for 2, 3, 4 and 8 bits (auto-round's hand-written 3-bit
 routine `qlinear_torch.pack_3bits` and its generic `auto_round.utils.bit_packing.pack_bitstream`
-produce the same words; `tests/test_packing.py` checks both). `n * b` must be a multiple of 32.
+produce the same words; `tests/kernels/test_packing.py` checks both). `n * b` must be a multiple of 32.
 
 GPTQ layout (`gptq_pack` / `gptq_unpack`), for `nn.Linear(in=K, out=N)`
 ------------------------------------------------------------------------

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWa
                                         "ignore::DeprecationWarning")
 
 MODEL = MODELS / "ref-llama-7m"
-# moe: tests/test_moe.py; select (an encoder recipe): tests/test_select.py
+# moe: tests/allocate/test_moe.py; select (an encoder recipe): tests/select/test_select.py
 RECIPES = sorted(p for p in (REPO / "recipes").glob("*.yaml") if not p.name.startswith(("moe-", "select-")))
 
 

@@ -2,7 +2,7 @@
 huggingface_hub's `ModelCard` / `ModelCardData`: YAML metadata (base model, license when known, tags,
 model-index with the measured metrics), the metrics and gates tables, the resolved recipe, and how to load
 each exported format. The load snippets are written so that they run verbatim against the pushed repository
-(tests/test_publish.py runs them against a Hub on loopback). docs/hub.md.
+(tests/publish/test_publish.py runs them against a Hub on loopback). docs/hub.md.
 """
 
 from __future__ import annotations

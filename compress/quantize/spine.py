@@ -61,7 +61,7 @@ def quantizer(config: type[QuantizeConfig], description: str):
         QUANTIZERS[config] = cls
         registry.register("quantize", config.model_fields["method"].default, config, description, check=check,
                           uses=(Plan,), produces=(QuantizedWeights,), capabilities=cls.capabilities,
-                          report=(ADAPTED_GROUPS,))(apply)
+                          report=(ADAPTED_GROUPS,), module=cls.__module__)(apply)
         return cls
 
     return deco

@@ -1,6 +1,6 @@
 """`rotate` stage, `method: walsh`: Walsh-Hadamard rotation and BBT-spectral energy scaling (docs/walsh.md).
 
-Every mode is an exact re-parametrisation of the full-precision model (float64 tests: tests/test_rotate.py).
+Every mode is an exact re-parametrisation of the full-precision model (float64 tests: tests/rotation/test_rotate.py).
 `fused` and `no_rotation` land in ordinary weights of the same architecture, so the quantizer that
 follows rounds the transformed weights and every exporter writes them unchanged (deployable at full
 compression); `spectral` adds a run-time transform and is evaluation-only:

@@ -1,4 +1,4 @@
-"""Helpers of the rotation tests (tests/test_rotate.py, tests/test_rotate_research.py): the configs every
+"""Helpers of the rotation tests (tests/rotation/test_rotate.py, tests/rotation/test_rotate_research.py): the configs every
 invariance test runs, an exact float64 RMSNorm, `rotate` through the registered stage, `bind` recipes."""
 
 from __future__ import annotations

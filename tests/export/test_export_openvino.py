@@ -38,7 +38,7 @@ def test_openvino_matches_quantized_model(name, bits, group, sym, ctype, tmp_pat
     assert info["format"] == "openvino-ir" and info["version"] == 1
 
 
-@pytest.mark.slow  # a run exporting openvino: tests/test_groups.py runs one in the default tier
+@pytest.mark.slow  # a run exporting openvino: tests/quantize/test_groups.py runs one in the default tier
 def test_recipe_exports_openvino(tmp_path):
     recipe = tmp_path / "r.yaml"
     recipe.write_text(f"""version: 1

@@ -11,7 +11,7 @@ from compress.primitives import rtn
 from compress.quantize import gptq as gptq_module
 from compress.quantize.gptq import gptq
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
+SHARED = Path(__file__).resolve().parents[3] / "shared" / "data"
 MODEL = SHARED / "models" / "stories-llama-1m"
 TEXT = SHARED / "text" / "tinystories" / "tinystories_val.txt"
 

@@ -22,7 +22,7 @@ from compress.models.adapters import ARCHS, ModelAdapter
 from compress.quantize.autoround import AutoRound, AutoRoundConfig
 from compress.quantize.gptq import GPTQ, GPTQConfig
 from compress.quantize.rtn import RTN, RTNConfig
-from tests.rotation import exact_rmsnorm, ids, rotate
+from tests.rotating import exact_rmsnorm, ids, rotate
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 

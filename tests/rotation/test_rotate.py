@@ -16,7 +16,7 @@ from compress.models.adapters import ModelAdapter
 from compress.rotation import scaling
 from compress.rotation.walsh import WalshConfig
 from tests.conftest import MODELS
-from tests.rotation import (
+from tests.rotating import (
     CONFIGS,
     exact_rmsnorm,
     ids,

@@ -27,7 +27,7 @@ from compress.eval.metrics import (
     windows,
 )
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
 STORIES = DATA / "models" / "stories260K"
 TINYSTORIES = DATA / "text" / "tinystories" / "tinystories_val.txt"
 SST2_DEV = DATA / "text" / "sst2" / "dev.tsv"

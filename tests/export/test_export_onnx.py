@@ -92,7 +92,7 @@ def test_an_encoder_is_refused(tmp_path):
         export_onnx(tiny_bert(), {}, tmp_path)
 
 
-@pytest.mark.slow  # a run exporting onnx: tests/test_groups.py runs one in the default tier
+@pytest.mark.slow  # a run exporting onnx: tests/quantize/test_groups.py runs one in the default tier
 def test_recipe_exports_onnx(tmp_path):
     """`export: formats: [fake, onnx]` through `compress run`: the ONNX logits match the dequantized checkpoint."""
     recipe = tmp_path / "r.yaml"

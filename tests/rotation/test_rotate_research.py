@@ -13,7 +13,7 @@ from compress.models.adapters import ModelAdapter
 from compress.rotation import walsh
 from compress.rotation.walsh import WalshConfig
 from tests.conftest import MODELS
-from tests.rotation import CONFIGS, exact_rmsnorm, ids, rel, rotate
+from tests.rotating import CONFIGS, exact_rmsnorm, ids, rel, rotate
 from tests.tiny import tiny_causal
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
