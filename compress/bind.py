@@ -49,7 +49,7 @@ class Facts:
     produced: set = field(default_factory=set)  # the hand-off types the stages before this one produce
     adapted: dict = field(default_factory=dict)  # quantize: {layer: [group_size asked, group it gets]} (`fit_group`)
     notes: list = field(default_factory=list)  # what the plan tells the user before calibration (adaptations)
-    # the group the next quantize stage gives layer `name` at `d_in` input columns (`quantize_stage.group_for`; a
+    # the group the next quantize stage gives layer `name` at `d_in` input columns (`quantize.spine.group_for`; a
     # per-chunk allocation in between: its one group), None without a quantize stage after this one
     group_of: Callable[[str, int], int | None] | None = None
     changes: list = field(default_factory=list)  # the shapes this stage changes, in words (`ModelSpec.differences`)

@@ -16,7 +16,7 @@ lambda bisected to the smallest value that fits, then the same greedy fill), `un
 everywhere), and `fill` (the greedy upgrade loop from any feasible plan, never above the budget).
 
 `reweight` scales every layer's (or unit's) proxy errors by a weight (the RL controller's real-model
-sensitivity, compress/methods/allocate.py: the loss increase per unit of proxy error when that layer or
+sensitivity, compress/allocate/terminal.py: the loss increase per unit of proxy error when that layer or
 unit alone is at its cheapest option) and appends the log weight to the state features; the proxy then estimates the
 model's loss increase rather than a sum of per-layer output errors on incomparable scales.
 """

@@ -30,7 +30,7 @@ What the loader expects (read from transformers 5.24 and auto-round 0.16.1)
   `in // 32 * bits` and its forward repeats scales `group_size` times), and bits in 2..8. Only the
   CUDA tritonv2 backends read a short last group; on CPU `backend="auto"` then falls back to
   `auto_round:fake`, which fails at the first forward. So the plan fits each layer's group to its width
-  (`quantize_stage.fit_group`) and layers still failing the check (`why_dense`: a width not a multiple
+  (`quantize.spine.fit_group`) and layers still failing the check (`why_dense`: a width not a multiple
   of 32) are written dense in the model's dtype and declared bits 16 (docs/formats.md#which-layers-are-packed),
   as are 1-bit (sign) layers, which no loader's grid holds.
 * The loader builds QuantLinear without `g_idx`, so `g_idx` is not written (it is always k // g);

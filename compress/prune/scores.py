@@ -137,7 +137,7 @@ def blocks_to_remove(adapter, tokens: torch.Tensor | None, how: str, n: int,
     return sorted(removed), rounds
 
 
-ALIGN = 32  # the packed loaders' unit (quantize_stage.LOADER_ALIGN): the finest default multiple
+ALIGN = 32  # the packed loaders' unit (quantize.spine.LOADER_ALIGN): the finest default multiple
 
 
 def powers_below(n: int) -> list[int]:
