@@ -152,6 +152,33 @@ def bench_reproduce(
         raise typer.Exit(1)
 
 
+@bench_app.command("recipes")
+def bench_recipes(
+    out: Path = typer.Option(..., "--out", help="directory for each recipe's report.md (NAME.report.md)"),
+    json_out: Optional[Path] = JSON_OUT,
+    md_out: Optional[Path] = MARKDOWN_OUT,
+    against: Optional[Path] = typer.Option(None, "--against", help="an earlier --out: compare each report.md with "
+                                                                   "it, byte for byte but the timing columns"),
+    recipe: Optional[List[str]] = typer.Option(None, "--recipe", help="only these bundled recipes (repeatable)"),
+    repo: Path = typer.Option(Path("."), "--repo", help="the checkout whose compress and recipes run (default: this "
+                                                        "one; e.g. a git worktree of the commit before a change)"),
+):
+    """Run every bundled recipe as the e2e tier runs it (shrunk), each in its own process, and keep its report.md;
+    with --against, exit 1 when a report differs. To check that a change keeps behaviour, run it before and after
+    the change on one machine.
+
+    Example: python -m bench recipes --out /tmp/before; ...; python -m bench recipes --out /tmp/after
+    --against /tmp/before
+    """
+    from bench.recipes import markdown, run_recipes
+
+    setup_logging(False)
+    result = run_recipes(out, against, recipe or None, repo, log=lambda line: typer.echo(line, err=True))
+    emit_bench(result, markdown(result, against), json_out, md_out)
+    if not result["identical"]:
+        raise typer.Exit(1)
+
+
 @bench_app.command("scale")
 def bench_scale(
     json_out: Optional[Path] = JSON_OUT,

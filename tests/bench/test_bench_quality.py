@@ -192,3 +192,22 @@ def test_reproduce_reruns_seeded_cells_bit_for_bit():
     first["cells"][0]["values"]["value"] += 1e-6
     changed, md = run_reproduce(bench, quick=True, suites=["ptq"], against=first)
     assert not changed["identical"] and changed["cells"][0]["diff"][0].startswith("value: stored")
+
+
+@pytest.mark.e2e
+def test_the_recipes_lab_keeps_each_report_and_finds_a_changed_one(tmp_path):
+    """`python -m bench recipes`: a second run of a bundled recipe against the first is identical but for the timings;
+    a report changed since is reported line by line and exits 1."""
+    from helpers import lab
+
+    from bench.recipes import masked, run_recipes
+
+    first = run_recipes(tmp_path / "a", only=["quickstart"], log=lambda _: None)
+    assert first["recipes"]["quickstart"] == {"rc": 0, "identical": None, "diff": []}
+    report = (tmp_path / "a" / "quickstart.report.md").read_text()
+    assert "| quantize | autoround | (timed) |" in masked(report) and "## Evaluation" in report
+    again = run_recipes(tmp_path / "b", against=tmp_path / "a", only=["quickstart"], log=lambda _: None)
+    assert again["identical"] and again["recipes"]["quickstart"]["identical"]
+    (tmp_path / "a" / "quickstart.report.md").write_text(report.replace("## Evaluation", "## Evaluated"))
+    rc, out, _ = lab("recipes", "--out", tmp_path / "c", "--against", tmp_path / "a", "--recipe", "quickstart")
+    assert rc == 1 and "| quickstart | 0 | **no** | line " in out and "Evaluated" in out
