@@ -37,17 +37,22 @@ def data_dir():
 
 def invoke(*args) -> tuple[int, str, str]:
     """(exit code, stdout, stderr) of `compress ARGS` run in this process from the repository root
-    (recipes name their data relative to it); the root logger, which `cli` reconfigures per command,
-    is restored afterwards."""
+    (recipes name their data relative to it)."""
     from compress import cli
 
+    return in_process(cli.main, args)
+
+
+def in_process(main, args) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of a command line's `main(argv)` run in this process from the repository root;
+    the root logger, which the command reconfigures, is restored afterwards."""
     out, err = io.StringIO(), io.StringIO()
     root = logging.getLogger()
     handlers, level, cwd = list(root.handlers), root.level, os.getcwd()
     os.chdir(REPO)
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            rc = cli.main([str(a) for a in args])
+            rc = main([str(a) for a in args])
     finally:
         os.chdir(cwd)
         root.handlers[:] = handlers

@@ -152,28 +152,12 @@ def tensor_hashes(out: Path) -> dict[str, str]:
 
 def lab(*args) -> tuple[int, str, str]:
     """(exit code, stdout, stderr) of `python -m bench ARGS` (the lab, bench/__main__.py) run in this process from
-    the repository root, as conftest's `invoke` runs `compress`; the root logger is restored afterwards."""
-    import contextlib
-    import io
-    import logging
-    import os
-
-    from conftest import REPO
+    the repository root, as conftest's `invoke` runs `compress`."""
+    from conftest import in_process
 
     from bench.__main__ import main
 
-    out, err = io.StringIO(), io.StringIO()
-    root = logging.getLogger()
-    handlers, level, cwd = list(root.handlers), root.level, os.getcwd()
-    os.chdir(REPO)
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            rc = main([str(a) for a in args])
-    finally:
-        os.chdir(cwd)
-        root.handlers[:] = handlers
-        root.setLevel(level)
-    return rc, out.getvalue(), err.getvalue()
+    return in_process(main, args)
 
 
 def quick_suite(tmp_path: Path, suite: str, *args) -> tuple[dict, Path]:
