@@ -385,31 +385,35 @@ def heal(adapter, tokenizer, tasks: list[Task], *, steps: int, lr: float, head_l
     for p in body:
         p.requires_grad_(True)
     adapter.model.train()
-    try:
-        for _ in range(steps):
-            loss = 0.0
-            for t in tasks:
-                if len(order[t.name]) < batch_size:
-                    order[t.name] = torch.randperm(len(ids[t.name]), generator=gen).tolist()
-                rows = [order[t.name].pop() for _ in range(batch_size)]
-                sub, x_ids, mask = next(_batches([ids[t.name][i] for i in rows], batch_size, pad))
-                with torch.no_grad():
-                    x, kw = block_inputs(adapter, x_ids, mask)
-                for blk in adapter.blocks:
-                    x = _run(blk, x, kw)
-                y = torch.tensor([t.fit[1][rows[j]] for j in sub])  # the batch is sorted by length
-                loss = loss + F.cross_entropy(heads[t.name](pool(x, mask, pooling).float()), y)
-            opt.zero_grad()
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(body, 1.0)
-            opt.step()
-            sched.step()
-            if progress:
-                progress(1)
-    finally:
-        adapter.model.eval()
-        for p, w in zip(body, was):
-            p.requires_grad_(w)
+    # dropout draws from torch's global generator, which nothing else seeds: seeded here (the run is reproducible)
+    # and restored after (the caller's draws are not moved)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        try:
+            for _ in range(steps):
+                loss = 0.0
+                for t in tasks:
+                    if len(order[t.name]) < batch_size:
+                        order[t.name] = torch.randperm(len(ids[t.name]), generator=gen).tolist()
+                    rows = [order[t.name].pop() for _ in range(batch_size)]
+                    sub, x_ids, mask = next(_batches([ids[t.name][i] for i in rows], batch_size, pad))
+                    with torch.no_grad():
+                        x, kw = block_inputs(adapter, x_ids, mask)
+                    for blk in adapter.blocks:
+                        x = _run(blk, x, kw)
+                    y = torch.tensor([t.fit[1][rows[j]] for j in sub])  # the batch is sorted by length
+                    loss = loss + F.cross_entropy(heads[t.name](pool(x, mask, pooling).float()), y)
+                opt.zero_grad()
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(body, 1.0)
+                opt.step()
+                sched.step()
+                if progress:
+                    progress(1)
+        finally:
+            adapter.model.eval()
+            for p, w in zip(body, was):
+                p.requires_grad_(w)
     out = {}
     for t in tasks:
         res = {}

@@ -180,6 +180,20 @@ def test_select_exports_a_smaller_encoder_that_transformers_loads_and_resume_kee
     assert json.loads((out / "report.json").read_text())["selection"]["kept_blocks"] == kept
 
 
+def test_the_heal_is_reproducible_whatever_ran_before_in_the_process(tmp_path, bert_dir):
+    """The heal trains with dropout, which draws from torch's global generator: the stage seeds it (and restores
+    it after), so a second run in the same process, whose generator has moved, writes the same checkpoint."""
+    r = select_recipe(tmp_path, bert_dir, bert_dir, extra={"heal": {"steps": 3, "batch_size": 8}})
+    assert T.AutoModel.from_pretrained(bert_dir).config.hidden_dropout_prob > 0
+    assert run(r, "-o", tmp_path / "a")[0] == 0
+    torch.rand(1000)  # the global generator moves between the runs
+    assert run(r, "-o", tmp_path / "b")[0] == 0
+    weights = [(tmp_path / o / "hf" / "model.safetensors").read_bytes() for o in ("a", "b")]
+    assert weights[0] == weights[1]
+    heal = [json.loads((tmp_path / o / "report.json").read_text())["selection"]["heal"] for o in ("a", "b")]
+    assert heal[0] == heal[1]
+
+
 def test_select_without_heal_keeps_the_source_blocks_exactly(tmp_path, bert_dir):
     r = select_recipe(tmp_path, bert_dir, bert_dir, extra={"pick": "top"})
     out = tmp_path / "o"
