@@ -548,7 +548,8 @@ def bench_decode(
 @bench_app.command("eval")
 def bench_eval(
     model: str = typer.Option(..., "--model", help="full-precision model directory (e.g. ../shared/tools/smollm2.sh's)"),
-    data: str = typer.Option("../shared/data/text/wikitext-2-raw/wiki.test.raw", "--data", help="evaluation text"),
+    data: str = typer.Option("bundled:botchan-eval", "--data", help="evaluation text file, or bundled:NAME (a text "
+                                                                  "shipped with compress)"),
     bits: Optional[List[int]] = typer.Option(None, "--bits", help="weight bits (repeatable; default 2, 3, 4, 8)"),
     group: int = typer.Option(64, "--group", help="group size of every run"),
     max_tokens: int = typer.Option(32768, "--max-tokens", help="tokens evaluated, as a run's eval.max_tokens"),
@@ -557,7 +558,8 @@ def bench_eval(
 ):
     """`compress eval` of packed exports vs the run's own evaluation on the same tokens: seconds and metrics.
 
-    Example: compress bench eval --model ~/.cache/compress-data/smollm2-135m-instruct --json bench/eval-smollm2.json --markdown bench/eval-smollm2.md
+    Example: compress bench eval --model ~/.cache/compress-data/smollm2-135m-instruct --data
+    ../shared/data/text/wikitext-2-raw/wiki.test.raw --json bench/eval-smollm2.json --markdown bench/eval-smollm2.md
     """
     from compress.eval.packed_eval import BITS, markdown
     from compress.eval.packed_eval import run as run_eval

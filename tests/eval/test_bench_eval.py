@@ -18,3 +18,13 @@ def test_bench_eval_times_both_evaluations_and_they_agree(tmp_path):
     assert cell["backends"] == {"cpu": 20}  # stories260K's MLP is written dense by the hf export
     assert cell["kl_diff"] < 1e-4 and abs(cell["packed"]["ppl"] - cell["run"]["ppl"]) < 1e-3 * cell["run"]["ppl"]
     assert "| W4 g32 asym |" in md.read_text() and "cpu 20" in stdout
+
+
+def test_bench_eval_defaults_to_a_text_shipped_with_compress(tmp_path):
+    """Without --data it evaluates the bundled Botchan text, so it runs from a wheel with no checkout beside it."""
+    js = tmp_path / "e.json"
+    rc, _, err = invoke("bench", "eval", "--model", MODELS / "stories260K", "--bits", 4, "--group", 32,
+                        "--max-tokens", 512, "--json", js)
+    assert rc == 0, err
+    result = json.loads(js.read_text())
+    assert result["data"] == "bundled:botchan-eval" and result["cells"][0]["tokens"] == 512
