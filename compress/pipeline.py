@@ -272,7 +272,7 @@ def _run(loaded, binding: Binding, ws: Workspace, quiet: bool) -> dict:
     if r.eval.enabled and r.eval.data and r.model.stream:
         log.warning("model.stream: the in-run evaluation needs the whole model in memory and is skipped; "
                     "run `compress eval OUTPUT/hf --reference MODEL --data FILE` where memory allows")
-    elif r.eval.enabled and r.eval.data:
+    elif evaluates:
         log.info("evaluation: %s against the full-precision model", ", ".join(Path(p).name for p in r.eval.data))
         with _timed(timings, "eval", adapter.kind):
             report["eval"] = evaluate(ctx, r)
@@ -346,8 +346,12 @@ def _sections(stages) -> dict:
     for key, section in registry.sections().items():
         found = [st["metrics"][key] for st in stages if (st.get("metrics") or {}).get(key)]
         if found:
-            out[key] = {"last": lambda: found[-1], "each": lambda: found,
-                        "merge": lambda: {k: v for d in found for k, v in d.items()}}[section.collect]()
+            if section.collect == "last":
+                out[key] = found[-1]
+            elif section.collect == "each":
+                out[key] = found
+            else:  # merge
+                out[key] = {k: v for d in found for k, v in d.items()}
     return out
 
 

@@ -16,7 +16,6 @@ import torch
 import torch.nn.functional as F
 
 from compress.errors import BadInput
-from compress.models.minilm import ensure_minilm  # noqa: F401  (the encoder probes' model)
 
 log = logging.getLogger(__name__)
 

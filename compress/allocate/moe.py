@@ -38,6 +38,8 @@ from compress.allocate.problem import Option, budget_bits
 from compress.allocate.report import ALLOCATION
 from compress.config import StrictModel
 from compress.errors import BadInput
+from compress.models import moe
+from compress.models.moe import expert_names, moe_blocks
 from compress.quantize.spine import SIGN
 from compress.qweight import unit_storage_bits
 from compress.registry import register
@@ -91,8 +93,6 @@ class MoEConfig(StrictModel):
 
 def expert_layers(adapter, names) -> list[tuple[int, int, dict]]:
     """(block, expert, {linear name: linear}) of every routed expert the quantize stage rounds."""
-    from compress.models.moe import expert_names, moe_blocks
-
     out = []
     for i in moe_blocks(adapter):
         linears = adapter.block_linears(i)
@@ -151,8 +151,6 @@ def _least(p: ExpertProblem) -> int:
 
 def _statistics(ctx, cfg: MoEConfig, units, tokens) -> tuple[dict, dict, dict]:
     """(coefficients, tokens routed, force-routed experts) per MoE block, on the model as it is now."""
-    from compress.models import moe
-
     adapter = ctx.adapter
     coef, loads, forced = {}, {}, {}
     blocks = {i for i, _, _ in units}

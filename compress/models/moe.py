@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from compress.driver import block_forward, capture_block0_inputs
+from compress.models.head import LogitHead
 from compress.primitives import rtn
 
 
@@ -78,8 +79,6 @@ def layer_output_grads(adapter, tokens: torch.Tensor, batch_size: int, at_block=
     grads_i, kwargs)`,
     each block's gradients are handed to it as soon as they exist (last block first) and not kept: memory then
     holds the blocks' inputs and one block's gradients."""
-    from compress.models.head import LogitHead
-
     blocks, model = adapter.blocks, adapter.model
     x0, kw = capture_block0_inputs(model, blocks[0], tokens, batch_size)
     inputs = [x0]

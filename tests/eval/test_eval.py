@@ -15,7 +15,6 @@ from compress.eval.encoder import (
     cosine_fidelity,
     embed,
     embed_batch,
-    ensure_minilm,
     mean_pool,
     train_probe,
 )
@@ -26,6 +25,7 @@ from compress.eval.metrics import (
     top1_agreement,
     windows,
 )
+from compress.models.minilm import ensure_minilm
 
 DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
 STORIES = DATA / "models" / "stories260K"

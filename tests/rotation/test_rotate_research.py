@@ -72,8 +72,8 @@ def test_spectral_mode_is_exact_on_the_minilm_encoder(tmp_path_factory):
     from transformers import AutoModel
 
     from compress.errors import BadInput
-    from compress.eval.encoder import ensure_minilm
     from compress.models.loading import cache_dir
+    from compress.models.minilm import ensure_minilm
 
     model = AutoModel.from_pretrained(ensure_minilm(cache_dir()), dtype=torch.float64).eval()
     x = ids(model.config.vocab_size, 32)
