@@ -70,6 +70,7 @@ class Binding:
     exports: list[Bound]
     base: ModelSpec  # the source model's shapes
     spec: ModelSpec  # the shapes after every stage
+    serving: dict = field(default_factory=dict)  # {engine: [rules.Problem]} of the checkpoint the plan writes
 
 
 def stage_key(i: int, cfg) -> str:
@@ -132,7 +133,21 @@ def bind(recipe, adapter) -> Binding:
         users = sorted({e.stage for e in _all() if kind in e.consumes + e.uses})
         raise BadInput(f"stage {i} (`{cfgs[i].stage}`) needs a `{'`/`'.join(users)}` stage after it to apply its "
                        f"{name(kind)}")
-    return Binding(bound, _bind_exports(recipe, adapter, bound, base, spec), base, spec)
+    exports = _bind_exports(recipe, adapter, bound, base, spec)
+    return Binding(bound, exports, base, spec, _serving(recipe, adapter, exports))
+
+
+def _serving(recipe, adapter, exports: list[Bound]) -> dict:
+    """The servability table of the planned checkpoint (compress/serve/rules.py); refuses a plan an engine of
+    `export.serve` cannot serve. No export: no table."""
+    from compress.serve.plan import check, planned
+
+    if not exports:
+        if recipe.export.serve:
+            raise BadInput("export.serve names engines, but the recipe has no `export.formats`")
+        return {}
+    f = exports[0].facts
+    return check(planned(adapter, recipe.export, f.quantized, f.widths, f.mixed), recipe.export.serve)
 
 
 def _bind_exports(recipe, adapter, stages: list[Bound], base: ModelSpec, spec: ModelSpec) -> list[Bound]:

@@ -171,6 +171,11 @@ def _print_plan(p: dict) -> None:
     typer.echo(f"export: {', '.join(p['export']) or '-'}")
     for note in p.get("notes", []):
         typer.echo(f"  {note}")
+    if p.get("serving"):
+        typer.echo("serving (engines' published rules, docs/serving.md):")
+        width = max(map(len, p["serving"]))
+        for engine, problems in p["serving"].items():
+            typer.echo(f"  {engine:<{width}}  " + ("serves it" if not problems else "no: " + "; ".join(problems)))
     typer.echo(f"estimated peak memory: {p['estimated_peak_memory_mb']} MB")
 
 
@@ -324,6 +329,55 @@ def inspect(directory: Path = typer.Argument(..., help="an `hf` export directory
         pp = info["prunepath"]
         typer.echo(f"  prunepath: blocks {pp['blocks']} as routed experts of {pp['expert_size']} neurons, tau "
                    f"{pp['tau']:.4f} (--ffn-mass overrides it), k_min {pp['k_min']}")
+
+
+@app.command("serve-check")
+def serve_check(
+    out: Path = typer.Argument(..., help="a run's output directory (or an export directory)"),
+    engine: str = typer.Option(..., "--engine", help="vllm | transformers | openvino-genai | ort-genai"),
+    dtype: str = typer.Option("float16", "--dtype", help="the engine's and the reference's compute dtype "
+                              "(float16, bfloat16; float32 for the graph engines' exact mode)"),
+    tokens: int = typer.Option(32, "--tokens", min=1, help="new tokens per prompt"),
+    perplexity: Optional[str] = typer.Option(None, "--perplexity", help="transformers only: also compare "
+                                             "perplexities on this text file (transformers' loading vs compress's)"),
+    max_tokens: int = typer.Option(4096, "--max-tokens", min=1, help="tokens scored by --perplexity"),
+    as_json: bool = typer.Option(False, "--json", help="print JSON on stdout"),
+):
+    """Load an export in a serving engine, greedy-decode 4 fixed prompts and compare with transformers on the same
+    weights: tokens equal, top-5 overlap, max |dlogprob|. Exit 3 when a token differs. Writes nothing into OUT.
+
+    Example: compress serve-check out/ --engine vllm   (after `compress serve-env vllm`)
+    """
+    from compress.serve.check import serve_check as check
+
+    res = check(out, engine, n_tokens=tokens, dtype=dtype, perplexity=perplexity, max_tokens=max_tokens)
+    if as_json:
+        _emit_json(res)
+    else:
+        t = res["tokens"]
+        typer.echo(f"{engine} on {res['export']}: {t['equal']}/{t['total']} greedy tokens equal to "
+                   f"{res['reference']}; top-5 overlap {res['top5_overlap']}, max |dlogprob| {res['max_dlogprob']}")
+        if res.get("perplexity"):
+            p = res["perplexity"]
+            typer.echo(f"perplexity ({p['max_tokens']} tokens of {p['data']}): transformers {p['transformers_as_loaded']}"
+                       f" as loaded ({p['transformers_fp32']} in fp32), compress {p['compress']}: ratio {p['ratio']}")
+    if not res["agree"]:
+        raise typer.Exit(3)
+
+
+@app.command("serve-env")
+def serve_env(name: str = typer.Argument(..., help="vllm"),
+              force: bool = typer.Option(False, "--force", help="rebuild it")):
+    """Build (once; cached) the virtual environment of an engine whose requirements conflict with compress's, and
+    print where it is. `compress serve-check --engine vllm` runs vLLM there.
+
+    Example: compress serve-env vllm
+    """
+    from compress.serve.envs import build, path_of
+
+    path_of(name)  # an unknown name is a bad input before any work
+    info = build(name, force=force, echo=lambda m: typer.echo(m, err=True))
+    typer.echo(f"{info['path']}: {info['versions']}")
 
 
 @app.command()

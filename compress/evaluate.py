@@ -12,8 +12,17 @@ def bos_id(tokenizer, adapter) -> int | None:
     return getattr(tokenizer, "bos_token_id", None)
 
 
-def param_bytes(model) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())  # tied tensors counted once
+def param_bytes(model, itemsize: int | None = None) -> int:
+    """Bytes of the parameters (tied tensors counted once), floating ones at `itemsize` bytes when given."""
+    return sum(p.numel() * (itemsize if itemsize and p.is_floating_point() else p.element_size())
+               for p in model.parameters())
+
+
+def _export_itemsize(exports: dict) -> int | None:
+    from compress.export.hf import DTYPES
+
+    dtype = (exports.get("hf") or exports.get("fake") or {}).get("dtype")
+    return DTYPES[dtype].itemsize if dtype else None
 
 
 def evaluate(ctx, r) -> dict:
@@ -64,9 +73,10 @@ def size_report(ctx, qweights: dict, exports: dict) -> dict:
     qnumel = sum(q.codes.numel() for q in qweights.values())
     qbits = sum(q.storage_bits() for q in qweights.values())
     names = set(qweights)
-    other = sum(m.weight.numel() * m.weight.element_size() for n, m in model.named_modules()
+    size = _export_itemsize(exports)  # the unquantized tensors as the hf export writes them (float16 by default)
+    other = sum(m.weight.numel() * (size or m.weight.element_size()) for n, m in model.named_modules()
                 if n in names)  # the FP bytes those layers replace
-    packed = param_bytes(model) - other + math.ceil(qbits / 8)
+    packed = param_bytes(model, size) - other + math.ceil(qbits / 8)
     on_disk = next((v["bytes"] for v in exports.values() if v.get("bytes")), None)
     out = {"fp_bytes": ctx.fp_bytes, "bytes": on_disk if on_disk is not None else packed, "packed_bytes": packed,
            "effective_bits": round(qbits / qnumel, 4) if qnumel else None,
@@ -78,7 +88,7 @@ def size_report(ctx, qweights: dict, exports: dict) -> dict:
     if "hf" in stored and qweights:
         from compress.export.hf import stored_bytes
 
-        stored["hf"]["tensor_bytes"] = stored_bytes(model, qweights)  # what its layout takes, before file overhead
+        stored["hf"]["tensor_bytes"] = stored_bytes(model, qweights, exports["hf"].get("dtype", "float16"))  # what its layout takes, before file overhead
     if stored:
         out["stored"] = stored
     return out

@@ -191,6 +191,8 @@ def _plan(loaded) -> tuple[dict, Binding]:
         out["gates"] = [g.text for g, _ in gates.check(r.gates, r, kind, r.export.names())]
     if r.push:
         out["push"] = r.push.model_dump()
+    if binding.serving:  # {engine: why it cannot serve the planned checkpoint ([]: it serves it)}
+        out["serving"] = {e: [str(p) for p in problems] for e, problems in binding.serving.items()}
     notes = [n for b in binding.exports for n in b.facts.notes]
     if notes:
         out["notes"] = notes

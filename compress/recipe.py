@@ -152,6 +152,19 @@ ExportFormat = Union[str, SerializeAsAny[BaseModel]]
 
 class ExportSpec(StrictModel):
     formats: list[ExportFormat] = Field(default_factory=list, description="export format names or mappings")
+    serve: list[str] = Field(default_factory=list, description="engines that must serve the exports: a plan one of "
+                             "them cannot serve is refused before any work, with the reason and the nearest setting it "
+                             "serves (compress/serve/rules.py, docs/serving.md)")
+
+    @field_validator("serve")
+    @classmethod
+    def _engines(cls, v):
+        from compress.serve.rules import ENGINES
+
+        bad = [e for e in v if e not in ENGINES]
+        if bad:
+            raise ValueError(f"unknown engine `{bad[0]}`; choose from {', '.join(ENGINES)}")
+        return v
 
     @field_validator("formats", mode="before")
     @classmethod

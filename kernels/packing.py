@@ -148,6 +148,57 @@ def gptq_unpack(tensors: dict[str, torch.Tensor], bits: int, group_size: int, sy
     return qw
 
 
+AWQ_BITS = (4, 8)
+
+
+def awq_order(bits: int) -> torch.Tensor:
+    """AWQ's value order inside one int32 word: the even output columns of the word's 32/b, then the odd ones
+    ([0, 2, 4, 6, 1, 3, 5, 7] for 4 bits; [0, 2, 1, 3] for 8), slot i holding column order[i]."""
+    per = 32 // bits
+    return torch.cat([torch.arange(0, per, 2), torch.arange(1, per, 2)])
+
+
+def _awq_words(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """(R, N) values -> (R, N*b/32) int32 words packed along N in AWQ's order."""
+    per = 32 // bits
+    v = values.to(torch.int64).reshape(values.shape[0], -1, per)[..., awq_order(bits).to(values.device)]
+    return pack(v.reshape(values.shape[0], -1), bits)
+
+
+def _awq_values(words: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    per = 32 // bits
+    v = unpack(words, bits, n).reshape(words.shape[0], -1, per)
+    return v[..., torch.argsort(awq_order(bits)).to(words.device)].reshape(words.shape[0], n)
+
+
+def awq_pack(qw: QuantizedWeight) -> dict[str, torch.Tensor]:
+    """QuantizedWeight -> {"qweight", "qzeros", "scales"} in AutoAWQ's GEMM layout (auto-round `auto_round:auto_awq`):
+    qweight int32 (K, N*b/32) codes packed along N, qzeros int32 (n_groups, N*b/32) real zero points packed the same
+    way, scales fp16 (n_groups, N); inside each word the values follow `awq_order`. 4 and 8 bits only."""
+    if qw.bits not in AWQ_BITS:
+        raise ValueError(f"the AWQ layout holds {AWQ_BITS} bits, not {qw.bits}")
+    if qw.out_features % (32 // qw.bits):
+        raise ValueError(f"out_features {qw.out_features} is not a multiple of {32 // qw.bits}: no AWQ layout")
+    scales = qw.scales.to(torch.float32)
+    if not torch.equal(scales.half().float(), scales):
+        raise ValueError("scales are not fp16-representable; round them with .half() when quantizing")
+    return {"qweight": _awq_words(qw.codes.T, qw.bits).contiguous(),
+            "qzeros": _awq_words(qw.zeros.T, qw.bits).contiguous(),
+            "scales": scales.T.half().contiguous()}
+
+
+def awq_unpack(tensors: dict[str, torch.Tensor], bits: int, group_size: int, sym: bool) -> QuantizedWeight:
+    """Exact inverse of `awq_pack`."""
+    if bits not in AWQ_BITS:
+        raise ValueError(f"the AWQ layout holds {AWQ_BITS} bits, not {bits}")
+    qweight, qzeros, scales = tensors["qweight"], tensors["qzeros"], tensors["scales"]
+    n = qweight.shape[1] * 32 // bits
+    return QuantizedWeight(codes=_awq_values(qweight, bits, n).T.contiguous(),
+                           scales=scales.to(torch.float32).T.contiguous(),
+                           zeros=_awq_values(qzeros, bits, n).T.contiguous(), bits=bits, group_size=group_size,
+                           sym=sym)
+
+
 # -- mixed precision: columns grouped by bit width ------------------------------------------------------
 """Mixed layout (`mixed_pack` / `mixed_unpack`), for a mixed-precision QuantizedWeight (per-chunk bits)
 ---------------------------------------------------------------------------------------------------------

@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import json
 import tempfile
-from collections import Counter
 from pathlib import Path
 
+from compress.export.layouts import gptq_config
 from compress.kernels.packing import gptq_pack
 from compress.qweight import QuantizedWeight
 
@@ -84,11 +84,7 @@ def _write_gptq(model, qweights: dict[str, QuantizedWeight], tokenizer, stage: P
         del sd[f"{name}.weight"]
         sd.update({f"{name}.{k}": v.cpu() for k, v in gptq_pack(qw, v1=True).items()})
     model.save_pretrained(stage, state_dict=sd)
-    bits, group, sym = Counter((q.bits, q.group_size, q.sym) for q in qweights.values()).most_common(1)[0][0]
-    dynamic = {f"+:^{n.replace('.', '[.]')}[.]": {"bits": q.bits, "group_size": q.group_size}
-               for n, q in qweights.items() if (q.bits, q.group_size) != (bits, group)}
-    qc = {"quant_method": "gptq", "bits": bits, "group_size": group, "sym": sym, "desc_act": False,
-          "checkpoint_format": "gptq", **({"dynamic": dynamic} if dynamic else {})}
+    qc = gptq_config(qweights)
     path = stage / "config.json"
     config = json.loads(path.read_text())
     config["quantization_config"] = qc

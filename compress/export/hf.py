@@ -19,12 +19,14 @@ What the loader expects (read from transformers 5.24 and auto-round 0.16.1)
   `{"bits": 16, "data_type": "fp"}` keeps a layer a plain `nn.Linear` (this is what auto-round's own
   exporter writes for layers it cannot pack), so every non-packed linear inside a block is declared
   that way here.
-* packing formats: `auto_round:auto_gptq` is GPTQ v1 (zero point stored minus one) and only has a
-  sym backend (`torch_zp`: `sym=[True]`); `auto_round` stores real zero points (v2) and serves sym
-  and asym (`torch`). So a checkpoint whose packed layers are all sym (zero points >= 1) uses `auto_round:auto_gptq`,
-  any asym layer switches the whole checkpoint to `auto_round` (the packing format is global).
-  (auto-round itself exports 4-bit asym as `auto_round:auto_awq`; the `auto_round` packing here is
-  equally native and keeps one layout for every bit-width.)
+* packing formats (`compress/export/layouts.py`, docs/serving.md#layouts): the packing format is global; a
+  checkpoint whose packed layers are all symmetric is `auto_round:auto_gptq` (GPTQ v1), an asymmetric one
+  `auto_round:auto_awq` when every packed layer is 4 or 8 bits (vLLM reads both), else `auto_round` (GPTQ v2, real
+  zero points; transformers only); `packing: gptq` writes a plain GPTQ checkpoint instead. auto-round's CPU loader in
+  transformers reads `auto_round:auto_awq` only with a kernel package (`auto-round-lib` or `gptqmodel`): without
+  one it falls back to a layer without weights, which `compress serve-check --engine transformers` refuses.
+* Tensors that stay unquantized (embeddings, norms, a float LM head, biases) are written in `dtype` (float16 by
+  default, as every peer writes them; `export.hf.dtype`), and config.json's `dtype` says so.
 * The torch backends accept a layer only if in_features % 32 == 0, out_features % 32 == 0 and
   in_features % group_size == 0 (`exllamav2_feature_checker`; the QuantLinear buffers are sized
   `in // 32 * bits` and its forward repeats scales `group_size` times), and bits in 2..8. Only the
@@ -49,8 +51,9 @@ auto-round's format has one `bits` per layer (`extra_config`), not per chunk, an
 its modules from the config, so split linears would need custom modeling code. We write an **exact
 container** instead: a mixed layer is packed at its widest chunk's bit width (`qw.bits`); a chunk of
 fewer bits keeps its own codes, scales and zero points, which the wider container holds unchanged
-(a b-bit code is also a valid B-bit code for B > b, and `W = s * (q - z)` is the same), so the
-checkpoint reproduces the in-memory model exactly and loads with stock transformers + auto-round.
+(a b-bit code is also a valid B-bit code for B > b, and `W = s * (q - z)` is the same; a symmetric chunk is
+re-centred to the container's zero 2^(B-1), `layouts.widen`, since vLLM never reads a symmetric layer's zeros), so
+the checkpoint reproduces the in-memory model exactly and loads with stock transformers + auto-round.
 The price is storage: each layer costs its widest chunk's bits per weight on disk (e.g. a layer
 with 2- and 3-bit chunks is stored at 3 bits), so the checkpoint is larger than the plan's effective
 bits say; `compress.meta.mixed` records every mixed layer's chunk map (`chunk_size`, `chunk_bits`,
@@ -60,14 +63,12 @@ The packed per-width layout (`kernels.packing.mixed_pack`) and the ONNX export s
 own size.
 
 Artifact self-description: config.json carries `"compress": {"format", "version", "meta"}`;
-`read_quantized` refuses versions it does not know; it also reads auto-round's own
-`auto_round:auto_gptq` / `auto_round` checkpoints, but not `auto_round:auto_awq` (auto-round's
-choice for 4-bit asym). Files are written into a temporary sibling directory and renamed into place.
+`read_quantized` refuses versions it does not know; it reads every layout written here, and auto-round's own
+`auto_round:auto_gptq` / `auto_round` / `auto_round:auto_awq` checkpoints. Files are written into a temporary sibling directory and renamed into place.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import shutil
@@ -78,16 +79,15 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from compress.export import layouts
 from compress.files import staged_directory
-from compress.kernels.packing import gptq_pack, gptq_unpack
 from compress.qweight import QuantizedWeight
 
 logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 FMTS = ("auto_round", "fake")
-SYM_PACKING, ASYM_PACKING = "auto_round:auto_gptq", "auto_round"
-V1_PACKINGS = (SYM_PACKING, "auto_round:gptq")
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 DENSE = {"bits": 16, "data_type": "fp"}
 MAX_SHARD = "5GB"
 
@@ -114,15 +114,21 @@ def dense_reason(qw: QuantizedWeight) -> str | None:
     return why_dense(qw.out_features, qw.in_features, qw.group_size)
 
 
-def stored_bytes(model, qweights: dict[str, QuantizedWeight]) -> int:
-    """Bytes of the tensors the export writes: the model's parameters, each packed layer's qweight, qzeros (written
-    for symmetric layers too: the loaders read them) and fp16 scales in place of its weight."""
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
+def stored_bytes(model, qweights: dict[str, QuantizedWeight], dtype: str = "float16") -> int:
+    """Bytes of the tensors the export writes: the model's parameters (floating ones in `dtype`), each packed layer's
+    qweight, qzeros (written for symmetric layers too: the loaders read them) and fp16 scales in place of its
+    weight."""
+    size = DTYPES[dtype].itemsize
+
+    def nbytes(p):
+        return p.numel() * (size if p.is_floating_point() else p.element_size())
+
+    total = sum(nbytes(p) for p in model.parameters())
     for name, qw in qweights.items():
         if loadable(qw):
             w = model.get_submodule(name).weight
             total += (qw.codes.numel() + qw.n_groups * qw.out_features) * qw.bits // 8 + qw.scales.numel() * 2
-            total -= w.numel() * w.element_size()
+            total -= nbytes(w)
     return total
 
 
@@ -148,15 +154,21 @@ def planned_dense(adapter, quantized) -> dict[str, str]:
 
 
 def export_hf(model, qweights: dict[str, QuantizedWeight], tokenizer, out_dir, *, fmt: str = "auto_round",
-              meta: dict | None = None) -> dict:
+              meta: dict | None = None, packing: str = "auto", dtype: str = "float16",
+              container: int | None = None) -> dict:
     """Write `model` (whose quantized linears hold `qw.dequantize()`) to `out_dir`.
 
-    fmt "auto_round": packed auto-round checkpoint; "fake": `save_pretrained` of the dequantized model.
+    fmt "auto_round": packed checkpoint in `packing` (`layouts.choose`); "fake": `save_pretrained` of the
+    dequantized model. `dtype`: the unquantized tensors' (float16, bfloat16, float32); `container`: the least width
+    a packed layer is stored at (`layouts.containers`).
     Returns {"files": [absolute paths], "bytes": total size, "dense_layers": how many quantized layers are written
-    dense, "dense": {layer: why}}.
+    dense, "dense": {layer: why}, "packing": the packing_format (packed checkpoints), "serving": why vLLM cannot
+    read it (None when it can)}.
     """
     if fmt not in FMTS:
         raise ValueError(f"unknown export format {fmt!r}; choose one of {FMTS}")
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of {tuple(DTYPES)}")
     compress_info = {"format": fmt, "version": FORMAT_VERSION, "meta": {**(meta or {}), **mixed_meta(qweights)}}
     try:
         json.dumps(compress_info)
@@ -164,13 +176,14 @@ def export_hf(model, qweights: dict[str, QuantizedWeight], tokenizer, out_dir, *
         raise ValueError(f"export meta must be JSON-serializable: {e}") from e
     _check_qweights(model, qweights)
     out_dir = Path(out_dir)
+    extra = {}
     with staged_directory(out_dir, marker="config.json") as tmp:
         if fmt == "fake":
-            model.save_pretrained(tmp, max_shard_size=MAX_SHARD)
-            _patch_config(tmp, {"compress": compress_info})
+            model.save_pretrained(tmp, state_dict=_cast(model.state_dict(), DTYPES[dtype]), max_shard_size=MAX_SHARD)
+            _patch_config(tmp, {"compress": compress_info, "dtype": dtype})
             dense = {n: "a dequantized checkpoint" for n in qweights}
         else:
-            dense = _write_auto_round(model, qweights, tmp, compress_info)
+            dense, extra = _write_auto_round(model, qweights, tmp, compress_info, packing, DTYPES[dtype], container)
             if dense:
                 compress_info["meta"]["dense"] = dense  # {layer: why}: `compress inspect` says so
                 _patch_config(tmp, {"compress": compress_info})
@@ -178,7 +191,21 @@ def export_hf(model, qweights: dict[str, QuantizedWeight], tokenizer, out_dir, *
             tokenizer.save_pretrained(tmp)
     files = sorted(p for p in out_dir.rglob("*") if p.is_file())
     return {"files": [str(p) for p in files], "bytes": sum(p.stat().st_size for p in files),
-            "dense_layers": len(dense), "dense": dense}
+            "dense_layers": len(dense), "dense": dense, "dtype": dtype, **extra}
+
+
+def _cast(state_dict: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The floating-point tensors in `dtype` (a tied pair stays one tensor: the cast is memoised by identity)."""
+    done = {}
+    out = {}
+    for k, v in state_dict.items():
+        if v.is_floating_point() and v.dtype != dtype:
+            key = (v.data_ptr(), v.dtype, tuple(v.shape))
+            if key not in done:
+                done[key] = v.to(dtype)
+            v = done[key]
+        out[k] = v
+    return out
 
 
 def read_quantized(out_dir, tensors: dict[str, torch.Tensor] | None = None) -> tuple[dict, dict[str, QuantizedWeight]]:
@@ -193,28 +220,40 @@ def read_quantized(out_dir, tensors: dict[str, torch.Tensor] | None = None) -> t
     qc = config.get("quantization_config")
     if qc is None:
         return config, {}  # a "fake" (dequantized) checkpoint holds no QuantizedWeight
-    packing = qc.get("packing_format")
-    if qc.get("quant_method") != "auto-round" or packing not in (*V1_PACKINGS, ASYM_PACKING):
-        raise ValueError(f"{out_dir}: cannot read quant_method {qc.get('quant_method')!r} with packing_format "
-                         f"{packing!r}; supported: auto-round with {SYM_PACKING!r} or {ASYM_PACKING!r}")
+    method = qc.get("quant_method")
+    packing = layouts.GPTQ if method == "gptq" else qc.get("packing_format")
+    if method == "gptq" and (qc.get("desc_act") or qc.get("checkpoint_format", "gptq") != "gptq"):
+        raise ValueError(f"{out_dir}: a GPTQ checkpoint with desc_act or checkpoint_format "
+                         f"{qc.get('checkpoint_format')!r} is not one compress reads (it reads GPTQ v1 without act-order)")
+    if method not in ("auto-round", "gptq") or packing not in (*layouts.AUTO_ROUND_PACKINGS, layouts.GPTQ):
+        raise ValueError(f"{out_dir}: cannot read quant_method {method!r} with packing_format {packing!r}; supported: "
+                         f"auto-round with {', '.join(layouts.AUTO_ROUND_PACKINGS)}, or gptq")
     tensors = load_tensors(out_dir) if tensors is None else tensors
     names = sorted(k[: -len(".qweight")] for k in tensors if k.endswith(".qweight"))
     extra = qc.get("extra_config") or {}
+    meta = (info or {}).get("meta") or {}
+    sym_layers = set(meta.get("sym_layers") or ())
     qweights = {}
     rename = module_names(config.get("model_type"))
     for stored in names:
         name = rename(stored)  # the module's name (extra_config's and the loaded model's), not the file's
-        scheme = {**qc, **extra.get(name, extra.get(stored, {}))}
+        scheme = {**qc, **extra.get(name, extra.get(stored, {})), **_dynamic(qc, stored)}
         if scheme.get("data_type", "int") != "int":
             raise ValueError(f"{out_dir}: layer {name} has data_type {scheme['data_type']!r}; only int is supported")
         t = {k: tensors[f"{stored}.{k}"] for k in ("qweight", "qzeros", "scales", "g_idx") if f"{stored}.{k}" in tensors}
-        qweights[name] = gptq_unpack(t, int(scheme["bits"]), int(scheme["group_size"]), bool(scheme["sym"]),
-                                     v1=packing in V1_PACKINGS)
-        chunks = (((info or {}).get("meta") or {}).get("mixed") or {}).get(name)
-        if chunks:
-            qweights[name] = dataclasses.replace(qweights[name], chunk_size=chunks["chunk_size"],
-                                                 chunk_bits=tuple(chunks["chunk_bits"]), map_bits=chunks["map_bits"])
+        qweights[name] = layouts.unpack(t, packing, scheme, (meta.get("mixed") or {}).get(name),
+                                        True if name in sym_layers else None, (meta.get("widened") or {}).get(name))
     return config, qweights
+
+
+def _dynamic(qc: dict, stored: str) -> dict:
+    """A GPTQ checkpoint's per-layer override (GPTQModel's `dynamic`: `+:regex` -> scheme) for this tensor prefix."""
+    import re
+
+    for pattern, scheme in (qc.get("dynamic") or {}).items():
+        if pattern.startswith("+:") and re.match(pattern[2:], stored + "."):
+            return scheme
+    return {}
 
 
 def module_names(model_type: str | None):
@@ -247,8 +286,10 @@ def mixed_meta(qweights: dict[str, QuantizedWeight]) -> dict:
 
 # -- auto-round writer -----------------------------------------------------------------------
 
-def _write_auto_round(model, qweights: dict[str, QuantizedWeight], tmp: Path, compress_info: dict) -> dict[str, str]:
-    """Write the packed checkpoint; returns {layer: why} for the quantized layers written dense."""
+def _write_auto_round(model, qweights: dict[str, QuantizedWeight], tmp: Path, compress_info: dict, packing: str,
+                      dtype: torch.dtype, container: int | None = None) -> tuple[dict[str, str], dict]:
+    """Write the packed checkpoint; returns ({layer: why} for the quantized layers written dense,
+    {"packing": packing_format, "serving": why vLLM cannot read it, or None})."""
     if not qweights:
         raise ValueError("fmt='auto_round' needs at least one QuantizedWeight; use fmt='fake' for a plain model")
     dense = {n: why for n, qw in qweights.items() if (why := dense_reason(qw))}
@@ -256,52 +297,74 @@ def _write_auto_round(model, qweights: dict[str, QuantizedWeight], tmp: Path, co
     if dense:
         name, why = next(iter(dense.items()))
         logger.warning("hf export: %d of %d quantized layers are written dense in %s (no auto-round loader reads them "
-                       "packed), e.g. %s: %s", len(dense), len(qweights), _dtype_of(model, name), name, why)
-    qconfig = _quantization_config(model, packed, qweights)
-    v1 = qconfig["packing_format"] in V1_PACKINGS
-    state_dict = model.state_dict()
+                       "packed), e.g. %s: %s", len(dense), len(qweights), str(dtype).removeprefix("torch."), name, why)
+    wide = layouts.containers(packed, container)
+    qconfig, serving = _quantization_config(model, packed, qweights, packing, wide)
+    fmt = _packing_of(qconfig)
+    compress_info["meta"].update(_layout_meta(packed, fmt, wide))
+    state_dict = _cast(model.state_dict(), dtype)
     for name, qw in packed.items():
         del state_dict[f"{name}.weight"]
-        t = gptq_pack(qw, v1)
-        for key in ("qweight", "qzeros", "scales"):
-            state_dict[f"{name}.{key}"] = t[key].cpu()
+        state_dict.update({f"{name}.{k}": v.cpu() for k, v in layouts.pack(qw, fmt, wide.get(name)).items()})
     model.save_pretrained(tmp, state_dict=state_dict, max_shard_size=MAX_SHARD)
-    updates = {"quantization_config": qconfig, "compress": compress_info}
+    updates = {"quantization_config": qconfig, "compress": compress_info, "dtype": str(dtype).removeprefix("torch.")}
     if _output_embedding_name(model) in packed and _ties_embeddings(model):
         updates["tie_word_embeddings"] = False  # the packed lm_head no longer shares the embedding tensor
     _patch_config(tmp, updates)
-    return dense
+    return dense, {"packing": fmt, "serving": serving}
 
 
-def _quantization_config(model, packed: dict[str, QuantizedWeight], qweights: dict[str, QuantizedWeight]) -> dict:
-    """auto-round's `quantization_config`: a default scheme, block prefixes, per-layer `extra_config`."""
+def _layout_meta(packed: dict[str, QuantizedWeight], fmt: str, wide: dict[str, int]) -> dict:
+    """What `read_quantized` needs beyond the config to restore each layer bit-exactly: the layers stored in a wider
+    container than their own width ({layer: own bits}) and, in an AWQ checkpoint, the symmetric layers (declared
+    asymmetric there)."""
+    meta = {}
+    if wide:
+        meta["widened"] = {n: packed[n].bits for n in sorted(wide)}
+    if fmt == layouts.AWQ_PACKING and (sym := sorted(n for n, qw in packed.items() if qw.sym)):
+        meta["sym_layers"] = sym
+    return meta
+
+
+def _packing_of(qconfig: dict) -> str:
+    return layouts.GPTQ if qconfig["quant_method"] == "gptq" else qconfig["packing_format"]
+
+
+def _quantization_config(model, packed: dict[str, QuantizedWeight], qweights: dict[str, QuantizedWeight],
+                         packing: str = "auto", wide: dict[str, int] | None = None) -> tuple[dict, str | None]:
+    """(the checkpoint's `quantization_config`, why vLLM cannot read it or None): auto-round's (a default scheme,
+    block prefixes, per-layer `extra_config`) or, for packing `gptq`, GPTQ's (a default scheme, GPTQModel's
+    `dynamic` for the other layers and for the quantized-but-dense ones)."""
+    wide = wide or {}
+    fmt, serving = layouts.choose(packed, packing, wide)
+    awq = fmt == layouts.AWQ_PACKING
+    if fmt == layouts.GPTQ:
+        return layouts.gptq_config(packed, qweights, wide), serving
     blocks = _blocks(model, packed) or _blocks(model, _supported_layers(model))  # never let the loader guess
-    pool = [qw for n, qw in packed.items() if _in_blocks(n, blocks)] or list(packed.values()) or list(qweights.values())
-    bits, group_size, sym = Counter(_scheme(qw) for qw in pool).most_common(1)[0][0]
+    scheme = {n: (wide.get(n, qw.bits), qw.group_size, qw.sym and not awq) for n, qw in packed.items()}
+    pool = [scheme[n] for n in packed if _in_blocks(n, blocks)] or list(scheme.values()) or \
+        [(qw.bits, qw.group_size, qw.sym) for qw in qweights.values()]
+    bits, group_size, sym = Counter(pool).most_common(1)[0][0]
     extra = {}
-    for name, qw in packed.items():
-        if not _in_blocks(name, blocks) or _scheme(qw) != (bits, group_size, sym):
-            extra[name] = {"bits": qw.bits, "group_size": qw.group_size, "sym": qw.sym, "data_type": "int"}
+    for name in packed:
+        if not _in_blocks(name, blocks) or scheme[name] != (bits, group_size, sym):
+            b, g, sy = scheme[name]
+            extra[name] = {"bits": b, "group_size": g, "sym": sy, "data_type": "int"}
     for name in _supported_layers(model):
         if _in_blocks(name, blocks) and name not in packed:
             extra[name] = dict(DENSE)
     for name, m in model.named_modules():  # MoE routers: auto-round's loader unfuses some into nn.Linear (qwen3_moe)
         if type(m).__name__.endswith("TopKRouter") and _in_blocks(name, blocks):
             extra[name] = dict(DENSE)
-    v1_ok = all(qw.sym and bool((qw.zeros > 0).all()) for qw in packed.values())  # v1 cannot hold zero 0
     qconfig = {
         "quant_method": "auto-round",
-        "packing_format": SYM_PACKING if v1_ok else ASYM_PACKING,
+        "packing_format": fmt,
         "bits": bits, "group_size": group_size, "sym": sym, "data_type": "int",
         "block_name_to_quantize": ",".join(blocks) if blocks else None,
     }
     if extra:
         qconfig["extra_config"] = extra
-    return qconfig
-
-
-def _scheme(qw: QuantizedWeight) -> tuple[int, int, bool]:
-    return qw.bits, qw.group_size, qw.sym
+    return qconfig, serving
 
 
 def _in_blocks(name: str, blocks: list[str]) -> bool:
@@ -381,7 +444,8 @@ def load_tensors(directory: Path) -> dict[str, torch.Tensor]:
 # -- streaming writer (models larger than memory) ----------------------------------------------
 
 def export_hf_streaming(model, source, block_qweights, qweights: dict[str, QuantizedWeight], tokenizer, out_dir,
-                        *, meta: dict | None = None) -> dict:
+                        *, meta: dict | None = None, packing: str = "auto", dtype: str = "float16",
+                        container: int | None = None) -> dict:
     """auto-round checkpoint written one block at a time, without the model's weights in memory.
 
     `model` is the skeleton (blocks on `meta`) used only for names and config; `source` a
@@ -396,8 +460,10 @@ def export_hf_streaming(model, source, block_qweights, qweights: dict[str, Quant
     compress_info = {"format": "auto_round", "version": FORMAT_VERSION,
                      "meta": {**(meta or {}), **mixed_meta(qweights)}}
     packed = {n: qw for n, qw in qweights.items() if loadable(qw)}
-    qconfig = _quantization_config(model, packed, qweights)
-    v1 = qconfig["packing_format"] in V1_PACKINGS
+    wide = layouts.containers(packed, container)
+    qconfig, serving = _quantization_config(model, packed, qweights, packing, wide)
+    fmt = _packing_of(qconfig)
+    compress_info["meta"].update(_layout_meta(packed, fmt, wide))
     adapter = ModelAdapter(model)
     n_blocks = len(adapter.blocks)
     out_dir = Path(out_dir)
@@ -409,7 +475,7 @@ def export_hf_streaming(model, source, block_qweights, qweights: dict[str, Quant
         groups += [(source.with_prefix(p), None) for p in prefixes]
         for k, (names, qws) in enumerate(groups):
             qws = qws if qws is not None else block_qweights(k - 1)
-            tensors = _shard_tensors(source, names, qws, packed, v1, model)
+            tensors = _shard_tensors(source, names, qws, packed, fmt, DTYPES[dtype], wide)
             fname = f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors"
             save_file(tensors, str(tmp / fname), metadata={"format": "pt"})
             weight_map.update({t: fname for t in tensors})
@@ -417,27 +483,29 @@ def export_hf_streaming(model, source, block_qweights, qweights: dict[str, Quant
         (tmp / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map},
                                                                       indent=2) + "\n")
         model.config.save_pretrained(tmp)
-        _patch_config(tmp, {"quantization_config": qconfig, "compress": compress_info})
+        _patch_config(tmp, {"quantization_config": qconfig, "compress": compress_info, "dtype": dtype})
         gen = source.dir / "generation_config.json"
         if gen.exists():
             shutil.copy(gen, tmp / gen.name)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
     files = sorted(p for p in out_dir.rglob("*") if p.is_file())
-    return {"files": [str(p) for p in files], "bytes": sum(p.stat().st_size for p in files)}
+    return {"files": [str(p) for p in files], "bytes": sum(p.stat().st_size for p in files), "packing": fmt,
+            "serving": serving, "dtype": dtype}
 
 
-def _shard_tensors(source, names, qws: dict[str, QuantizedWeight], packed, v1: bool, model) -> dict:
+def _shard_tensors(source, names, qws: dict[str, QuantizedWeight], packed, fmt: str, dtype: torch.dtype,
+                   wide: dict[str, int]) -> dict:
     tensors = {}
     for name in names:
         layer = name.removesuffix(".weight")
         if layer in qws and name.endswith(".weight"):
             qw = qws[layer]
             if layer in packed:
-                t = gptq_pack(qw, v1)
-                tensors.update({f"{layer}.{k}": t[k].contiguous() for k in ("qweight", "qzeros", "scales")})
+                tensors.update({f"{layer}.{k}": v.contiguous() for k, v in layouts.pack(qw, fmt, wide.get(layer)).items()})
             else:
-                tensors[name] = qw.dequantize(source.get(name).dtype).contiguous()
+                tensors[name] = qw.dequantize(dtype).contiguous()
         else:
-            tensors[name] = source.get(name).contiguous()
+            t = source.get(name)
+            tensors[name] = (t.to(dtype) if t.is_floating_point() else t).contiguous()
     return tensors

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import PurePosixPath
-from typing import Literal
+from typing import Literal, Optional
 
 from pydantic import Field, field_validator
 
@@ -37,14 +37,28 @@ def export_directory(v: str) -> str:
     return str(p)
 
 
+Dtype = Literal["float16", "bfloat16", "float32"]
+DTYPE_HELP = "the tensors that stay unquantized (embeddings, norms, a float LM head), as every peer writes them"
+
+
 class HFExportConfig(ExportConfig):
     format: Literal["hf"] = "hf"
     directory: str = "hf"
+    packing: Literal["auto", "auto_round", "awq", "gptq"] = Field(
+        "auto", description="`auto`: auto_round:auto_gptq when every layer is symmetric, auto_round:auto_awq when "
+                            "the asymmetric ones are 4 or 8 bits (both served by vLLM), else auto_round; `auto_round`: "
+                            "GPTQ v2 for every layer (transformers only); `awq`; `gptq`: a plain GPTQ checkpoint "
+                            "(symmetric) for engines without auto-round support (docs/serving.md#layouts)")
+    dtype: Dtype = Field("float16", description=DTYPE_HELP)
+    container: Optional[int] = Field(None, ge=2, le=8, description="store every packed layer at least at this width "
+                                     "(weights unchanged): e.g. 4 puts a 3/4-bit plan in 4-bit containers, which "
+                                     "vLLM CPU serves")
 
 
 class FakeExportConfig(ExportConfig):
     format: Literal["fake"] = "fake"
     directory: str = "hf-fake"
+    dtype: Dtype = Field("float16", description=DTYPE_HELP)
 
 
 def _qweights(ctx) -> dict:
@@ -62,10 +76,13 @@ def _export(ctx, cfg, fmt: str) -> dict:
         stage = ctx.inputs[QuantizedWeights].stage
         res = export_hf_streaming(ctx.model, ctx.streamer.source,
                                   lambda i: ctx.workspace.load_block(stage, i, required=True),
-                                  _qweights(ctx), ctx.tokenizer, out, meta=meta)
+                                  _qweights(ctx), ctx.tokenizer, out, meta=meta, packing=cfg.packing,
+                                  dtype=cfg.dtype, container=cfg.container)
     else:
         qweights = _qweights(ctx)  # none (a run that prunes without quantizing): a plain checkpoint
-        res = export_hf(ctx.model, qweights, ctx.tokenizer, out, fmt=fmt if qweights else "fake", meta=meta)
+        packed = {"packing": cfg.packing, "container": cfg.container} if fmt == "auto_round" else {}
+        res = export_hf(ctx.model, qweights, ctx.tokenizer, out, fmt=fmt if qweights else "fake", meta=meta,
+                        dtype=cfg.dtype, **(packed if qweights else {}))
     return {"path": str(out), **res}
 
 
@@ -105,6 +122,8 @@ class OnnxExportConfig(ExportConfig):
         "torch", description="`torch`: torch's exporter traces the model, every decoder family (model.onnx); `genai`: "
                              "the ONNX Runtime GenAI model builder writes a directory `onnxruntime_genai` runs "
                              "(genai_config.json, KV cache; llama, mistral, qwen2, qwen3, granite, phi3, gemma2)")
+    genai_config: bool = Field(True, description="with `kv_cache` and `builder: torch`: also genai_config.json and the "
+                                                 "tokenizer files, the directory `onnxruntime_genai` runs")
 
 
 def check_graph(adapter, cfg, facts) -> None:
@@ -120,6 +139,14 @@ def check_graph(adapter, cfg, facts) -> None:
                        f"{adapter.arch.kind} `{adapter.model_type}`; drop `{cfg.format}` from export.formats")
     if getattr(cfg, "builder", "torch") == "genai":
         return check_builder(adapter, cfg, facts)
+    if cfg.format == "onnx" and cfg.kv_cache and cfg.genai_config:
+        from compress.export.onnx import genai_why_not
+
+        why = genai_why_not(adapter.model.config)
+        if why:
+            raise BadInput(f"export onnx with `kv_cache: true` writes a directory ONNX Runtime GenAI runs, which "
+                           f"cannot run this model: {why}; set `genai_config: false` to write the graph for "
+                           "onnxruntime alone")
     dense = sorted(b for b in facts.widths if b not in NBITS and b != 16)
     if dense:
         logging.getLogger(__name__).warning(
@@ -156,7 +183,7 @@ def export_onnx_stage(ctx, cfg: OnnxExportConfig) -> dict:
         return export_genai(ctx.model, _qweights(ctx), ctx.tokenizer, ctx.workspace.path(cfg.directory),
                             meta=_meta(ctx))
     return export_onnx(ctx.model, _qweights(ctx), ctx.workspace.path(cfg.directory), meta=_meta(ctx),
-                       kv_cache=cfg.kv_cache)
+                       kv_cache=cfg.kv_cache, genai=cfg.genai_config, tokenizer=ctx.tokenizer)
 
 
 Device = Literal["CPU", "GPU", "NPU"]
@@ -170,6 +197,10 @@ class OpenVINOExportConfig(ExportConfig):
                                              "symmetric int4 weights with group_size 128 or -1")
     kv_cache: bool = Field(False, description="attention_mask and past/present key-value inputs and outputs, for "
                                               "incremental decoding")
+    stateful: bool = Field(True, description="with `kv_cache`: the KV cache kept as the model's state, with "
+                                             "position_ids and beam_idx inputs, the tokenizer IRs and configs: the "
+                                             "directory OpenVINO GenAI's LLMPipeline runs; false: explicit past/present "
+                                             "inputs and outputs")
     precision: Literal["exact", "device"] = Field(
         "exact", description="`exact`: the IR carries f32 inference and no dynamic quantization in its runtime_options "
                              "(what the export is validated with); `device`: the device's defaults (bf16 on CPUs that "
@@ -194,6 +225,12 @@ def check_openvino_targets(adapter, cfg: OpenVINOExportConfig, facts) -> None:
     from compress.export.openvino import npu_problems
 
     check_graph(adapter, cfg, facts)
+    if cfg.kv_cache and cfg.stateful:
+        from compress.extras import DIST, missing
+
+        if missing(("openvino_tokenizers",)):
+            raise BadInput("export openvino with `kv_cache: true` writes the tokenizer IRs OpenVINO GenAI reads and needs "
+                           f"openvino-tokenizers, which is not installed: pip install '{DIST}[export]'")
     if "NPU" not in cfg.device:
         return
     if facts.mixed:
@@ -215,12 +252,14 @@ def check_openvino_targets(adapter, cfg: OpenVINOExportConfig, facts) -> None:
 def export_openvino_stage(ctx, cfg: OpenVINOExportConfig) -> dict:
     from compress.export.openvino import export_openvino
 
-    # a graph an earlier export of this run traced with these inputs is converted, not traced again
+    # a graph an earlier export of this run traced with these inputs is converted, not traced again (the stateful IR
+    # takes position_ids, which the onnx export's graph does not)
+    stateful = cfg.kv_cache and cfg.stateful
     graph = next((e["path"] for e in ctx.exports.values() if e.get("graph") == "torch" and e.get("kv_cache") ==
-                  cfg.kv_cache), None)
+                  cfg.kv_cache and e.get("position_ids", False) == stateful), None)
     return export_openvino(ctx.model, _qweights(ctx), ctx.workspace.path(cfg.directory), meta=_meta(ctx),
                            devices=tuple(cfg.device), kv_cache=cfg.kv_cache, exact=cfg.precision == "exact",
-                           onnx_path=graph)
+                           onnx_path=graph, stateful=stateful, tokenizer=ctx.tokenizer)
 
 
 def _meta(ctx) -> dict:

@@ -27,6 +27,8 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWa
 @pytest.mark.parametrize("sym", (True, False))
 @pytest.mark.parametrize("bits", (2, 4, 8))
 def test_tiny_llama_roundtrip(tmp_path, bits, sym, group_size):
+    """The default packing (GPTQ v1 for sym, AWQ for asym 4/8, GPTQ v2 for asym 2) reads back bit-exactly; the
+    transformers-loadable packing (`auto_round`, GPTQ v2) reloads in transformers with auto-round's torch loader."""
     model = tiny_llama(seed=bits)
     qweights = quantize_model(model, in_blocks((bits, group_size, sym)))
     if sym:
@@ -34,26 +36,42 @@ def test_tiny_llama_roundtrip(tmp_path, bits, sym, group_size):
     out = tmp_path / "ckpt"
     result = export_hf(model, qweights, None, out, meta={"recipe_hash": "abc"})
     assert result["bytes"] == sum(Path(f).stat().st_size for f in result["files"]) > 0
-    config, back, _ = check_reload(model, qweights, out, 128)
-    assert set(back) == set(qweights)
+    expected = "auto_round:auto_gptq" if sym else ("auto_round:auto_awq" if bits in (4, 8) else "auto_round")
+    assert result["packing"] == expected and (result["serving"] is None) == (sym or bits in (4, 8))
+    config, back = read_quantized(out)
+    assert_same(back, qweights)
     qc = config["quantization_config"]
-    assert qc["packing_format"] == ("auto_round:auto_gptq" if sym else "auto_round")
+    assert qc["packing_format"] == expected
     assert (qc["bits"], qc["group_size"], qc["sym"], qc["data_type"]) == (bits, group_size, sym, "int")
     assert qc["block_name_to_quantize"] == "model.layers" and "extra_config" not in qc
     assert config["compress"] == {"format": "auto_round", "version": 1, "meta": {"recipe_hash": "abc"}}
-    assert config["dtype"] == "float32"
-    with open(out / "model.safetensors", "rb") as f:  # non-quantized tensors keep fp32, scales fp16
+    assert config["dtype"] == "float16"
+    with open(out / "model.safetensors", "rb") as f:  # non-quantized tensors in fp16 (the default), scales fp16
         header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
-    assert header["model.norm.weight"]["dtype"] == "F32"
+    assert header["model.norm.weight"]["dtype"] == "F16"
     assert header["model.layers.0.self_attn.q_proj.scales"]["dtype"] == "F16"
     assert "model.layers.0.self_attn.q_proj.weight" not in header
+    if not sym:  # what transformers + auto-round (no kernel package) loads: GPTQ v2
+        export_hf(model, qweights, None, out, packing="auto_round", dtype="float32")
+        assert json.loads((out / "config.json").read_text())["dtype"] == "float32"
+    check_reload(model, qweights, out, 128)
+
+
+def assert_same(back: dict, qweights: dict) -> None:
+    assert set(back) == set(qweights)
+    for name, qw in back.items():
+        orig = qweights[name]
+        assert (qw.bits, qw.group_size, qw.sym, qw.chunk_bits) == (orig.bits, orig.group_size, orig.sym,
+                                                                   orig.chunk_bits), name
+        assert torch.equal(qw.codes, orig.codes) and torch.equal(qw.zeros, orig.zeros), name
+        assert torch.equal(qw.scales, orig.scales), name
 
 
 def test_unpackable_intermediate_172(tmp_path, caplog):
     model = tiny_llama(intermediate_size=172)
     qweights = quantize_model(model, in_blocks((4, 32, False)))
     with caplog.at_level(logging.WARNING, logger="compress.export.hf"):
-        res = export_hf(model, qweights, None, tmp_path / "ckpt")
+        res = export_hf(model, qweights, None, tmp_path / "ckpt", packing="auto_round")
     mlp = {n for n in qweights if ".mlp." in n}
     logged = [r.getMessage() for r in caplog.records if r.name == "compress.export.hf"]
     assert len(logged) == 1 and f"{len(mlp)} of {len(qweights)} quantized layers are written dense" in logged[0]
@@ -76,6 +94,8 @@ def test_mixed_schemes_tied_lm_head_bias(tmp_path):
     plan["lm_head"] = (8, 32, True)
     qweights = quantize_model(model, plan.get)
     export_hf(model, qweights, None, tmp_path / "ckpt")
+    assert_same(read_quantized(tmp_path / "ckpt")[1], qweights)
+    export_hf(model, qweights, None, tmp_path / "ckpt", packing="auto_round")
     config, back, _ = check_reload(model, qweights, tmp_path / "ckpt", 128)
     assert set(back) == set(qweights)
     qc = config["quantization_config"]
@@ -89,7 +109,7 @@ def test_stories260k_w4_g32_asym(tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(STORIES260K)
     qweights = quantize_model(model, in_blocks((4, 32, False)))
     out = tmp_path / "stories-w4g32"
-    export_hf(model, qweights, tokenizer, out)
+    export_hf(model, qweights, tokenizer, out, packing="auto_round")
     _, back, _ = check_reload(model, qweights, out, model.config.vocab_size)
     assert set(back) == {n for n in qweights if ".self_attn." in n}  # 172-wide MLP stays dense
     reloaded_tok = AutoTokenizer.from_pretrained(out)
@@ -102,7 +122,7 @@ def test_fake_format_and_replace(tmp_path):
     qweights = quantize_model(model, in_blocks((4, 32, True)))
     out = tmp_path / "ckpt"
     export_hf(model, qweights, None, out, fmt="auto_round")
-    export_hf(model, qweights, None, out, fmt="fake", meta={"k": 1})  # replaces the previous export
+    export_hf(model, qweights, None, out, fmt="fake", meta={"k": 1}, dtype="float32")  # replaces the previous one
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no temporary siblings left
     config, back = read_quantized(out)
     assert back == {} and "quantization_config" not in config

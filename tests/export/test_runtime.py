@@ -26,7 +26,7 @@ def export(tmp_path, bits, group, sym):
     model = AutoModelForCausalLM.from_pretrained(STORIES, dtype=torch.float32).eval()
     qweights = quantized(model, bits, group, sym)  # W <- W_hat in the model
     out = tmp_path / f"w{bits}"
-    export_hf(model, qweights, AutoTokenizer.from_pretrained(STORIES), out)
+    export_hf(model, qweights, AutoTokenizer.from_pretrained(STORIES), out, dtype="float32")  # exact comparisons
     return model, qweights, out
 
 

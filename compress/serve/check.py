@@ -1,0 +1,250 @@
+"""`compress serve-check OUT --engine E`: the export loaded in an engine agrees with transformers on the same weights.
+
+The engine greedy-decodes `PROMPTS` (token ids from the export's tokenizer, `N_TOKENS` new tokens each, EOS masked
+until then as every engine's min-tokens option does) and reports its top-5 log-probabilities per position; the
+reference is transformers' own modeling code on exactly the export's weights (`reference_model`: the packed layers
+read back by `read_quantized`, bit-exact, as dense linears; every other tensor as stored), in the engine's dtype.
+`compare` counts the equal tokens, the top-5 overlap and the largest |dlogprob|; `agree` is every token equal.
+
+Engines and what they load from a run's output directory (or an export directory given directly):
+
+    vllm            the hf export, in vLLM's own environment (`compress serve-env vllm`), a subprocess running
+                    `engines/vllm_worker.py`
+    transformers    the hf export through `AutoModelForCausalLM.from_pretrained` (auto-round's loader, which forces
+                    fp16 on CPU); the reference is then compress's own reading of the same files. `perplexity` also
+                    compares both perplexities on a text's first `max_tokens` tokens.
+    openvino-genai  the openvino export (`engines/openvino_genai.py`); reference from the run's hf export
+    ort-genai       the onnx export (`engines/ort_genai.py`); reference from the run's hf export
+
+A check writes nothing into the export directory: the directory's listing and modification times are compared
+before and after, and a change is an error.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from compress.errors import BadInput
+from compress.serve.decoded import N_TOKENS, PROMPTS, TOP_K, Decoded, compare
+
+logger = logging.getLogger(__name__)
+
+ENGINES = ("vllm", "transformers", "openvino-genai", "ort-genai")
+READS = {"vllm": "hf", "transformers": "hf", "openvino-genai": "openvino", "ort-genai": "onnx"}
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def serve_check(out, engine: str, *, n_tokens: int = N_TOKENS, dtype: str = "float16",
+                perplexity: str | None = None, max_tokens: int = 4096) -> dict:
+    """{"engine", "export", "reference", "tokens": {equal, total}, "top5_overlap", "max_dlogprob", "agree", ...}."""
+    if engine not in ENGINES:
+        raise BadInput(f"unknown engine `{engine}`; choose one of {', '.join(ENGINES)}")
+    if dtype not in DTYPES:
+        raise BadInput(f"unknown dtype `{dtype}`; choose one of {', '.join(DTYPES)}")
+    export, hf = _directories(Path(out), engine)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(hf)
+    prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
+    before = _snapshot(export)
+    ref_model = reference_model(hf, DTYPES[dtype])
+    eos = _eos_ids(hf)
+    reference = greedy(ref_model, prompts, n_tokens, eos)
+    result = {"engine": engine, "export": str(export), "reference": f"transformers on {hf} ({dtype})",
+              "prompts": len(prompts), "new_tokens": n_tokens}
+    if engine == "vllm":
+        got, info = _vllm(export, prompts, n_tokens, dtype)
+        result.update(info)
+    elif engine == "transformers":
+        loaded = _transformers(export)
+        result["loaded_dtype"] = str(next(loaded.parameters()).dtype).removeprefix("torch.")
+        got = greedy(loaded, prompts, n_tokens, eos)
+        if perplexity:
+            result["perplexity"] = _perplexities(loaded, ref_model, tokenizer, perplexity, max_tokens)
+    elif engine == "openvino-genai":
+        from compress.serve.engines import openvino_genai
+
+        got = openvino_genai.decode(export, prompts, n_tokens)
+    else:
+        from compress.serve.engines import ort_genai
+
+        got = ort_genai.decode(export, prompts, n_tokens)
+    if _snapshot(export) != before:
+        raise RuntimeError(f"the {engine} check wrote into {export}; a check must leave the export as it was")
+    cmp = compare(reference, got)
+    result.update(tokens={"equal": cmp["equal"], "total": cmp["total"]}, top5_overlap=cmp["top5_overlap"],
+                  max_dlogprob=cmp["max_dlogprob"], agree=cmp["equal"] == cmp["total"])
+    return result
+
+
+# -- what is checked against what ---------------------------------------------------------------------
+
+def _directories(out: Path, engine: str) -> tuple[Path, Path]:
+    """(the export the engine loads, the hf export the reference is built from)."""
+    if not out.is_dir():
+        raise BadInput(f"`{out}` is not a directory")
+    fmt = READS[engine]
+    if (out / "manifest.json").is_file():  # a run's output directory
+        exports = _run_exports(out)
+        if fmt not in exports:
+            raise BadInput(f"`{out}` has no `{fmt}` export, which {engine} loads; add `{fmt}` to export.formats")
+        export = exports[fmt]
+        hf = exports.get("hf") or exports.get("fake")
+    else:
+        export = out
+        sibling = [out.parent / d for d in ("hf", "hf-fake") if (out.parent / d / "config.json").is_file()]
+        hf = out if fmt == "hf" else (sibling[0] if sibling else None)
+    if hf is None:
+        raise BadInput(f"the reference is transformers on the run's hf export: give the run's output directory, "
+                       f"whose export.formats include `hf` beside `{fmt}`")
+    if fmt == "hf" and not (export / "config.json").is_file():
+        raise BadInput(f"`{export}` is not a Hugging Face checkpoint (no config.json)")
+    return export, hf
+
+
+def _run_exports(out: Path) -> dict[str, Path]:
+    """{format: directory} of a run's exports, from its manifest (each export's `directory`, relative to the run)."""
+    manifest = json.loads((out / "manifest.json").read_text())
+    found = {fmt: out / e["directory"] for fmt, e in (manifest.get("exports") or {}).items() if e.get("directory")}
+    return {k: v for k, v in found.items() if v.is_dir()}
+
+
+def _snapshot(directory: Path) -> list:
+    return sorted((str(p.relative_to(directory)), p.stat().st_mtime_ns, p.stat().st_size)
+                  for p in directory.rglob("*"))
+
+
+def _eos_ids(hf: Path) -> set[int]:
+    ids = set()
+    for name in ("generation_config.json", "config.json"):
+        path = hf / name
+        if path.is_file():
+            e = json.loads(path.read_text()).get("eos_token_id")
+            ids |= set(e if isinstance(e, list) else [e] if e is not None else [])
+    return ids
+
+
+# -- the reference and transformers -------------------------------------------------------------------
+
+def reference_model(hf: Path, dtype: torch.dtype):
+    """transformers' model class on exactly the export's weights: packed layers decoded by `read_quantized` into
+    plain `nn.Linear`s, every other tensor as stored; in `dtype`, eval mode."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from compress.export.hf import load_tensors, read_quantized
+    from compress.export.runtime import PACKED_SUFFIXES
+    from compress.prune import routing
+
+    tensors = load_tensors(hf)
+    _, qweights = read_quantized(hf, tensors)
+    config = AutoConfig.from_pretrained(hf)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    routing.attach(model)
+    dense = {k: v for k, v in tensors.items() if not k.endswith(PACKED_SUFFIXES)}
+    model.load_state_dict(dense, strict=False)
+    for name, qw in qweights.items():
+        model.get_submodule(name).weight.data = qw.dequantize(torch.float32)
+    model.tie_weights()
+    return model.to(dtype).eval()
+
+
+def _transformers(export: Path):
+    from transformers import AutoModelForCausalLM
+
+    qc = json.loads((export / "config.json").read_text()).get("quantization_config") or {}
+    if qc.get("packing_format") == "auto_round:auto_awq":
+        try:
+            import auto_round_kernel  # noqa: F401
+        except ImportError:
+            raise BadInput("auto-round loads `auto_round:auto_awq` on CPU only with its kernel package (without it, "
+                           "it silently builds layers without weights): `pip install auto-round-lib`, or export with "
+                           "`packing: auto_round`") from None
+    if qc.get("quant_method") == "gptq":
+        from compress.extras import require
+
+        require(("gptqmodel",), "transformers loading a GPTQ checkpoint")
+    return AutoModelForCausalLM.from_pretrained(export).eval()
+
+
+def greedy(model, prompts: list[list[int]], n_tokens: int, eos: set[int]) -> Decoded:
+    """Greedy decoding with the KV cache, EOS masked for the first `n_tokens` (engines' min-tokens rule); the top-k
+    log-probabilities are the model's own (before the mask)."""
+    tokens, top = [], []
+    device = next(model.parameters()).device
+    # the cache argument's name: `cache` in transformers >= 5.2x (`past_key_values` is deprecated there)
+    key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = torch.tensor([prompt], device=device)
+            out = model(input_ids=ids, use_cache=True)
+            past, gen, steps = _cache(out), [], []
+            logits = out.logits[0, -1]
+            for _ in range(n_tokens):
+                logp = torch.log_softmax(logits.float(), -1)
+                vals, idx = logp.topk(TOP_K)
+                steps.append({int(i): float(v) for i, v in zip(idx, vals)})
+                masked = logp.clone()
+                masked[[e for e in eos if e < masked.numel()]] = -float("inf")
+                nxt = int(masked.argmax())
+                gen.append(nxt)
+                out = model(input_ids=torch.tensor([[nxt]], device=device), use_cache=True, **{key: past})
+                past, logits = _cache(out), out.logits[0, -1]
+            tokens.append(gen)
+            top.append(steps)
+    return Decoded(tokens, top)
+
+
+def _cache(out):
+    return getattr(out, "cache", None) or out.past_key_values
+
+
+def _perplexities(loaded, reference, tokenizer, data: str, max_tokens: int) -> dict:
+    """Perplexity of transformers' loading and of compress's reading of the same export, same tokens (fp32
+    compute for both: `torch.nn.Module.float` on the loaded model, whose packed layers then decode exactly)."""
+    from compress.eval.data import read_text, token_stream
+    from compress.eval.metrics import perplexity
+
+    ids = token_stream(tokenizer, read_text(data))
+    as_loaded = perplexity(loaded, ids, max_tokens=max_tokens)
+    torch.nn.Module.float(loaded)
+    out = {"data": data, "max_tokens": max_tokens, "transformers_as_loaded": round(as_loaded, 4),
+           "transformers_fp32": round(perplexity(loaded, ids, max_tokens=max_tokens), 4),
+           "compress": round(perplexity(reference.float(), ids, max_tokens=max_tokens), 4)}
+    out["ratio"] = round(out["transformers_as_loaded"] / out["compress"], 4)
+    return out
+
+
+# -- vLLM in its own environment ----------------------------------------------------------------------
+
+def _vllm(export: Path, prompts: list[list[int]], n_tokens: int, dtype: str) -> tuple[Decoded, dict]:
+    from compress.serve.envs import python_of
+
+    if dtype not in ("float16", "bfloat16"):
+        raise BadInput("vLLM runs float16 or bfloat16 (it refuses float32 for these checkpoints); use --dtype float16")
+    python = python_of("vllm")
+    worker = Path(__file__).parent / "engines" / "vllm_worker.py"
+    with tempfile.TemporaryDirectory(prefix="serve-check-") as tmp:
+        req, res = Path(tmp) / "request.json", Path(tmp) / "result.json"
+        req.write_text(json.dumps({"model": str(export.resolve()), "prompts": prompts, "n_tokens": n_tokens, "top_k": TOP_K,
+                                   "dtype": dtype}))
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": os.environ.get(
+            "VLLM_CPU_KVCACHE_SPACE", "1")}
+        proc = subprocess.run([str(python), str(worker), str(req), str(res)], capture_output=True, text=True,
+                              cwd=tmp, env=env)
+        if proc.returncode != 0:
+            tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
+            raise RuntimeError(f"vLLM could not run {export} (exit {proc.returncode}):\n{tail}")
+        data = json.loads(res.read_text())
+    kernels = sorted({line.split("Using ", 1)[1].split(" for ")[0] for line in proc.stderr.splitlines()
+                      if "Using " in line and "LinearKernel" in line})
+    return Decoded.from_json(data), {"vllm": data.get("vllm"), "kernels": kernels}

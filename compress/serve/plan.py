@@ -1,0 +1,82 @@
+"""The servability table of a run: from its plan before any calibration, and from the checkpoint it wrote.
+
+`planned(adapter, export_spec, quantized, widths, mixed)` builds the `rules.Checkpoint` the recipe will produce (the
+bind step's layer plans; for an `allocate` plan every layer at the plan's widest width, the container most layers
+get), `check(...)` refuses at plan time a plan an engine of `export.serve` cannot serve, and `written(model,
+qweights, exports)` builds it from the QuantizedWeights and the export results after the run (exact widths).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from compress.errors import BadInput
+from compress.serve import rules
+
+
+def planned(adapter, export_spec, quantized, widths: set, mixed: bool) -> rules.Checkpoint:
+    """The checkpoint the plan will write (`quantized`: the bind step's (index, method, rounding, {name: LayerSpec})
+    of every quantize stage; `widths`: every width a layer may end up with; `mixed`: an allocation plan gives
+    per-chunk widths, so each layer's container is taken as the widest of them)."""
+    from compress.export.hf import why_dense
+    from compress.export.layouts import choose, containers
+
+    names = export_spec.names()
+    hf = export_spec.config("hf") if "hf" in names else None
+    layers = {}
+    for *_, specs in quantized:
+        for name, spec in specs.items():
+            lin = adapter.model.get_submodule(name)
+            if spec.bits == 1 or why_dense(lin.out_features, lin.in_features, spec.group_size):
+                continue  # stored dense: every engine reads a dense layer
+            bits = max(b for b in widths if b != 16) if mixed else spec.bits
+            layers[name] = SimpleNamespace(bits=bits, group_size=spec.group_size, sym=spec.sym,
+                                           out_features=lin.out_features, in_features=lin.in_features)
+    packing, wide = None, {}
+    if hf is not None and layers:
+        wide = containers(layers, hf.container)
+        try:
+            packing, _ = choose(layers, hf.packing, wide)
+        except ValueError as e:
+            raise BadInput(f"export hf: {e}") from e
+    return rules.Checkpoint(
+        layers=[rules.Layer(n, q.out_features, q.in_features, wide.get(n, q.bits), q.group_size, q.sym)
+                for n, q in layers.items()],
+        packing=packing if hf is not None else None, dtype=hf.dtype if hf is not None else "float16",
+        model_type=adapter.model_type, experts=any(".experts." in n for n in layers), graphs=_graphs(export_spec))
+
+
+def written(qweights: dict, exports: dict, model_type: str) -> rules.Checkpoint:
+    """The checkpoint a run wrote: its hf export's packed layers at their stored widths, packing and dtype."""
+    from compress.export.hf import loadable
+    from compress.export.layouts import containers
+
+    hf = exports.get("hf") or {}
+    packed = {n: q for n, q in qweights.items() if loadable(q)} if hf.get("packing") else {}
+    wide = containers(packed, hf.get("container"))
+    return rules.Checkpoint(
+        layers=[rules.Layer(n, q.out_features, q.in_features, wide.get(n, q.bits), q.group_size, q.sym)
+                for n, q in packed.items()],
+        packing=hf.get("packing"), dtype=hf.get("dtype", "float16"), model_type=model_type,
+        experts=any(".experts." in n for n in packed),
+        graphs={k: {"genai": bool(v.get("genai"))} for k, v in exports.items() if k in ("onnx", "openvino")})
+
+
+def _graphs(export_spec) -> dict:
+    out = {}
+    for fmt in ("onnx", "openvino"):
+        if fmt in export_spec.names():
+            cfg = export_spec.config(fmt)
+            out[fmt] = {"genai": bool(getattr(cfg, "kv_cache", False)) or getattr(cfg, "builder", "") == "genai"}
+    return out
+
+
+def check(ckpt: rules.Checkpoint, serve: list[str]) -> dict[str, list[rules.Problem]]:
+    """The table; BadInput when an engine the recipe requires (`export.serve`) cannot serve the plan."""
+    rows = rules.table(ckpt)
+    bad = [(e, rows[e]) for e in serve if rows[e]]
+    if bad:
+        lines = [f"  {e}: " + "; ".join(str(p) for p in problems) for e, problems in bad]
+        raise BadInput("export.serve: the plan writes a checkpoint that " + ", ".join(e for e, _ in bad) +
+                       " cannot serve:\n" + "\n".join(lines))
+    return rows

