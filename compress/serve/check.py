@@ -1,10 +1,12 @@
 """`compress serve-check OUT --engine E`: the export loaded in an engine agrees with transformers on the same weights.
 
 The engine greedy-decodes `PROMPTS` (token ids from the export's tokenizer, `N_TOKENS` new tokens each, EOS masked
-until then as every engine's min-tokens option does) and reports its top-5 log-probabilities per position; the
-reference is transformers' own modeling code on exactly the export's weights (`reference_model`: the packed layers
-read back by `read_quantized`, bit-exact, as dense linears; every other tensor as stored), in the engine's dtype.
-`compare` counts the equal tokens, the top-5 overlap and the largest |dlogprob|; `agree` is every token equal.
+until then as every engine's min-tokens option does) in `dtype` and reports its top-5 log-probabilities per
+position; the reference is transformers' own modeling code on exactly the export's weights (`reference_model`: the
+packed layers read back by `read_quantized`, bit-exact, as dense linears; every other tensor as stored) in float32,
+so the differences measured are the engine's. `compare` counts the equal tokens, the top-5 overlap and the largest
+|dlogprob|; `agree`: every token equal, or each divergence at a tie of the reference (its two tokens within
+`TIE` nats: an fp16 rounding can flip it, a mis-read weight does not stop there).
 
 Engines and what they load from a run's output directory (or an export directory given directly):
 
@@ -55,10 +57,10 @@ def serve_check(out, engine: str, *, n_tokens: int = N_TOKENS, dtype: str = "flo
     tokenizer = AutoTokenizer.from_pretrained(hf)
     prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
     before = _snapshot(export)
-    ref_model = reference_model(hf, DTYPES[dtype])
+    ref_model = reference_model(hf, torch.float32)
     eos = _eos_ids(hf)
     reference = greedy(ref_model, prompts, n_tokens, eos)
-    result = {"engine": engine, "export": str(export), "reference": f"transformers on {hf} ({dtype})",
+    result = {"engine": engine, "export": str(export), "reference": f"transformers on {hf} (float32)", "dtype": dtype,
               "prompts": len(prompts), "new_tokens": n_tokens}
     if engine == "vllm":
         got, info = _vllm(export, prompts, n_tokens, dtype)
@@ -81,7 +83,8 @@ def serve_check(out, engine: str, *, n_tokens: int = N_TOKENS, dtype: str = "flo
         raise RuntimeError(f"the {engine} check wrote into {export}; a check must leave the export as it was")
     cmp = compare(reference, got)
     result.update(tokens={"equal": cmp["equal"], "total": cmp["total"]}, top5_overlap=cmp["top5_overlap"],
-                  max_dlogprob=cmp["max_dlogprob"], agree=cmp["equal"] == cmp["total"])
+                  max_dlogprob=cmp["max_dlogprob"], divergences=cmp["divergences"], ties=cmp["ties"],
+                  agree=len(cmp["divergences"]) == cmp["ties"])
     return result
 
 

@@ -1,8 +1,7 @@
 """The servability table of a run: from its plan before any calibration, and from the checkpoint it wrote.
 
 `planned(adapter, export_spec, quantized, widths, mixed)` builds the `rules.Checkpoint` the recipe will produce (the
-bind step's layer plans; for an `allocate` plan every layer at the plan's widest width, the container most layers
-get), `check(...)` refuses at plan time a plan an engine of `export.serve` cannot serve, and `written(model,
+bind step's layer plans; for an `allocate` plan, every layer at the narrowest container it may get), `check(...)` refuses at plan time a plan an engine of `export.serve` cannot serve, and `written(model,
 qweights, exports)` builds it from the QuantizedWeights and the export results after the run (exact widths).
 """
 
@@ -17,7 +16,7 @@ from compress.serve import rules
 def planned(adapter, export_spec, quantized, widths: set, mixed: bool) -> rules.Checkpoint:
     """The checkpoint the plan will write (`quantized`: the bind step's (index, method, rounding, {name: LayerSpec})
     of every quantize stage; `widths`: every width a layer may end up with; `mixed`: an allocation plan gives
-    per-chunk widths, so each layer's container is taken as the widest of them)."""
+    per-chunk widths: `_stored_width`)."""
     from compress.export.hf import why_dense
     from compress.export.layouts import choose, containers
 
@@ -29,7 +28,7 @@ def planned(adapter, export_spec, quantized, widths: set, mixed: bool) -> rules.
             lin = adapter.model.get_submodule(name)
             if spec.bits == 1 or why_dense(lin.out_features, lin.in_features, spec.group_size):
                 continue  # stored dense: every engine reads a dense layer
-            bits = max(b for b in widths if b != 16) if mixed else spec.bits
+            bits = _stored_width(widths, hf.container if hf is not None else None) if mixed else spec.bits
             layers[name] = SimpleNamespace(bits=bits, group_size=spec.group_size, sym=spec.sym,
                                            out_features=lin.out_features, in_features=lin.in_features)
     packing, wide = None, {}
@@ -44,6 +43,14 @@ def planned(adapter, export_spec, quantized, widths: set, mixed: bool) -> rules.
                 for n, q in layers.items()],
         packing=packing if hf is not None else None, dtype=hf.dtype if hf is not None else "float16",
         model_type=adapter.model_type, experts=any(".experts." in n for n in layers), graphs=_graphs(export_spec))
+
+
+def _stored_width(widths: set, container: int | None) -> int:
+    """The width a layer of a mixed plan is stored at, before the allocation runs: its widest chunk, which may be
+    any of the plan's widths, raised to `container`; when that leaves several, the narrowest (the check holds for
+    every layer the allocation can produce)."""
+    stored = {max(b, container or 0) for b in widths if b not in (1, 16)}
+    return min(stored)
 
 
 def written(qweights: dict, exports: dict, model_type: str) -> rules.Checkpoint:

@@ -16,9 +16,9 @@ Where each rule comes from (read in the engines' code at the versions named; `ve
   of -1, 32, 64, 128; packing `auto_round` is refused at config time; layers vLLM fuses (q/k/v, gate/up) must share
   one scheme; quantized MoE experts are not run quantized on CPU (`UnquantizedFusedMoEMethod`); dtype float16 or
   bfloat16 (float32 is refused).
-* vllm (CUDA, vLLM 0.32): Marlin for symmetric 4/8-bit GPTQ and 4-bit AWQ (group -1/32/64/128, out_features a
-  multiple of 64, in_features of 128); symmetric 2/3/5/6/7-bit through the humming kernel; asymmetric layers only
-  as 4-bit AWQ; fused layers share one scheme.
+* vllm (CUDA, vLLM 0.32): Marlin for symmetric 4/8-bit GPTQ and 4-bit AWQ (group -1/32/64/128; shapes Marlin
+  cannot tile go to vLLM's other mixed-precision kernels); symmetric 2/3/5/6/7-bit through the humming kernel;
+  asymmetric layers only as 4-bit AWQ; fused layers share one scheme.
 * sglang (>= 0.5.4, auto-round's README): auto-round checkpoints on CUDA through the same Marlin kernels:
   symmetric 4/8-bit, asymmetric 4-bit AWQ; MoE support limited.
 * tgi (text-generation-inference 3.x docs): reads `quant_method` gptq or awq, not auto-round: packing `gptq`
@@ -147,9 +147,6 @@ def vllm_cuda(ckpt: Checkpoint) -> list[Problem]:
     out += _first(marlin, lambda x: x.group not in MARLIN_GROUPS,
                   lambda x: f"`{x.name}` has group_size {x.group} (Marlin takes {', '.join(map(str, MARLIN_GROUPS))})",
                   _group_fix)
-    out += _first(marlin, lambda x: x.d_out % 64 or x.d_in % 128,
-                  lambda x: f"`{x.name}` is {x.d_out}x{x.d_in} (Marlin needs out_features % 64 == 0 and "
-                            "in_features % 128 == 0)", lambda x: "leave that layer unquantized")
     return out + _fused(ckpt) + _dtype(ckpt)
 
 

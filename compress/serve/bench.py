@@ -1,0 +1,99 @@
+"""`compress bench serve`: the schemes users serve, exported by real runs and checked in an engine.
+
+For each scheme of `SCHEMES` (RTN, so a cell takes seconds of quantization: the layouts are what is checked, not
+the rounding), one pipeline run writes the `hf` export of `model`; `serve_check` then loads it in `engine` and
+compares greedy decoding with transformers on the same weights (`compress/serve/check.py`). The mixed scheme is an
+`allocate` plan of 3- and 4-bit 128-column chunks in 4-bit containers (`export.hf.container: 4`), symmetric and
+asymmetric; `sym-3-in-4-unshifted` rewrites the mixed symmetric export with every 3-bit part keeping its own zero 4
+(no re-centring) and must disagree: the proof that the check sees zeros an engine ignores.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+from compress.eval.machine import machine, machine_text
+
+SCHEMES = {
+    "W4 g128 sym": {"bits": 4, "sym": True},
+    "W4 g128 asym": {"bits": 4, "sym": False},
+    "3/4 mixed sym, 4-bit containers": {"mixed": True, "sym": True},
+    "3/4 mixed asym, 4-bit containers": {"mixed": True, "sym": False},
+}
+UNSHIFTED = "3/4 mixed sym, zeros not re-centred (must disagree)"
+
+
+def recipe(model: str, scheme: dict) -> dict:
+    quantize = {"stage": "quantize", "method": "rtn", "group_size": 128, "sym": scheme["sym"]}
+    stages = [quantize | {"bits": scheme["bits"]}] if not scheme.get("mixed") else [
+        {"stage": "allocate", "method": "greedy", "budget": 3.7, "options": [{"bits": 3}, {"bits": 4}]}, quantize]
+    return {"version": 1, "description": "compress bench serve", "model": {"path": model, "dtype": "float32"},
+            "calibration": {"sources": ["bundled:botchan-calibration"], "nsamples": 8, "seqlen": 128},
+            "stages": stages, "eval": {"enabled": False},
+            "export": {"formats": [{"format": "hf", "container": 4}] if scheme.get("mixed") else ["hf"]}}
+
+
+def unshift(hf: Path) -> None:
+    """Rewrite a mixed symmetric export as an engine that ignored zeros would need it not to be: each narrower part
+    keeps its own zero 2^(b-1) in the 4-bit container (the layout before re-centring)."""
+    from safetensors.torch import save_file
+
+    from compress.export.hf import load_tensors, read_quantized
+    from compress.kernels.packing import gptq_pack
+    from compress.qweight import QuantizedWeight
+
+    config, qweights = read_quantized(hf)
+    tensors = load_tensors(hf)
+    for name, qw in qweights.items():
+        raw = QuantizedWeight(codes=qw.codes, scales=qw.scales, zeros=qw.zeros, bits=4, group_size=qw.group_size,
+                              sym=True)
+        packed = gptq_pack(raw, v1=True)
+        tensors.update({f"{name}.{k}": packed[k] for k in ("qweight", "qzeros", "scales")})
+    (hf / "model.safetensors").unlink()
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(hf / "model.safetensors"), metadata={"format": "pt"})
+    for key in ("widened", "mixed"):  # compress's own reader now sees what the file says: the real zeros
+        config["compress"]["meta"].pop(key, None)
+    (hf / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def run(model: str, engine: str = "vllm", dtype: str = "float16", unshifted: bool = True) -> dict:
+    from compress import pipeline
+    from compress.recipe import load_recipe
+    from compress.serve.check import serve_check
+
+    t0, rows = time.time(), []
+    cells = [*SCHEMES.items()] + ([(UNSHIFTED, SCHEMES["3/4 mixed sym, 4-bit containers"])] if unshifted else [])
+    with tempfile.TemporaryDirectory(prefix="bench-serve-") as tmp:
+        for i, (name, scheme) in enumerate(cells):
+            path, out = Path(tmp) / f"{i}.yaml", Path(tmp) / f"out{i}"
+            path.write_text(yaml.safe_dump(recipe(model, scheme), sort_keys=False))
+            pipeline.run(load_recipe(path), out, force=True, quiet=True)
+            if name == UNSHIFTED:
+                unshift(out / "hf")
+            res = serve_check(out, engine, dtype=dtype)
+            qc = json.loads((out / "hf" / "config.json").read_text())["quantization_config"]
+            rows.append({"scheme": name, "packing": qc.get("packing_format", qc.get("quant_method")),
+                         **{k: res[k] for k in ("tokens", "top5_overlap", "max_dlogprob", "ties", "agree")},
+                         "kernels": res.get("kernels", []), "engine_version": res.get(engine)})
+            shutil.rmtree(out, ignore_errors=True)
+    return {"model": model, "engine": engine, "dtype": dtype, "rows": rows, "seconds": round(time.time() - t0, 1),
+            "date": time.strftime("%Y-%m-%d"), "machine": machine()}
+
+
+def markdown(res: dict) -> str:
+    lines = [f"`compress bench serve --model {res['model']} --engine {res['engine']}` ({res['date']}, engine dtype "
+             f"{res['dtype']}, reference: transformers in float32 on the same weights, 4 prompts x 32 greedy tokens)."
+             f"{machine_text(res.get('machine'))}", "",
+             "| scheme | packing | tokens equal | top-5 overlap | max \\|dlogprob\\| | agrees | kernels |",
+             "|---|---|---|---|---|---|---|"]
+    for r in res["rows"]:
+        t = r["tokens"]
+        lines.append(f"| {r['scheme']} | {r['packing']} | {t['equal']}/{t['total']} | {r['top5_overlap']} | "
+                     f"{r['max_dlogprob']} | {'yes' if r['agree'] else 'no'} | {', '.join(r['kernels']) or '-'} |")
+    return "\n".join(lines) + "\n"
