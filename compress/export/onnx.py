@@ -3,10 +3,16 @@
 `export_onnx(model, qweights, out_dir)` writes `model.onnx`: input `input_ids` int64 (batch, seq), output `logits`
 fp32 (batch, seq, vocab). With `kv_cache=True` (incremental decoding, the names optimum uses) it also takes
 `attention_mask` int64 (batch, past + seq; 1 = attend, 0 = padding) and `past_key_values.{i}.key` / `.value` fp32
-(batch, kv heads, past, head dim: the model's own cache layout, e.g. DeepSeek's MLA caches full keys of
-qk_nope + qk_rope dims and values of v_head_dim) per block (past = 0 on the first call), and returns
-`present.{i}.key` / `.value` (batch, kv heads, past + seq, head dim); positions run from past to past + seq - 1
-(right padding, or none, in a batch). Sliding-window layers get their whole past and mask it themselves.
+(batch, kv heads, past, head dim: the model's own cache layout, e.g. DeepSeek's MLA caches its compressed latent,
+kv_lora_rank wide, as keys and its rotary keys, qk_rope_head_dim wide, as values, in one head) per block (past = 0
+on the first call), and returns `present.{i}.key` / `.value` (batch, kv heads, past + seq, head dim); positions run
+from past to past + seq - 1 (right padding, or none, in a batch). Sliding-window layers get their whole past and
+mask it themselves. With `position_ids=True` as well, the positions are an input (`position_ids` int64 (batch, seq),
+after `attention_mask`), as OpenVINO GenAI's stateful models take them (`compress.export.openvino`). With
+`genai=True` the directory also holds `genai_config.json` (`genai_config`: ONNX Runtime GenAI's generic `decoder`
+type, whose default input and output names are these) and the tokenizer's files, so `onnxruntime_genai.Model(dir)`
+runs it; `genai_why_not` names the families its KV cache cannot hold (keys and values of different widths:
+DeepSeek's latent cache).
 
 The graph is not written by hand: `torch.onnx.export(dynamo=True)` traces the transformers model itself with
 `torch.export`, so every decoder family transformers runs is written the same way (docs/architectures.md).
@@ -235,23 +241,35 @@ class _Logits(nn.Module):
 
 
 class _Step(nn.Module):
-    """(input_ids, attention_mask, past k/v per layer) -> (logits, present k/v per layer)."""
+    """(input_ids, attention_mask, past k/v per layer) -> (logits, present k/v per layer); positions run from the
+    past's length."""
 
     def __init__(self, model, layers: int):
         super().__init__()
         self.model, self.layers = model, layers
 
     def forward(self, input_ids, attention_mask, past):
+        start = past[0].shape[2]
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0) + start
+        return self.step(input_ids, attention_mask, positions, past)
+
+    def step(self, input_ids, attention_mask, position_ids, past):
         from transformers import DynamicCache
 
         cache = DynamicCache()
         for i in range(self.layers):
             cache.update(past[2 * i], past[2 * i + 1], i)
-        start = past[0].shape[2]
-        positions = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0) + start
-        logits = self.model(input_ids=input_ids, attention_mask=attention_mask, cache=cache, position_ids=positions,
-                            use_cache=True).logits
+        logits = self.model(input_ids=input_ids, attention_mask=attention_mask, cache=cache,
+                            position_ids=position_ids, use_cache=True).logits
         return logits, [t for layer in cache.layers for t in (layer.keys, layer.values)]
+
+
+class _StepAt(_Step):
+    """_Step with the positions an input (`position_ids` int64 (batch, seq)), as optimum's graphs and OpenVINO
+    GenAI's stateful models take them: left-padded rows and a cache that was trimmed keep their positions."""
+
+    def forward(self, input_ids, attention_mask, position_ids, past):
+        return self.step(input_ids, attention_mask, position_ids, past)
 
 
 def cache_shapes(model) -> list[tuple[tuple[int, int], tuple[int, int]]]:
@@ -265,9 +283,10 @@ def cache_shapes(model) -> list[tuple[tuple[int, int], tuple[int, int]]]:
             for layer in cache.layers]
 
 
-def trace(model, path: Path, kv_cache: bool, metadata: dict[str, str]) -> None:
+def trace(model, path: Path, kv_cache: bool, metadata: dict[str, str], position_ids: bool = False) -> None:
     """Export the (already substituted) model to `path` with the I/O of the module docstring and `metadata`
-    (metadata_props); the tensors go to `model.onnx.data` beside it above EXTERNAL_DATA_BYTES."""
+    (metadata_props); the tensors go to `model.onnx.data` beside it above EXTERNAL_DATA_BYTES. `position_ids`
+    (with `kv_cache`): the positions are an input after `attention_mask` instead of running from the past's length."""
     import warnings
 
     import onnx_ir
@@ -280,12 +299,18 @@ def trace(model, path: Path, kv_cache: bool, metadata: dict[str, str]) -> None:
         shapes = cache_shapes(model)
         past_len = 2
         past = [torch.zeros(2, h, past_len, d) for kv in shapes for h, d in kv]
-        args = (ids, torch.ones(2, past_len + ids.shape[1], dtype=torch.long), past)
-        module = _Step(model, len(shapes))
-        dims = {"input_ids": {0: batch, 1: seq}, "attention_mask": {0: batch, 1: Dim("total", max=2 * MAX_LEN)},
-                "past": [{0: batch, 2: Dim("past", max=MAX_LEN)} for _ in past]}
+        mask = torch.ones(2, past_len + ids.shape[1], dtype=torch.long)
+        dims = {"input_ids": {0: batch, 1: seq}, "attention_mask": {0: batch, 1: Dim("total", max=2 * MAX_LEN)}}
+        if position_ids:
+            module = _StepAt(model, len(shapes))
+            args = (ids, mask, torch.arange(past_len, past_len + ids.shape[1]).expand(ids.shape[0], -1), past)
+            dims["position_ids"] = {0: batch, 1: seq}
+        else:
+            module, args = _Step(model, len(shapes)), (ids, mask, past)
+        dims["past"] = [{0: batch, 2: Dim("past", max=MAX_LEN)} for _ in past]
         pairs = [f"{i}.{kv}" for i in range(len(shapes)) for kv in ("key", "value")]
-        inputs = ["input_ids", "attention_mask", *(f"past_key_values.{p}" for p in pairs)]
+        inputs = ["input_ids", "attention_mask", *(["position_ids"] if position_ids else []),
+                  *(f"past_key_values.{p}" for p in pairs)]
         outputs = ["logits", *(f"present.{p}" for p in pairs)]
     else:
         module, args, dims = _Logits(model), (ids,), {"input_ids": {0: batch, 1: seq}}
@@ -338,23 +363,90 @@ def _quiet():
 
 
 def export_onnx(model, qweights: dict[str, QuantizedWeight], out_dir: str | Path, meta: dict | None = None,
-                kv_cache: bool = False) -> dict:
+                kv_cache: bool = False, position_ids: bool = False, genai: bool = False, tokenizer=None) -> dict:
     """Write `out_dir/model.onnx` (+ `model.onnx.data` above 1.5 GB); returns path, bytes, dense layer count.
-    `kv_cache`: attention_mask and past/present key-value inputs and outputs (module docstring)."""
+    `kv_cache`: attention_mask and past/present key-value inputs and outputs (module docstring); `position_ids` (with
+    it): the positions an input too. `genai` (with `kv_cache`): also `genai_config.json` and `tokenizer`'s files, the
+    directory `onnxruntime_genai.Model` runs (`genai_config`; a cache it cannot hold is refused by `genai_why_not`)."""
     from compress.errors import BadInput
 
     if not type(model).__name__.endswith("ForCausalLM"):
         raise BadInput(f"the onnx export writes causal language models (decoders), not "
                        f"`{getattr(model.config, 'model_type', type(model).__name__)}`; drop `onnx` from export.formats")
+    genai = genai and kv_cache
+    if genai and (why := genai_why_not(model.config)):
+        raise ValueError(f"ONNX Runtime GenAI cannot run this graph: {why}")
     out = Path(out_dir)
     with float32(model), substituted(model, qweights) as dense, staged_directory(out, marker="model.onnx") as tmp:
         if dense:
             logger.warning("onnx: %d quantized layers written as dense MatMuls (not MatMulNBits-expressible): %s",
                            len(dense), ", ".join(dense[:5]))
         info = {"format": FORMAT, "version": FORMAT_VERSION, "meta": meta or {}, "dense_layers": dense,
-                "kv_cache": kv_cache}
+                "kv_cache": kv_cache, "position_ids": kv_cache and position_ids}
         trace(model, tmp / "model.onnx", kv_cache, {"compress.format": FORMAT, "compress.version": str(FORMAT_VERSION),
-                                                    "compress.meta": json.dumps(info)})
+                                                    "compress.meta": json.dumps(info)}, position_ids=position_ids)
+        if genai:
+            config = genai_config(model, cache_shapes(model), tokenizer, position_ids)
+            (tmp / "genai_config.json").write_text(json.dumps(config, indent=2) + "\n")
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp)
+            else:
+                logger.warning("onnx: no tokenizer to write beside genai_config.json; onnxruntime_genai runs the "
+                               "directory on token ids only")
     nbytes = sum(f.stat().st_size for f in out.iterdir() if f.name.startswith("model.onnx"))
     return {"path": str(out / "model.onnx"), "bytes": nbytes, "dense_layers": len(dense), "graph": "torch",
-            "kv_cache": kv_cache}
+            "kv_cache": kv_cache, "position_ids": kv_cache and position_ids, "genai_config": genai}
+
+
+def genai_why_not(config) -> str | None:
+    """Why ONNX Runtime GenAI (0.18) cannot run the `kv_cache` graph of a model with this config, or None. Its KV
+    cache gives keys and values one width (`head_size`, the empty past it feeds first has that shape), so a family
+    that caches keys and values of different widths is refused."""
+    if getattr(config, "kv_lora_rank", None):  # DeepSeek's multi-head latent attention
+        return (f"`{config.model_type}` (multi-head latent attention) caches its compressed latent "
+                f"({config.kv_lora_rank} wide) as keys and the rotary keys ({config.qk_rope_head_dim} wide) as values, "
+                "and onnxruntime_genai's KV cache gives keys and values one width (head_size)")
+    return None
+
+
+def _token_id(model, tokenizer, name: str):
+    """`name` (bos/eos/pad_token_id) from the generation config, else the model's config, else the tokenizer."""
+    for source in (getattr(model, "generation_config", None), model.config, tokenizer):
+        value = getattr(source, name, None) if source is not None else None
+        if value is not None:
+            return value
+    return None
+
+
+def genai_config(model, shapes, tokenizer=None, position_ids: bool = False) -> dict:
+    """genai_config.json for the `kv_cache` graph (onnxruntime_genai's `decoder` type: any decoder-only model; its
+    default input and output names are this graph's). `shapes`: `cache_shapes(model)`, one (heads, width) for every
+    layer's keys and values, or ValueError. The KV cache is not shared between past and present (the graph
+    concatenates), so `past_present_share_buffer` is false; EOS, BOS and padding come from the model's generation
+    config (else its config, else the tokenizer)."""
+    kinds = {kv for layer in shapes for kv in layer}
+    if len(kinds) != 1:
+        raise ValueError(f"onnxruntime_genai's KV cache holds one (heads, width) for every key and value; this model "
+                         f"caches {sorted(kinds)}")
+    (heads, width), = kinds
+    cfg, gen = model.config, getattr(model, "generation_config", None)
+    context = min(getattr(cfg, "max_position_embeddings", None) or MAX_LEN, MAX_LEN)
+    eos = _token_id(model, tokenizer, "eos_token_id")
+    pad = _token_id(model, tokenizer, "pad_token_id")
+    ids = {"bos_token_id": _token_id(model, tokenizer, "bos_token_id"), "eos_token_id": eos,
+           "pad_token_id": pad if pad is not None else (eos[0] if isinstance(eos, list) else eos)}
+    inputs = {"input_ids": "input_ids", "attention_mask": "attention_mask",
+              **({"position_ids": "position_ids"} if position_ids else {}),
+              "past_key_names": "past_key_values.%d.key", "past_value_names": "past_key_values.%d.value"}
+    outputs = {"logits": "logits", "present_key_names": "present.%d.key", "present_value_names": "present.%d.value"}
+    decoder = {"session_options": {"log_id": "onnxruntime-genai", "provider_options": []}, "filename": "model.onnx",
+               "head_size": width, "hidden_size": cfg.hidden_size, "num_attention_heads": cfg.num_attention_heads,
+               "num_hidden_layers": len(shapes), "num_key_value_heads": heads, "inputs": inputs, "outputs": outputs}
+    search = {"do_sample": bool(getattr(gen, "do_sample", False)), "max_length": context, "min_length": 0,
+              "num_beams": 1, "num_return_sequences": 1, "past_present_share_buffer": False,
+              "repetition_penalty": float(getattr(gen, "repetition_penalty", None) or 1.0),
+              "temperature": float(getattr(gen, "temperature", None) or 1.0),
+              "top_k": int(getattr(gen, "top_k", None) or 50), "top_p": float(getattr(gen, "top_p", None) or 1.0)}
+    model_cfg = {**{k: v for k, v in ids.items() if v is not None}, "context_length": context,
+                 "vocab_size": cfg.vocab_size, "type": "decoder", "decoder": decoder}
+    return {"model": model_cfg, "search": search}

@@ -7,8 +7,15 @@ the CPU plugin runs them as a low-bit `FullyConnected` (runtime precision u2 / u
 `openvino_model.xml` / `.bin`, with rt_info `compress/format` = "openvino-ir", `compress/version` and
 `compress/meta` (JSON).
 
+With `kv_cache` and `stateful` the directory is what OpenVINO GenAI's `LLMPipeline(dir, "CPU")` runs: the graph is
+traced with a `position_ids` input, `make_stateful` adds `beam_idx` and keeps the KV cache as ReadValue / Assign
+variables (inputs input_ids, attention_mask, position_ids, beam_idx; output logits), and `write_genai_files` puts
+the tokenizer's OpenVINO IRs (`openvino_tokenizer.xml`, `openvino_detokenizer.xml`), its files, `config.json` and
+`generation_config.json` beside it. Without `stateful` the IR keeps the graph's explicit past/present inputs.
+
 To reproduce the exported model's numbers on CPU, compile with `EXACT_CPU_CONFIG`: by default the CPU
-plugin quantizes activations to int8 for u4/u8 weights (dynamic quantization) and may run in bf16.
+plugin quantizes activations to int8 for u4/u8 weights (dynamic quantization), may run in bf16 and keeps a
+fused attention's KV cache in u8.
 
 Device targets (`devices`: CPU, GPU, NPU; the recipe's `device:`) are recorded in rt_info
 `compress/devices` and in `compress/meta`; the export compiles the IR on each target this machine's
@@ -37,7 +44,8 @@ from compress.qweight import QuantizedWeight
 logger = logging.getLogger(__name__)
 
 FORMAT, FORMAT_VERSION = "openvino-ir", 1
-EXACT_CPU_CONFIG = {"INFERENCE_PRECISION_HINT": "f32", "DYNAMIC_QUANTIZATION_GROUP_SIZE": 0}
+EXACT_CPU_CONFIG = {"INFERENCE_PRECISION_HINT": "f32", "DYNAMIC_QUANTIZATION_GROUP_SIZE": 0,
+                    "KV_CACHE_PRECISION": "f32"}
 DEVICES = ("CPU", "GPU", "NPU")
 NPU_BITS, NPU_GROUPS = 4, (128, -1)
 
@@ -63,17 +71,21 @@ def low_bit_constants(ov_model) -> dict[str, int]:
 
 def export_openvino(model, qweights: dict[str, QuantizedWeight], out_dir: str | Path, meta: dict | None = None,
                     devices: tuple[str, ...] | list[str] = ("CPU",), kv_cache: bool = False,
-                    exact: bool = True, onnx_path: str | Path | None = None) -> dict:
+                    exact: bool = True, onnx_path: str | Path | None = None, stateful: bool = False,
+                    tokenizer=None) -> dict:
     """Write `out_dir/openvino_model.xml` (+ .bin) for the target `devices`; returns path, bytes, the
     low-bit constant counts, and the devices it was compiled on here / not compiled on. `kv_cache`: the
     inputs and outputs of `export_onnx(kv_cache=True)` (attention_mask, past / present key values).
+    `stateful` (with `kv_cache`): the directory OpenVINO GenAI's `LLMPipeline` runs: the model takes `input_ids`,
+    `attention_mask`, `position_ids` and `beam_idx` and keeps its KV cache as state (`make_stateful`), beside it the
+    tokenizer's OpenVINO IRs, its files, `config.json` and `generation_config.json` (`write_genai_files`).
     `exact`: `EXACT_CPU_CONFIG` is written into the IR's `runtime_options`. The CPU plugin reads the dynamic
-    quantization setting from there (a plain `compile_model` keeps activations in float) but not the inference
-    precision: on CPUs with bf16 the f32 the IR was validated with takes `EXACT_CPU_CONFIG` (or
+    quantization and KV-cache settings from there (a plain `compile_model` keeps activations in float) but not the
+    inference precision: on CPUs with bf16 the f32 the IR was validated with takes `EXACT_CPU_CONFIG` (or
     `{"INFERENCE_PRECISION_HINT": "f32"}`) at compile time. False leaves the device's defaults (faster, less
     exact).
-    `onnx_path`: a graph `export_onnx` wrote from these weights with this `kv_cache`, converted instead of tracing
-    the model again (a run exporting both formats traces once)."""
+    `onnx_path`: a graph `export_onnx` wrote from these weights with this `kv_cache` (and `position_ids` when
+    `stateful`), converted instead of tracing the model again (a run exporting both formats traces once)."""
     import openvino as ov
 
     unknown = [d for d in devices if d not in DEVICES]
@@ -85,6 +97,7 @@ def export_openvino(model, qweights: dict[str, QuantizedWeight], out_dir: str | 
             name, problems = next(iter(bad.items()))
             raise ValueError(f"NPU target: {len(bad)} layers are not symmetric int4 with group 128 / per-channel, "
                              f"e.g. {name} ({'; '.join(problems)})")
+    stateful = stateful and kv_cache
 
     from compress.export.onnx import export_onnx
 
@@ -94,11 +107,15 @@ def export_openvino(model, qweights: dict[str, QuantizedWeight], out_dir: str | 
         if onnx_path is None:  # trace into a temporary directory
             tmp = stack.enter_context(tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.onnx.",
                                                                   suffix=".tmp"))
-            onnx_path = export_onnx(model, qweights, Path(tmp) / "onnx", meta=meta, kv_cache=kv_cache)["path"]
+            onnx_path = export_onnx(model, qweights, Path(tmp) / "onnx", meta=meta, kv_cache=kv_cache,
+                                    position_ids=stateful)["path"]
         ov_model = ov.convert_model(str(onnx_path))
         dense = len(json.loads(onnx_meta(onnx_path)["compress.meta"])["dense_layers"])
+    if stateful:
+        make_stateful(ov_model)
     info = {"format": FORMAT, "version": FORMAT_VERSION, "meta": meta or {}, "dense_layers": dense,
-            "devices": list(devices), "kv_cache": kv_cache, "runtime_options": EXACT_CPU_CONFIG if exact else {}}
+            "devices": list(devices), "kv_cache": kv_cache, "stateful": stateful,
+            "runtime_options": EXACT_CPU_CONFIG if exact else {}}
     ov_model.set_rt_info(FORMAT, ["compress", "format"])
     ov_model.set_rt_info(str(FORMAT_VERSION), ["compress", "version"])
     ov_model.set_rt_info(",".join(devices), ["compress", "devices"])
@@ -107,12 +124,81 @@ def export_openvino(model, qweights: dict[str, QuantizedWeight], out_dir: str | 
         ov_model.set_rt_info(str(value), ["runtime_options", key])
     with staged_directory(out, marker="openvino_model.xml") as tmp:  # a kill leaves no half-written IR
         ov.save_model(ov_model, str(tmp / "openvino_model.xml"), compress_to_fp16=False)
+        tokenizer_irs = write_genai_files(model, tokenizer, tmp) if stateful else None
     path = out / "openvino_model.xml"
     nbytes = path.stat().st_size + path.with_suffix(".bin").stat().st_size
     compiled, missing = compile_on(path, devices)
     return {"path": str(path), "bytes": nbytes, "low_bit_constants": low_bit_constants(ov_model),
             "dense_layers": dense, "devices": list(devices), "compiled_on": compiled,
-            "not_compiled": missing}
+            "not_compiled": missing, "kv_cache": kv_cache, "stateful": stateful,
+            **({"tokenizer_irs": tokenizer_irs} if stateful else {})}
+
+
+def make_stateful(ov_model) -> None:
+    """The converted `kv_cache` graph made stateful in place, as OpenVINO GenAI's LLMPipeline runs it (the layout
+    optimum-intel's exporter writes, `optimum/exporters/openvino/stateful.py`): a `beam_idx` input (int32, batch)
+    reorders each layer's past along the batch (a Gather in front of every consumer of the past input), then
+    OpenVINO's MakeStateful pass turns each `past_key_values.*` / `present.*` pair into a ReadValue / Assign
+    variable, and each variable starts as zeros of (batch of `input_ids`, heads, 0, width)."""
+    import numpy as np
+    import openvino as ov
+    from openvino import opset13 as ops
+    from openvino._offline_transformations import apply_make_stateful_transformation
+
+    names = [p.get_any_name() for p in ov_model.inputs]
+    if "position_ids" not in names:
+        raise ValueError("a stateful IR for OpenVINO GenAI is converted from a graph with a `position_ids` input "
+                         "(export_onnx(kv_cache=True, position_ids=True))")
+    pasts = [n for n in names if n.startswith("past_key_values.")]
+    presents = [n.replace("past_key_values.", "present.", 1) for n in pasts]
+    batch = ov_model.input("input_ids").get_partial_shape()[0]
+    beam_idx = ops.parameter(ov.PartialShape([batch]), ov.Type.i32, name="beam_idx")
+    beam_idx.output(0).get_tensor().set_names({"beam_idx"})
+    ov_model.add_parameters([beam_idx])
+    for name in pasts:
+        port = ov_model.input(name)
+        consumers = list(port.get_target_inputs())  # before the Gather becomes one
+        reordered = ops.gather(port, beam_idx, ops.constant(np.int64(0)))
+        for consumer in consumers:
+            consumer.replace_source_output(reordered.output(0))
+    ov_model.validate_nodes_and_infer_types()
+    apply_make_stateful_transformation(ov_model, dict(zip(pasts, presents)))
+    rows = ops.gather(ops.shape_of(ov_model.input("input_ids"), output_type="i64"), ops.constant(np.array([0])),
+                      ops.constant(np.int64(0)))
+    for op in ov_model.get_ops():
+        if op.get_type_name() == "ReadValue":  # its initial value: zeros, batch rows, no past
+            dims = [rows] + [ops.constant(np.array([d.get_min_length()], np.int64))
+                             for d in list(op.get_output_partial_shape(0))[1:]]
+            zero = ops.constant(np.zeros((), op.get_output_element_type(0).to_dtype()))
+            op.set_arguments([ops.broadcast(zero, ops.concat(dims, 0))])
+    ov_model.validate_nodes_and_infer_types()
+
+
+def write_genai_files(model, tokenizer, out: Path) -> str:
+    """What LLMPipeline reads beside the model: `config.json`, `generation_config.json`, the tokenizer's files and its
+    OpenVINO IRs (`openvino_tokenizer.xml`, `openvino_detokenizer.xml`, by `openvino_tokenizers.convert_tokenizer`).
+    Returns "written", or why the tokenizer IRs are missing (no tokenizer, or one the converter refuses: the
+    pipeline then runs on token ids only)."""
+    import openvino as ov
+
+    model.config.save_pretrained(out)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(out)
+    if tokenizer is None:
+        logger.warning("openvino export: no tokenizer; LLMPipeline runs the IR on token ids only")
+        return "no tokenizer"
+    tokenizer.save_pretrained(out)
+    try:
+        from openvino_tokenizers import convert_tokenizer
+
+        encoder, decoder = convert_tokenizer(tokenizer, with_detokenizer=True)
+    except Exception as e:  # noqa: BLE001 - the converter covers most Hugging Face tokenizers, not all, and says why
+        logger.warning("openvino export: openvino_tokenizers cannot convert this tokenizer (%s); LLMPipeline runs "
+                       "the IR on token ids only", e)
+        return f"not converted: {e}"
+    ov.save_model(encoder, str(out / "openvino_tokenizer.xml"))
+    ov.save_model(decoder, str(out / "openvino_detokenizer.xml"))
+    return "written"
 
 
 def onnx_meta(path) -> dict[str, str]:
