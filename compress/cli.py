@@ -689,15 +689,24 @@ def bench_serve(
     engine: str = typer.Option("vllm", "--engine", help="vllm | transformers | openvino-genai | ort-genai (an hf "
                                "export: vllm, transformers)"),
     dtype: str = typer.Option("float16", "--dtype", help="the engine's compute dtype"),
+    grid: bool = typer.Option(False, "--grid", help="instead: bits 2/3/4/8 x sym/asym RTN g64 exports loaded in "
+                              "transformers, perplexity against compress's reading of the same files"),
+    data: str = typer.Option("bundled:botchan-eval", "--data", help="--grid: the text scored"),
+    max_tokens: int = typer.Option(8192, "--max-tokens", help="--grid: tokens scored"),
     json_out: Optional[Path] = JSON_OUT,
     md_out: Optional[Path] = MARKDOWN_OUT,
 ):
     """The schemes users serve (W4 g128 sym and asym, a 3/4-bit mixed plan in 4-bit containers, and a mixed export
-    whose zeros are not re-centred, which must disagree), exported by real runs and checked in an engine.
+    whose zeros are not re-centred, which must disagree), exported by real runs and checked in an engine; or, with
+    --grid, every bit width and packing loaded in transformers and scored.
 
     Example: compress bench serve --model ../shared/data/models/ref-llama-7m --engine vllm --markdown serve.md
     """
-    from compress.serve.bench import markdown, run
+    from compress.serve import bench
 
-    result = run(model, engine=engine, dtype=dtype)
-    emit_bench(result, markdown(result), json_out, md_out)
+    if grid:
+        result = bench.run_grid(model, data, max_tokens)
+        emit_bench(result, bench.markdown_grid(result), json_out, md_out)
+        return
+    result = bench.run(model, engine=engine, dtype=dtype)
+    emit_bench(result, bench.markdown(result), json_out, md_out)

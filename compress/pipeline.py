@@ -31,6 +31,8 @@ from compress.handoff import QuantizedWeights
 from compress.models.adapters import ModelAdapter
 from compress.models.loading import load_config, load_model, max_positions
 from compress.prune import routing as prunepath
+from compress.serve import rules
+from compress.serve.plan import written
 from compress.workspace import Workspace
 
 log = logging.getLogger("compress")
@@ -192,7 +194,7 @@ def _plan(loaded) -> tuple[dict, Binding]:
     if r.push:
         out["push"] = r.push.model_dump()
     if binding.serving:  # {engine: why it cannot serve the planned checkpoint ([]: it serves it)}
-        out["serving"] = {e: [str(p) for p in problems] for e, problems in binding.serving.items()}
+        out["serving"] = rules.as_json(binding.serving)
     notes = [n for b in binding.exports for n in b.facts.notes]
     if notes:
         out["notes"] = notes
@@ -291,6 +293,8 @@ def _run(loaded, binding: Binding, ws: Workspace, quiet: bool) -> dict:
         log.info("export %s: %s%s", b.cfg.format, res.get("path"), f" ({res['bytes']:,} bytes)" if res.get("bytes") else "")
     report["size"] = size_report(ctx, qweights, exports)
     report["exports"] = {k: v.get("path") for k, v in exports.items()}
+    if exports:  # which engines serve what was written (compress/serve/rules.py), with the reason where one does not
+        report["serving"] = rules.as_json(rules.table(written(qweights, exports, ctx.adapter.model_type)))
     report["seconds"] = round(time.time() - t0, 2)
     report["peak_rss_mb"] = round(rss.run_peak_mb(), 1)
     ws.manifest["report"] = "report.json"

@@ -73,6 +73,11 @@ def render_markdown(report: dict) -> str:
     if report.get("exports"):
         out.append("\n## Exports\n\n" + table([{"format": k, "path": v} for k, v in report["exports"].items()],
                                                ["format", "path"]))
+    if report.get("serving"):
+        from compress.serve.rules import markdown as serving_table
+
+        out.append("\n## Where it runs\n\nEngines' published rules applied to the checkpoint written "
+                   "(`compress serve-check OUT --engine E` loads it in one):\n\n" + serving_table(report["serving"]) + "\n")
     return "".join(out)
 
 

@@ -228,6 +228,10 @@ def render(manifest: dict, report: dict, repo: str, formats: dict[str, str], *, 
         from compress.gates import table
 
         body.append("## Quality gates\n\n" + table(gates))
+    if report.get("serving"):
+        from compress.serve.rules import markdown as serving_table
+
+        body.append("## Where it runs\n\n" + serving_table(report["serving"]) + "\n")
     body.append("## Use it\n\n" + snippets(repo, formats, kind))
     body.append("## Recipe\n\nThe resolved recipe of the run (`compress/recipe.yaml` in this repository; "
                 "`compress run compress/recipe.yaml` reproduces it):\n\n```yaml\n"

@@ -6,6 +6,12 @@ compares greedy decoding with transformers on the same weights (`compress/serve/
 `allocate` plan of 3- and 4-bit 128-column chunks in 4-bit containers (`export.hf.container: 4`), symmetric and
 asymmetric; `sym-3-in-4-unshifted` rewrites the mixed symmetric export with every 3-bit part keeping its own zero 4
 (no re-centring) and must disagree: the proof that the check sees zeros an engine ignores.
+
+`grid` (`--grid`, engine transformers): bits 2, 3, 4, 8 x sym/asym, RTN g64, each export in the packing the
+default picks (and, for the asymmetric 4/8-bit ones, AWQ, which auto-round's CPU loader reads only with
+`auto-round-lib`, also in `auto_round`), loaded by `AutoModelForCausalLM.from_pretrained` and scored on the first
+`max_tokens` tokens of `data`: perplexity as transformers delivers it (auto-round's loader, fp16 on CPU) against
+compress's reading of the same files in fp32, and the run's own report.
 """
 
 from __future__ import annotations
@@ -37,6 +43,62 @@ def recipe(model: str, scheme: dict) -> dict:
             "calibration": {"sources": ["bundled:botchan-calibration"], "nsamples": 8, "seqlen": 128},
             "stages": stages, "eval": {"enabled": False},
             "export": {"formats": [{"format": "hf", "container": 4}] if scheme.get("mixed") else ["hf"]}}
+
+
+GRID = [(b, s) for b in (2, 3, 4, 8) for s in (True, False)]
+
+
+def grid_recipe(model: str, bits: int, sym: bool, data: str, max_tokens: int, packing: str) -> dict:
+    return {"version": 1, "description": "compress bench serve --grid", "model": {"path": model, "dtype": "float32"},
+            "stages": [{"stage": "quantize", "method": "rtn", "bits": bits, "group_size": 64, "sym": sym}],
+            "eval": {"data": [data], "window": 256, "max_tokens": max_tokens},
+            "export": {"formats": [{"format": "hf", "packing": packing}]}}
+
+
+def run_grid(model: str, data: str, max_tokens: int = 8192) -> dict:
+    from compress import pipeline
+    from compress.errors import BadInput
+    from compress.recipe import load_recipe
+    from compress.serve.check import serve_check
+
+    t0, rows = time.time(), []
+    with tempfile.TemporaryDirectory(prefix="bench-serve-grid-") as tmp:
+        for bits, sym in GRID:
+            for packing in ["auto"] + (["auto_round"] if not sym and bits in (4, 8) else []):
+                path, out = Path(tmp) / "r.yaml", Path(tmp) / "out"
+                path.write_text(yaml.safe_dump(grid_recipe(model, bits, sym, data, max_tokens, packing),
+                                               sort_keys=False))
+                report = pipeline.run(load_recipe(path), out, force=True, quiet=True)
+                qc = json.loads((out / "hf" / "config.json").read_text())["quantization_config"]
+                row = {"bits": bits, "sym": sym, "packing": qc["packing_format"],
+                       "report_ppl": round(next(iter(report["eval"].values()))["ppl"], 4)}
+                try:
+                    res = serve_check(out, "transformers", n_tokens=8, perplexity=data, max_tokens=max_tokens)
+                    row.update(res["perplexity"], loaded_layers=res["loaded_layers"], tokens=res["tokens"])
+                except BadInput as e:
+                    row["refused"] = str(e).split(":")[0]
+                rows.append(row)
+                shutil.rmtree(out, ignore_errors=True)
+    return {"model": model, "data": data, "max_tokens": max_tokens, "rows": rows, "seconds": round(time.time() - t0, 1),
+            "date": time.strftime("%Y-%m-%d"), "machine": machine()}
+
+
+def markdown_grid(res: dict) -> str:
+    lines = [f"`compress bench serve --grid --model {res['model']} --data {res['data']} --max-tokens "
+             f"{res['max_tokens']}` ({res['date']}): RTN g64 hf exports loaded by "
+             "`AutoModelForCausalLM.from_pretrained` (auto-round 0.16.1's loader) against compress's reading of the "
+             f"same files, same tokens.{machine_text(res.get('machine'))}", "",
+             "| bits | sym | packing | report ppl | compress ppl (fp32) | transformers ppl as loaded | ratio | "
+             "transformers fp32 | loader layer |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in res["rows"]:
+        if "refused" in r:
+            lines.append(f"| {r['bits']} | {r['sym']} | {r['packing']} | {r['report_ppl']} | | refused: {r['refused']} "
+                         "| | | |")
+            continue
+        layer = ", ".join(x.rsplit(".", 2)[-2] + "." + x.rsplit(".", 1)[-1] for x in r["loaded_layers"])
+        lines.append(f"| {r['bits']} | {r['sym']} | {r['packing']} | {r['report_ppl']} | {r['compress']} | "
+                     f"{r['transformers_as_loaded']} | {r['ratio']} | {r['transformers_fp32']} | {layer} |")
+    return "\n".join(lines) + "\n"
 
 
 def unshift(hf: Path) -> None:

@@ -68,6 +68,8 @@ def serve_check(out, engine: str, *, n_tokens: int = N_TOKENS, dtype: str = "flo
     elif engine == "transformers":
         loaded = _transformers(export)
         result["loaded_dtype"] = str(next(loaded.parameters()).dtype).removeprefix("torch.")
+        result["loaded_layers"] = sorted({f"{type(m).__module__}.{type(m).__name__}" for n, m in loaded.named_modules()
+                                          if n in _packed_names(export)})  # the loader's backend
         got = greedy(loaded, prompts, n_tokens, eos)
         if perplexity:
             result["perplexity"] = _perplexities(loaded, ref_model, tokenizer, perplexity, max_tokens)
@@ -143,7 +145,7 @@ def reference_model(hf: Path, dtype: torch.dtype):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from compress.export.hf import load_tensors, read_quantized
-    from compress.export.runtime import PACKED_SUFFIXES
+    from compress.export.runtime import PACKED_SUFFIXES, _check_keys
     from compress.prune import routing
 
     tensors = load_tensors(hf)
@@ -154,7 +156,7 @@ def reference_model(hf: Path, dtype: torch.dtype):
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     routing.attach(model)
     dense = {k: v for k, v in tensors.items() if not k.endswith(PACKED_SUFFIXES)}
-    model.load_state_dict(dense, strict=False)
+    _check_keys(model, model.load_state_dict(dense, strict=False), qweights, hf)  # no tensor left behind
     for name, qw in qweights.items():
         model.get_submodule(name).weight.data = qw.dequantize(torch.float32)
     model.tie_weights()
@@ -177,6 +179,12 @@ def _transformers(export: Path):
 
         require(("gptqmodel",), "transformers loading a GPTQ checkpoint")
     return AutoModelForCausalLM.from_pretrained(export).eval()
+
+
+def _packed_names(export: Path) -> set[str]:
+    from compress.export.hf import read_quantized
+
+    return set(read_quantized(export)[1])
 
 
 def greedy(model, prompts: list[list[int]], n_tokens: int, eos: set[int]) -> Decoded:
@@ -217,7 +225,9 @@ def _perplexities(loaded, reference, tokenizer, data: str, max_tokens: int) -> d
     from compress.eval.data import read_text, token_stream
     from compress.eval.metrics import perplexity
 
-    ids = token_stream(tokenizer, read_text(data))
+    from compress.data import resolve
+
+    ids = token_stream(tokenizer, read_text(resolve(data)))
     as_loaded = perplexity(loaded, ids, max_tokens=max_tokens)
     torch.nn.Module.float(loaded)
     out = {"data": data, "max_tokens": max_tokens, "transformers_as_loaded": round(as_loaded, 4),
@@ -248,6 +258,6 @@ def _vllm(export: Path, prompts: list[list[int]], n_tokens: int, dtype: str) -> 
             tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
             raise RuntimeError(f"vLLM could not run {export} (exit {proc.returncode}):\n{tail}")
         data = json.loads(res.read_text())
-    kernels = sorted({line.split("Using ", 1)[1].split(" for ")[0] for line in proc.stderr.splitlines()
-                      if "Using " in line and "LinearKernel" in line})
+    kernels = sorted({line.split("Using ", 1)[1].split(" for ")[0] for line in (proc.stdout + proc.stderr).splitlines()
+                      if "Using " in line and "LinearKernel" in line})  # vLLM logs the kernel each linear runs
     return Decoded.from_json(data), {"vllm": data.get("vllm"), "kernels": kernels}

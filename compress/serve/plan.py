@@ -66,7 +66,15 @@ def written(qweights: dict, exports: dict, model_type: str) -> rules.Checkpoint:
                 for n, q in packed.items()],
         packing=hf.get("packing"), dtype=hf.get("dtype", "float16"), model_type=model_type,
         experts=any(".experts." in n for n in packed),
-        graphs={k: {"genai": bool(v.get("genai"))} for k, v in exports.items() if k in ("onnx", "openvino")})
+        graphs={k: {"genai": _runs_genai(k, v)} for k, v in exports.items() if k in ("onnx", "openvino")})
+
+
+def _runs_genai(fmt: str, result: dict) -> bool:
+    """Whether the export result is a directory its GenAI engine runs: onnx with genai_config.json (the torch graph
+    with `kv_cache` + `genai_config`, or the builder's), openvino stateful."""
+    if fmt == "openvino":
+        return bool(result.get("stateful"))
+    return bool(result.get("genai_config")) or result.get("graph") != "torch"
 
 
 def _graphs(export_spec) -> dict:
@@ -74,7 +82,10 @@ def _graphs(export_spec) -> dict:
     for fmt in ("onnx", "openvino"):
         if fmt in export_spec.names():
             cfg = export_spec.config(fmt)
-            out[fmt] = {"genai": bool(getattr(cfg, "kv_cache", False)) or getattr(cfg, "builder", "") == "genai"}
+            kv = bool(getattr(cfg, "kv_cache", False))
+            genai = kv and cfg.stateful if fmt == "openvino" else getattr(cfg, "builder", "") == "genai" or (
+                kv and cfg.genai_config)
+            out[fmt] = {"genai": bool(genai)}
     return out
 
 

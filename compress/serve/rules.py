@@ -197,14 +197,15 @@ def openvino_genai(ckpt: Checkpoint) -> list[Problem]:
     if g is None:
         return [Problem("the run writes no `openvino` export", "add `openvino` to export.formats")]
     return [] if g.get("genai") else [Problem("the openvino export has no stateful KV cache", "openvino kv_cache: "
-                                              "true")]
+                                              "true, stateful: true")]
 
 
 def ort_genai(ckpt: Checkpoint) -> list[Problem]:
     g = ckpt.graphs.get("onnx")
     if g is None:
         return [Problem("the run writes no `onnx` export", "add `onnx` to export.formats")]
-    return [] if g.get("genai") else [Problem("the onnx export has no genai_config.json", "onnx kv_cache: true")]
+    return [] if g.get("genai") else [Problem("the onnx export has no genai_config.json", "onnx kv_cache: true, "
+                                              "genai_config: true")]
 
 
 def llama_cpp(ckpt: Checkpoint) -> list[Problem]:
@@ -228,7 +229,12 @@ def table(ckpt: Checkpoint) -> dict[str, list[Problem]]:
     return {name: e.check(ckpt) for name, e in ENGINES.items()}
 
 
-def markdown(rows: dict[str, list[Problem]]) -> str:
+def as_json(rows: dict[str, list[Problem]]) -> dict[str, list[str]]:
+    return {e: [str(p) for p in problems] for e, problems in rows.items()}
+
+
+def markdown(rows: dict[str, list]) -> str:
+    """The table (report.md, the model card) of `table`'s rows, or of their `as_json` form."""
     lines = ["| engine | reads | serves it | why not (nearest setting it serves) |", "|---|---|---|---|"]
     for name, problems in rows.items():
         e = ENGINES[name]
