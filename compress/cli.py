@@ -341,6 +341,8 @@ def serve_check(
     perplexity: Optional[str] = typer.Option(None, "--perplexity", help="transformers only: also compare "
                                              "perplexities on this text file (transformers' loading vs compress's)"),
     max_tokens: int = typer.Option(4096, "--max-tokens", min=1, help="tokens scored by --perplexity"),
+    floor: bool = typer.Option(False, "--floor", help="also transformers itself in --dtype against the float32 "
+                               "reference: what the dtype alone costs on this model"),
     as_json: bool = typer.Option(False, "--json", help="print JSON on stdout"),
 ):
     """Load an export in a serving engine, greedy-decode 4 fixed prompts and compare with transformers on the same
@@ -351,7 +353,7 @@ def serve_check(
     """
     from compress.serve.check import serve_check as check
 
-    res = check(out, engine, n_tokens=tokens, dtype=dtype, perplexity=perplexity, max_tokens=max_tokens)
+    res = check(out, engine, n_tokens=tokens, dtype=dtype, perplexity=perplexity, max_tokens=max_tokens, floor=floor)
     if as_json:
         _emit_json(res)
     else:
@@ -361,6 +363,10 @@ def serve_check(
         for d in res["divergences"]:
             typer.echo(f"  prompt {d['prompt']} diverges at token {d['position']}: reference margin {d['margin']} "
                        f"nats ({'a tie' if d['margin'] is not None and d['margin'] <= 0.02 else 'a disagreement'})")
+        if res.get("floor"):
+            f = res["floor"]
+            typer.echo(f"floor: transformers in {res['dtype']}: {f['tokens']['equal']}/{f['tokens']['total']} tokens "
+                       f"equal, top-5 overlap {f['top5_overlap']}, max |dlogprob| {f['max_dlogprob']}")
         if res.get("perplexity"):
             p = res["perplexity"]
             typer.echo(f"perplexity ({p['max_tokens']} tokens of {p['data']}): transformers {p['transformers_as_loaded']}"

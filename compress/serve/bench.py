@@ -2,9 +2,9 @@
 
 For each scheme of `SCHEMES` (RTN, so a cell takes seconds of quantization: the layouts are what is checked, not
 the rounding), one pipeline run writes the `hf` export of `model`; `serve_check` then loads it in `engine` and
-compares greedy decoding with transformers on the same weights (`compress/serve/check.py`). The mixed scheme is an
-`allocate` plan of 3- and 4-bit 128-column chunks in 4-bit containers (`export.hf.container: 4`), symmetric and
-asymmetric; `sym-3-in-4-unshifted` rewrites the mixed symmetric export with every 3-bit part keeping its own zero 4
+compares greedy decoding with transformers on the same weights (`compress/serve/check.py`), and transformers itself
+in the engine's dtype gives the floor (what that dtype alone costs on the model). The mixed scheme is an `allocate`
+plan of 3- and 4-bit 64-column chunks in 4-bit containers (`export.hf.container: 4`), symmetric and asymmetric; `sym-3-in-4-unshifted` rewrites the mixed symmetric export with every 3-bit part keeping its own zero 4
 (no re-centring) and must disagree: the proof that the check sees zeros an engine ignores.
 
 `grid` (`--grid`, engine transformers): bits 2, 3, 4, 8 x sym/asym, RTN g64, each export in the packing the
@@ -29,14 +29,17 @@ from compress.eval.machine import machine, machine_text
 SCHEMES = {
     "W4 g128 sym": {"bits": 4, "sym": True},
     "W4 g128 asym": {"bits": 4, "sym": False},
-    "3/4 mixed sym, 4-bit containers": {"mixed": True, "sym": True},
-    "3/4 mixed asym, 4-bit containers": {"mixed": True, "sym": False},
+    "3/4 mixed g64 sym, 4-bit containers": {"mixed": True, "sym": True},
+    "3/4 mixed g64 asym, 4-bit containers": {"mixed": True, "sym": False},
 }
-UNSHIFTED = "3/4 mixed sym, zeros not re-centred (must disagree)"
+UNSHIFTED = "3/4 mixed g64 sym, zeros not re-centred (must disagree)"
 
 
 def recipe(model: str, scheme: dict) -> dict:
-    quantize = {"stage": "quantize", "method": "rtn", "group_size": 128, "sym": scheme["sym"]}
+    # W4 g128: a layer 128 does not divide gets the largest group that does (SmolLM2's 576: 64); a per-chunk plan
+    # has one group for every layer, 64 here, so that every layer of SmolLM2 is packed
+    quantize = {"stage": "quantize", "method": "rtn", "group_size": 64 if scheme.get("mixed") else 128,
+                "sym": scheme["sym"]}
     stages = [quantize | {"bits": scheme["bits"]}] if not scheme.get("mixed") else [
         {"stage": "allocate", "method": "greedy", "budget": 3.7, "options": [{"bits": 3}, {"bits": 4}]}, quantize]
     return {"version": 1, "description": "compress bench serve", "model": {"path": model, "dtype": "float32"},
@@ -130,7 +133,7 @@ def run(model: str, engine: str = "vllm", dtype: str = "float16", unshifted: boo
     from compress.serve.check import serve_check
 
     t0, rows = time.time(), []
-    cells = [*SCHEMES.items()] + ([(UNSHIFTED, SCHEMES["3/4 mixed sym, 4-bit containers"])] if unshifted else [])
+    cells = [*SCHEMES.items()] + ([(UNSHIFTED, SCHEMES["3/4 mixed g64 sym, 4-bit containers"])] if unshifted else [])
     with tempfile.TemporaryDirectory(prefix="bench-serve-") as tmp:
         for i, (name, scheme) in enumerate(cells):
             path, out = Path(tmp) / f"{i}.yaml", Path(tmp) / f"out{i}"
@@ -138,10 +141,13 @@ def run(model: str, engine: str = "vllm", dtype: str = "float16", unshifted: boo
             pipeline.run(load_recipe(path), out, force=True, quiet=True)
             if name == UNSHIFTED:
                 unshift(out / "hf")
-            res = serve_check(out, engine, dtype=dtype)
+            res = serve_check(out, engine, dtype=dtype, floor=True)
             qc = json.loads((out / "hf" / "config.json").read_text())["quantization_config"]
+            stored = json.loads((out / "manifest.json").read_text())["exports"]["hf"]
             rows.append({"scheme": name, "packing": qc.get("packing_format", qc.get("quant_method")),
+                         "dense_layers": stored.get("dense_layers", 0),
                          **{k: res[k] for k in ("tokens", "top5_overlap", "max_dlogprob", "ties", "agree")},
+                         "floor": res.get("floor"),
                          "kernels": res.get("kernels", []), "engine_version": res.get(engine)})
             shutil.rmtree(out, ignore_errors=True)
     return {"model": model, "engine": engine, "dtype": dtype, "rows": rows, "seconds": round(time.time() - t0, 1),
@@ -152,10 +158,11 @@ def markdown(res: dict) -> str:
     lines = [f"`compress bench serve --model {res['model']} --engine {res['engine']}` ({res['date']}, engine dtype "
              f"{res['dtype']}, reference: transformers in float32 on the same weights, 4 prompts x 32 greedy tokens)."
              f"{machine_text(res.get('machine'))}", "",
-             "| scheme | packing | tokens equal | top-5 overlap | max \\|dlogprob\\| | agrees | kernels |",
-             "|---|---|---|---|---|---|---|"]
+             "| scheme | packing | layers stored dense | tokens equal | top-5 overlap | max \\|dlogprob\\| | agrees | floor: transformers in "
+             "the same dtype (tokens, max \\|dlogprob\\|) | kernels |", "|---|---|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
-        t = r["tokens"]
-        lines.append(f"| {r['scheme']} | {r['packing']} | {t['equal']}/{t['total']} | {r['top5_overlap']} | "
-                     f"{r['max_dlogprob']} | {'yes' if r['agree'] else 'no'} | {', '.join(r['kernels']) or '-'} |")
+        t, f = r["tokens"], r.get("floor") or {}
+        floor = f"{f['tokens']['equal']}/{f['tokens']['total']}, {f['max_dlogprob']}" if f else "-"
+        lines.append(f"| {r['scheme']} | {r['packing']} | {r.get('dense_layers', 0)} | {t['equal']}/{t['total']} | {r['top5_overlap']} | "
+                     f"{r['max_dlogprob']} | {'yes' if r['agree'] else 'no'} | {floor} | {', '.join(r['kernels']) or '-'} |")
     return "\n".join(lines) + "\n"

@@ -45,8 +45,10 @@ DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch
 
 
 def serve_check(out, engine: str, *, n_tokens: int = N_TOKENS, dtype: str = "float16",
-                perplexity: str | None = None, max_tokens: int = 4096) -> dict:
-    """{"engine", "export", "reference", "tokens": {equal, total}, "top5_overlap", "max_dlogprob", "agree", ...}."""
+                perplexity: str | None = None, max_tokens: int = 4096, floor: bool = False) -> dict:
+    """{"engine", "export", "reference", "tokens": {equal, total}, "top5_overlap", "max_dlogprob", "agree", ...};
+    `floor`: also transformers itself in `dtype` against the float32 reference ("floor": what that dtype alone
+    costs on this model, the oracle an engine's numbers are read against)."""
     if engine not in ENGINES:
         raise BadInput(f"unknown engine `{engine}`; choose one of {', '.join(ENGINES)}")
     if dtype not in DTYPES:
@@ -81,6 +83,11 @@ def serve_check(out, engine: str, *, n_tokens: int = N_TOKENS, dtype: str = "flo
         from compress.serve.engines import ort_genai
 
         got = ort_genai.decode(export, prompts, n_tokens)
+    if floor and dtype != "float32":
+        f = compare(reference, greedy(reference_model(hf, DTYPES[dtype]), prompts, n_tokens, eos))
+        result["floor"] = {"tokens": {"equal": f["equal"], "total": f["total"]}, "top5_overlap": f["top5_overlap"],
+                           "max_dlogprob": f["max_dlogprob"], "ties": f["ties"],
+                           "divergences": len(f["divergences"])}
     if _snapshot(export) != before:
         raise RuntimeError(f"the {engine} check wrote into {export}; a check must leave the export as it was")
     cmp = compare(reference, got)
