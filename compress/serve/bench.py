@@ -58,21 +58,27 @@ def grid_recipe(model: str, bits: int, sym: bool, data: str, max_tokens: int, pa
             "export": {"formats": [{"format": "hf", "packing": packing}]}}
 
 
-def run_grid(model: str, data: str, max_tokens: int = 8192) -> dict:
+def _exported(tmp: Path, doc: dict) -> tuple[Path, dict, dict]:
+    """Run the recipe `doc` into tmp/out: (the output directory, its report, its hf quantization_config)."""
     from compress import pipeline
-    from compress.errors import BadInput
     from compress.recipe import load_recipe
+
+    path, out = tmp / "recipe.yaml", tmp / "out"
+    shutil.rmtree(out, ignore_errors=True)
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    report = pipeline.run(load_recipe(path), out, force=True, quiet=True)
+    return out, report, json.loads((out / "hf" / "config.json").read_text())["quantization_config"]
+
+
+def run_grid(model: str, data: str, max_tokens: int = 8192) -> dict:
+    from compress.errors import BadInput
     from compress.serve.check import serve_check
 
     t0, rows = time.time(), []
     with tempfile.TemporaryDirectory(prefix="bench-serve-grid-") as tmp:
         for bits, sym in GRID:
             for packing in ["auto"] + (["auto_round"] if not sym and bits in (4, 8) else []):
-                path, out = Path(tmp) / "r.yaml", Path(tmp) / "out"
-                path.write_text(yaml.safe_dump(grid_recipe(model, bits, sym, data, max_tokens, packing),
-                                               sort_keys=False))
-                report = pipeline.run(load_recipe(path), out, force=True, quiet=True)
-                qc = json.loads((out / "hf" / "config.json").read_text())["quantization_config"]
+                out, report, qc = _exported(Path(tmp), grid_recipe(model, bits, sym, data, max_tokens, packing))
                 row = {"bits": bits, "sym": sym, "packing": qc["packing_format"],
                        "report_ppl": round(next(iter(report["eval"].values()))["ppl"], 4)}
                 try:
@@ -81,7 +87,6 @@ def run_grid(model: str, data: str, max_tokens: int = 8192) -> dict:
                 except BadInput as e:
                     row["refused"] = str(e).split(":")[0]
                 rows.append(row)
-                shutil.rmtree(out, ignore_errors=True)
     return {"model": model, "data": data, "max_tokens": max_tokens, "rows": rows, "seconds": round(time.time() - t0, 1),
             "date": time.strftime("%Y-%m-%d"), "machine": machine()}
 
@@ -128,28 +133,22 @@ def unshift(hf: Path) -> None:
 
 
 def run(model: str, engine: str = "vllm", dtype: str = "float16", unshifted: bool = True) -> dict:
-    from compress import pipeline
-    from compress.recipe import load_recipe
     from compress.serve.check import serve_check
 
     t0, rows = time.time(), []
     cells = [*SCHEMES.items()] + ([(UNSHIFTED, SCHEMES["3/4 mixed g64 sym, 4-bit containers"])] if unshifted else [])
     with tempfile.TemporaryDirectory(prefix="bench-serve-") as tmp:
-        for i, (name, scheme) in enumerate(cells):
-            path, out = Path(tmp) / f"{i}.yaml", Path(tmp) / f"out{i}"
-            path.write_text(yaml.safe_dump(recipe(model, scheme), sort_keys=False))
-            pipeline.run(load_recipe(path), out, force=True, quiet=True)
+        for name, scheme in cells:
+            out, _, qc = _exported(Path(tmp), recipe(model, scheme))
             if name == UNSHIFTED:
                 unshift(out / "hf")
             res = serve_check(out, engine, dtype=dtype, floor=True)
-            qc = json.loads((out / "hf" / "config.json").read_text())["quantization_config"]
             stored = json.loads((out / "manifest.json").read_text())["exports"]["hf"]
             rows.append({"scheme": name, "packing": qc.get("packing_format", qc.get("quant_method")),
                          "dense_layers": stored.get("dense_layers", 0),
                          **{k: res[k] for k in ("tokens", "top5_overlap", "max_dlogprob", "ties", "agree")},
                          "floor": res.get("floor"),
                          "kernels": res.get("kernels", []), "engine_version": res.get(engine)})
-            shutil.rmtree(out, ignore_errors=True)
     return {"model": model, "engine": engine, "dtype": dtype, "rows": rows, "seconds": round(time.time() - t0, 1),
             "date": time.strftime("%Y-%m-%d"), "machine": machine()}
 

@@ -112,6 +112,16 @@ def _hf_needed(ckpt: Checkpoint) -> list[Problem]:
     return []
 
 
+def _packing(ckpt: Checkpoint, allowed: tuple, fix: str = "sym: true, or 4-bit asymmetric layers") -> list[Problem]:
+    return [] if ckpt.packing in allowed else [Problem(f"packing {ckpt.packing} is not read", fix)]
+
+
+def _groups(layers: list[Layer], who: str) -> list[Problem]:
+    return _first(layers, lambda x: x.group not in MARLIN_GROUPS,
+                  lambda x: f"`{x.name}` has group_size {x.group} ({who} takes {', '.join(map(str, MARLIN_GROUPS))})",
+                  _group_fix)
+
+
 def _dtype(ckpt: Checkpoint) -> list[Problem]:
     return [] if ckpt.dtype in HALF else [Problem(f"dtype {ckpt.dtype} is refused", "export.hf dtype: float16")]
 
@@ -120,15 +130,11 @@ def vllm_cpu(ckpt: Checkpoint) -> list[Problem]:
     out = _hf_needed(ckpt)
     if out:
         return out
-    if ckpt.packing not in ("auto_round:auto_gptq", "auto_round:auto_awq"):
-        out.append(Problem(f"packing {ckpt.packing} is not read (vLLM CPU reads auto_round:auto_gptq and "
-                           "auto_round:auto_awq)", "export.hf packing: auto, with 4-bit layers"))
+    out += _packing(ckpt, ("auto_round:auto_gptq", "auto_round:auto_awq"), "export.hf packing: auto, with 4-bit layers")
     out += _first(ckpt.layers, lambda x: x.bits != 4, lambda x: f"`{x.name}` is stored at {x.bits} bits (vLLM CPU "
                   "runs 4-bit weights only)",
                   lambda x: "bits: 4" if x.bits > 4 else "bits: 4, or export.hf container: 4 (weights unchanged)")
-    out += _first(ckpt.layers, lambda x: x.group not in MARLIN_GROUPS,
-                  lambda x: f"`{x.name}` has group_size {x.group} (vLLM takes {', '.join(map(str, MARLIN_GROUPS))})",
-                  _group_fix)
+    out += _groups(ckpt.layers, "vLLM")
     if ckpt.experts:
         out.append(Problem("quantized MoE experts are not run quantized on CPU", "keep the experts unquantized"))
     return out + _fused(ckpt) + _dtype(ckpt)
@@ -138,15 +144,11 @@ def vllm_cuda(ckpt: Checkpoint) -> list[Problem]:
     out = _hf_needed(ckpt)
     if out:
         return out
-    if ckpt.packing not in ("auto_round:auto_gptq", "auto_round:auto_awq", "gptq"):
-        out.append(Problem(f"packing {ckpt.packing} is not read", "sym: true, or 4-bit asymmetric layers"))
+    out += _packing(ckpt, ("auto_round:auto_gptq", "auto_round:auto_awq", "gptq"))
     out += _first(ckpt.layers, lambda x: not x.sym and x.bits != 4,
                   lambda x: f"`{x.name}` is asymmetric at {x.bits} bits (asymmetric layers run as 4-bit AWQ only)",
                   lambda x: "sym: true, or bits: 4")
-    marlin = [x for x in ckpt.layers if x.bits in (4, 8)]
-    out += _first(marlin, lambda x: x.group not in MARLIN_GROUPS,
-                  lambda x: f"`{x.name}` has group_size {x.group} (Marlin takes {', '.join(map(str, MARLIN_GROUPS))})",
-                  _group_fix)
+    out += _groups([x for x in ckpt.layers if x.bits in (4, 8)], "Marlin")
     return out + _fused(ckpt) + _dtype(ckpt)
 
 
@@ -154,13 +156,11 @@ def sglang(ckpt: Checkpoint) -> list[Problem]:
     out = _hf_needed(ckpt)
     if out:
         return out
-    if ckpt.packing not in ("auto_round:auto_gptq", "auto_round:auto_awq", "gptq"):
-        out.append(Problem(f"packing {ckpt.packing} is not read", "sym: true, or 4-bit asymmetric layers"))
+    out += _packing(ckpt, ("auto_round:auto_gptq", "auto_round:auto_awq", "gptq"))
     out += _first(ckpt.layers, lambda x: (x.bits not in (4, 8)) or (not x.sym and x.bits != 4),
                   lambda x: f"`{x.name}`: {x.bits}-bit {'sym' if x.sym else 'asym'} (SGLang runs 4/8-bit symmetric and "
                             "4-bit asymmetric)", lambda x: "bits: 4")
-    out += _first(ckpt.layers, lambda x: x.group not in MARLIN_GROUPS,
-                  lambda x: f"`{x.name}` has group_size {x.group}", _group_fix)
+    out += _groups(ckpt.layers, "SGLang's Marlin")
     if ckpt.experts:
         out.append(Problem("quantized MoE experts: SGLang's auto-round MoE support is limited", ""))
     return out + _fused(ckpt) + _dtype(ckpt)
@@ -175,8 +175,7 @@ def tgi(ckpt: Checkpoint) -> list[Problem]:
     out += _first(ckpt.layers, lambda x: x.bits not in (4, 8) or not x.sym,
                   lambda x: f"`{x.name}`: {x.bits}-bit {'sym' if x.sym else 'asym'} (TGI's GPTQ kernels: 4/8-bit "
                             "symmetric)", lambda x: "bits: 4, sym: true")
-    out += _first(ckpt.layers, lambda x: x.group not in MARLIN_GROUPS,
-                  lambda x: f"`{x.name}` has group_size {x.group}", _group_fix)
+    out += _groups(ckpt.layers, "TGI's Marlin")
     return out + _dtype(ckpt)
 
 
