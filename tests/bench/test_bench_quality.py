@@ -62,7 +62,7 @@ def test_lab_runs_as_python_m_bench_and_compress_bench_keeps_the_speed_commands(
     proc = subprocess.run([sys.executable, "-m", "bench", "quality", "--suite", "nope"], cwd=REPO,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1 and "unknown --suite `nope`" in proc.stderr, proc.stderr
-    assert set(typer.main.get_command(cli.bench_app).commands) == {"kernels", "decode", "eval"}
+    assert set(typer.main.get_command(cli.bench_app).commands) == {"kernels", "decode", "eval", "serve"}
     rc, _, err = invoke("bench", "quality", "--quick")
     assert rc == 1 and "quality" in err
     lab_imports = []

@@ -143,6 +143,9 @@ def test_labelled_jsonl(tmp_path):
 
 
 # -- the stage in a recipe ------------------------------------------------------------------------------------
+EXACT = {"format": "hf", "dtype": "float32"}  # the model's own fp32 tensors (the export's default is float16)
+
+
 def select_recipe(tmp, model, task_dir, *, extra=None, stages_after=(), formats=("hf",)):
     stage = {"stage": "select", "method": "probscale", "budget": 0.5, "max_examples": 160, "cs": [0.1, 1.0],
              "tasks": [{"name": "toy", "path": str(task_dir / "train.tsv"), "test": str(task_dir / "test.tsv")}],
@@ -156,7 +159,8 @@ def select_recipe(tmp, model, task_dir, *, extra=None, stages_after=(), formats=
 
 
 def test_select_exports_a_smaller_encoder_that_transformers_loads_and_resume_keeps_it(tmp_path, bert_dir):
-    r = select_recipe(tmp_path, bert_dir, bert_dir, extra={"reprobe": 1, "heal": {"steps": 3, "batch_size": 8}})
+    r = select_recipe(tmp_path, bert_dir, bert_dir, extra={"reprobe": 1, "heal": {"steps": 3, "batch_size": 8}},
+                      formats=(EXACT,))
     out = tmp_path / "o"
     assert run(r, "-o", out)[0] == 0
     rep = json.loads((out / "report.json").read_text())
@@ -195,7 +199,7 @@ def test_the_heal_is_reproducible_whatever_ran_before_in_the_process(tmp_path, b
 
 
 def test_select_without_heal_keeps_the_source_blocks_exactly(tmp_path, bert_dir):
-    r = select_recipe(tmp_path, bert_dir, bert_dir, extra={"pick": "top"})
+    r = select_recipe(tmp_path, bert_dir, bert_dir, extra={"pick": "top"}, formats=(EXACT,))
     out = tmp_path / "o"
     assert run(r, "-o", out)[0] == 0
     m, src = T.AutoModel.from_pretrained(out / "hf"), T.AutoModel.from_pretrained(bert_dir)
