@@ -33,6 +33,7 @@ def build(tmp_path, layers, hidden, inter):
 
 
 def recipe(tmp_path, model, stream: bool, method="gptq", extra=""):
+    # packing auto_round: plain transformers loads it; the asymmetric default (auto_awq) needs auto-round-lib
     path = tmp_path / f"r-{stream}-{method}.yaml"
     path.write_text(textwrap.dedent(f"""
         version: 1
@@ -41,7 +42,7 @@ def recipe(tmp_path, model, stream: bool, method="gptq", extra=""):
         stages:
           - {{stage: quantize, method: {method}, bits: 4, group_size: 32, sym: false{extra}}}
         eval: {{enabled: false}}
-        export: {{formats: [hf]}}
+        export: {{formats: [{{format: hf, packing: auto_round}}]}}
     """))
     return path
 

@@ -61,13 +61,14 @@ def test_quickstart_plan_adapts_and_lists_the_layers(qwen3_96, tmp_path):
     assert rc == 1 and "strict_groups: true" in err and "in_features 96 < group_size 128" in err, err
 
 
+# packing auto_round: plain transformers loads it; the asymmetric default (auto_awq) needs auto-round-lib
 RECIPE = """version: 1
 model: {{path: {model}, dtype: float32}}
 calibration: {{sources: [{cal}], nsamples: 4, seqlen: 32}}
 stages:
   - {{stage: quantize, method: rtn, bits: {bits}, group_size: 64, sym: false}}
 eval: {{enabled: false}}
-export: {{formats: [hf, onnx, openvino]}}
+export: {{formats: [{{format: hf, packing: auto_round}}, onnx, openvino]}}
 """
 
 
