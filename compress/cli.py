@@ -369,8 +369,10 @@ def serve_check(
                        f"equal, top-5 overlap {f['top5_overlap']}, max |dlogprob| {f['max_dlogprob']}")
         if res.get("perplexity"):
             p = res["perplexity"]
-            typer.echo(f"perplexity ({p['max_tokens']} tokens of {p['data']}): transformers {p['transformers_as_loaded']}"
-                       f" as loaded ({p['transformers_fp32']} in fp32), compress {p['compress']}: ratio {p['ratio']}")
+            half = "".join(f", {v} in {k.removeprefix('transformers_')}" for k, v in p.items()
+                           if k.startswith("transformers_") and k != "transformers_fp32")
+            typer.echo(f"perplexity ({p['max_tokens']} tokens of {p['data']}): transformers {p['transformers_fp32']} in "
+                       f"fp32{half}, compress {p['compress']}: ratio {p['ratio']}")
     if not res["agree"]:
         raise typer.Exit(3)
 
@@ -694,9 +696,11 @@ def bench_serve(
     model: str = typer.Option(..., "--model", help="a local model directory (e.g. ../shared/data/models/ref-llama-7m)"),
     engine: str = typer.Option("vllm", "--engine", help="vllm | transformers | openvino-genai | ort-genai (an hf "
                                "export: vllm, transformers)"),
-    dtype: str = typer.Option("float16", "--dtype", help="the engine's compute dtype"),
-    grid: bool = typer.Option(False, "--grid", help="instead: bits 2/3/4/8 x sym/asym RTN g64 exports loaded in "
-                              "transformers, perplexity against compress's reading of the same files"),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="the engine's compute dtype (default float16; "
+                                        "--grid: float32, the layout is what it checks)"),
+    grid: bool = typer.Option(False, "--grid", help="instead: bits 2/3/4/8 x sym/asym RTN g64 exports (and AutoRound "
+                              "W3 asym) loaded in transformers, perplexity against compress's reading of the same "
+                              "files"),
     data: str = typer.Option("bundled:botchan-eval", "--data", help="--grid: the text scored"),
     max_tokens: int = typer.Option(8192, "--max-tokens", help="--grid: tokens scored"),
     json_out: Optional[Path] = JSON_OUT,
@@ -711,8 +715,8 @@ def bench_serve(
     from compress.serve import bench
 
     if grid:
-        result = bench.run_grid(model, data, max_tokens)
+        result = bench.run_grid(model, data, max_tokens, dtype=dtype or "float32")
         emit_bench(result, bench.markdown_grid(result), json_out, md_out)
         return
-    result = bench.run(model, engine=engine, dtype=dtype)
+    result = bench.run(model, engine=engine, dtype=dtype or "float16")
     emit_bench(result, bench.markdown(result), json_out, md_out)

@@ -7,11 +7,11 @@ in the engine's dtype gives the floor (what that dtype alone costs on the model)
 plan of 3- and 4-bit 64-column chunks in 4-bit containers (`export.hf.container: 4`), symmetric and asymmetric; `sym-3-in-4-unshifted` rewrites the mixed symmetric export with every 3-bit part keeping its own zero 4
 (no re-centring) and must disagree: the proof that the check sees zeros an engine ignores.
 
-`grid` (`--grid`, engine transformers): bits 2, 3, 4, 8 x sym/asym, RTN g64, each export in the packing the
-default picks (and, for the asymmetric 4/8-bit ones, AWQ, which auto-round's CPU loader reads only with
-`auto-round-lib`, also in `auto_round`), loaded by `AutoModelForCausalLM.from_pretrained` and scored on the first
-`max_tokens` tokens of `data`: perplexity as transformers delivers it (auto-round's loader, fp16 on CPU) against
-compress's reading of the same files in fp32, and the run's own report.
+`grid` (`--grid`, engine transformers): bits 2, 3, 4, 8 x sym/asym, RTN g64, and AutoRound W3 g64 asym, each export
+in the packing the default picks (and, for the asymmetric 4/8-bit ones, AWQ, which auto-round's CPU loader reads
+only with `auto-round-lib`, also in `auto_round`), loaded by `AutoModelForCausalLM.from_pretrained` and scored on the
+first `max_tokens` tokens of `data`: perplexity as transformers delivers it (auto-round's loader, computing in
+`dtype`) against compress's reading of the same files in fp32, and the run's own report.
 """
 
 from __future__ import annotations
@@ -48,14 +48,21 @@ def recipe(model: str, scheme: dict) -> dict:
             "export": {"formats": [{"format": "hf", "container": 4}] if scheme.get("mixed") else ["hf"]}}
 
 
-GRID = [(b, s) for b in (2, 3, 4, 8) for s in (True, False)]
+# (method, bits, sym): RTN at every width, and AutoRound W3 g64 asym (tuned weights: the case issue 47 reported
+# as 66 in compress's report vs 184 in transformers), light settings
+GRID = [("rtn", b, s) for b in (2, 3, 4, 8) for s in (True, False)] + [("autoround", 3, False)]
+AUTOROUND = {"iters": 10, "batch_size": 2}
 
 
-def grid_recipe(model: str, bits: int, sym: bool, data: str, max_tokens: int, packing: str) -> dict:
-    return {"version": 1, "description": "compress bench serve --grid", "model": {"path": model, "dtype": "float32"},
-            "stages": [{"stage": "quantize", "method": "rtn", "bits": bits, "group_size": 64, "sym": sym}],
-            "eval": {"data": [data], "window": 256, "max_tokens": max_tokens},
-            "export": {"formats": [{"format": "hf", "packing": packing}]}}
+def grid_recipe(model: str, method: str, bits: int, sym: bool, data: str, max_tokens: int, packing: str) -> dict:
+    quantize = {"stage": "quantize", "method": method, "bits": bits, "group_size": 64, "sym": sym}
+    doc = {"version": 1, "description": "compress bench serve --grid", "model": {"path": model, "dtype": "float32"},
+           "stages": [quantize | (AUTOROUND if method == "autoround" else {})],
+           "eval": {"data": [data], "window": 256, "max_tokens": max_tokens},
+           "export": {"formats": [{"format": "hf", "packing": packing}]}}
+    if method == "autoround":
+        doc["calibration"] = {"sources": ["bundled:botchan-calibration"], "nsamples": 16, "seqlen": 128}
+    return doc
 
 
 def _exported(tmp: Path, doc: dict) -> tuple[Path, dict, dict]:
@@ -70,42 +77,49 @@ def _exported(tmp: Path, doc: dict) -> tuple[Path, dict, dict]:
     return out, report, json.loads((out / "hf" / "config.json").read_text())["quantization_config"]
 
 
-def run_grid(model: str, data: str, max_tokens: int = 8192) -> dict:
+def run_grid(model: str, data: str, max_tokens: int = 8192, dtype: str = "float32") -> dict:
+    """`dtype`: transformers' compute dtype (auto-round's CPU loader forces float16, whose matmuls are slow on CPUs
+    without fp16 arithmetic; the layout is what the grid checks, so float32 by default, float16 as an option)."""
     from compress.errors import BadInput
     from compress.serve.check import serve_check
 
     t0, rows = time.time(), []
     with tempfile.TemporaryDirectory(prefix="bench-serve-grid-") as tmp:
-        for bits, sym in GRID:
+        for method, bits, sym in GRID:
             for packing in ["auto"] + (["auto_round"] if not sym and bits in (4, 8) else []):
-                out, report, qc = _exported(Path(tmp), grid_recipe(model, bits, sym, data, max_tokens, packing))
-                row = {"bits": bits, "sym": sym, "packing": qc["packing_format"],
+                out, report, qc = _exported(Path(tmp), grid_recipe(model, method, bits, sym, data, max_tokens,
+                                                                   packing))
+                row = {"method": method, "bits": bits, "sym": sym, "packing": qc["packing_format"],
                        "report_ppl": round(next(iter(report["eval"].values()))["ppl"], 4)}
                 try:
-                    res = serve_check(out, "transformers", n_tokens=8, perplexity=data, max_tokens=max_tokens)
+                    res = serve_check(out, "transformers", n_tokens=8, dtype=dtype, perplexity=data,
+                                      max_tokens=max_tokens)
                     row.update(res["perplexity"], loaded_layers=res["loaded_layers"], tokens=res["tokens"])
                 except BadInput as e:
                     row["refused"] = str(e).split(":")[0]
                 rows.append(row)
-    return {"model": model, "data": data, "max_tokens": max_tokens, "rows": rows, "seconds": round(time.time() - t0, 1),
-            "date": time.strftime("%Y-%m-%d"), "machine": machine()}
+    return {"model": model, "data": data, "max_tokens": max_tokens, "dtype": dtype, "rows": rows,
+            "seconds": round(time.time() - t0, 1), "date": time.strftime("%Y-%m-%d"), "machine": machine()}
 
 
 def markdown_grid(res: dict) -> str:
+    dtype = res.get("dtype", "float32")
+    half = f"transformers_{dtype}" if dtype != "float32" else None
     lines = [f"`compress bench serve --grid --model {res['model']} --data {res['data']} --max-tokens "
-             f"{res['max_tokens']}` ({res['date']}): RTN g64 hf exports loaded by "
-             "`AutoModelForCausalLM.from_pretrained` (auto-round 0.16.1's loader) against compress's reading of the "
-             f"same files, same tokens.{machine_text(res.get('machine'))}", "",
-             "| bits | sym | packing | report ppl | compress ppl (fp32) | transformers ppl as loaded | ratio | "
-             "transformers fp32 | loader layer |", "|---|---|---|---|---|---|---|---|---|"]
+             f"{res['max_tokens']} --dtype {dtype}` ({res['date']}, {res['seconds'] / 60:.0f} min): g64 hf exports "
+             "loaded by `AutoModelForCausalLM.from_pretrained` (auto-round 0.16.1's loader) against compress's reading "
+             f"of the same files, same tokens; ratio = transformers (fp32) / compress.{machine_text(res.get('machine'))}",
+             "", "| method | bits | sym | packing | report ppl | compress ppl (fp32) | transformers ppl (fp32) | ratio | "
+             + (f"transformers {dtype} | " if half else "") + "loader layer |",
+             "|---|---|---|---|---|---|---|---|" + ("---|" if half else "") + "---|"]
     for r in res["rows"]:
+        head = f"| {r.get('method', 'rtn')} | {r['bits']} | {r['sym']} | {r['packing']} | {r['report_ppl']} |"
         if "refused" in r:
-            lines.append(f"| {r['bits']} | {r['sym']} | {r['packing']} | {r['report_ppl']} | | refused: {r['refused']} "
-                         "| | | |")
+            lines.append(f"{head} | refused: {r['refused']} | | " + ("| " if half else "") + "|")
             continue
         layer = ", ".join(x.rsplit(".", 2)[-2] + "." + x.rsplit(".", 1)[-1] for x in r["loaded_layers"])
-        lines.append(f"| {r['bits']} | {r['sym']} | {r['packing']} | {r['report_ppl']} | {r['compress']} | "
-                     f"{r['transformers_as_loaded']} | {r['ratio']} | {r['transformers_fp32']} | {layer} |")
+        lines.append(f"{head} {r['compress']} | {r['transformers_fp32']} | {r['ratio']} | "
+                     + (f"{r[half]} | " if half else "") + f"{layer} |")
     return "\n".join(lines) + "\n"
 
 

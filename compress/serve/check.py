@@ -70,6 +70,7 @@ def serve_check(out, engine: str, *, n_tokens: int = N_TOKENS, dtype: str = "flo
     elif engine == "transformers":
         loaded = _transformers(export)
         result["loaded_dtype"] = str(next(loaded.parameters()).dtype).removeprefix("torch.")
+        torch.nn.Module.to(loaded, DTYPES[dtype])  # auto-round's CPU loader forces float16; compute in --dtype
         result["loaded_layers"] = sorted({f"{type(m).__module__}.{type(m).__name__}" for n, m in loaded.named_modules()
                                           if n in _packed_names(export)})  # the loader's backend
         got = greedy(loaded, prompts, n_tokens, eos)
@@ -235,12 +236,14 @@ def _perplexities(loaded, reference, tokenizer, data: str, max_tokens: int) -> d
     from compress.data import resolve
 
     ids = token_stream(tokenizer, read_text(resolve(data)))
-    as_loaded = perplexity(loaded, ids, max_tokens=max_tokens)
-    torch.nn.Module.float(loaded)
-    out = {"data": data, "max_tokens": max_tokens, "transformers_as_loaded": round(as_loaded, 4),
-           "transformers_fp32": round(perplexity(loaded, ids, max_tokens=max_tokens), 4),
-           "compress": round(perplexity(reference.float(), ids, max_tokens=max_tokens), 4)}
-    out["ratio"] = round(out["transformers_as_loaded"] / out["compress"], 4)
+    dtype = next(loaded.parameters()).dtype
+    out = {"data": data, "max_tokens": max_tokens}
+    if dtype != torch.float32:  # transformers in the check's dtype, then in float32 (what the dtype alone costs)
+        out["transformers_" + str(dtype).removeprefix("torch.")] = round(perplexity(loaded, ids, max_tokens=max_tokens), 4)
+        torch.nn.Module.float(loaded)
+    out["transformers_fp32"] = round(perplexity(loaded, ids, max_tokens=max_tokens), 4)
+    out["compress"] = round(perplexity(reference.float(), ids, max_tokens=max_tokens), 4)
+    out["ratio"] = round(out["transformers_fp32"] / out["compress"], 4)
     return out
 
 
