@@ -184,8 +184,9 @@ def holds(fmt: str, spec: ModelSpec, base: ModelSpec) -> list[str]:
     count for every layer; the traced graphs (onnx, openvino) bake each layer's FFN width in but keep one
     KV-cache layout, so their heads must stay uniform."""
     out = []
-    if fmt in ("hf", "fake") and not spec.uniform("ffn"):
-        out.append("per-layer FFN widths (a transformers config has one `intermediate_size`)")
+    if fmt in ("hf", "fake", "gguf") and not spec.uniform("ffn"):
+        out.append("per-layer FFN widths (a transformers config, and the GGUF the export writes, has one "
+                   "`intermediate_size`)")
     if not (spec.uniform("heads") and spec.uniform("kv_heads")):
         out.append("per-layer head counts (one KV-cache layout for every layer)")
     if any(b.experts and len(set(b.experts)) > 1 for b in spec.blocks):

@@ -393,9 +393,10 @@ def describe(path) -> str:
 def _validate(data: dict, loc8: Locator) -> Recipe:
     errors: list[Problem] = []
     data = dict(data)
-    if data.get("stages") == []:
+    exp = data.get("export")
+    if data.get("stages") == [] and not (isinstance(exp, dict) and exp.get("formats")):  # no stages: a conversion
         errors.append(Problem(("stages",), "value", "no stages: a recipe needs at least one (e.g. `- {stage: quantize, "
-                                                 "method: rtn}`)"))
+                                                 "method: rtn}`), or export formats to convert the model to"))
     if isinstance(data.get("stages"), list):
         items = [stage_config(item, ("stages", i), errors) for i, item in enumerate(data["stages"])]
         data["stages"] = items if all(c is not None for c in items) else []

@@ -113,6 +113,68 @@ def export_fake_stage(ctx, cfg: FakeExportConfig) -> dict:
     return _export(ctx, cfg, "fake")
 
 
+GGUFType = Literal["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q6_K", "Q5_K", "Q4_K", "Q3_K", "Q2_K",
+                   "Q4_K_M", "Q3_K_M"]
+
+
+class GGUFExportConfig(ExportConfig):
+    format: Literal["gguf"] = "gguf"
+    directory: str = "gguf"
+    type: GGUFType = Field("Q4_K_M", description="the file type, with llama.cpp's per-tensor types (Q4_K_M, Q3_K_M, "
+                                                 "Q2_K are mixes; the output tensor Q6_K): layers a quantize stage "
+                                                 "rounded are written from their codes, which needs the type's grid "
+                                                 "(Q4_0 / Q5_0 / Q8_0: sym 4 / 5 / 8 bits, group 32); the rest is "
+                                                 "rounded by llama.cpp's reference quantizer (docs/gguf.md)")
+
+
+def check_gguf(adapter, cfg: GGUFExportConfig, facts) -> None:
+    """At plan time: a family llama.cpp runs and compress writes, a tokenizer llama.cpp pre-tokenizes the same, and
+    every layer a quantize stage rounds on a grid the file's type for that tensor holds; the per-tensor type plan
+    and the file size go to the plan's notes (`--dry-run`)."""
+    from compress.errors import BadInput
+    from compress.export import gguf as g
+
+    if adapter.arch.kind != "causal":
+        raise BadInput(f"the gguf export writes decoders, not the {adapter.arch.kind} `{adapter.model_type}`")
+    if facts.stream:
+        raise BadInput("the gguf export does not write a streamed model yet (`model.stream: true`); drop `gguf` or "
+                       "stream: false")
+    if facts.mixed:
+        raise BadInput("the gguf export writes one GGML type per tensor: an `allocate` plan gives layers per-chunk "
+                       "widths; remove the allocate stage or drop `gguf` from export.formats")
+    entries, plan = g.tensor_plan(adapter.model, cfg.type)  # BadInput for a family it does not write
+    by_layer = {hf.removesuffix(".weight"): plan[name] for hf, name, _ in entries}
+    for i, method, rounding, layers in facts.quantized:
+        for layer, spec in layers.items():
+            t = by_layer.get(layer)
+            if t is None or t in g.gtypes.FLOAT:
+                continue
+            if g.FROM_CODES.get(spec.bits) != t or not spec.sym or spec.group_size != 32:
+                near = g.FROM_CODES.get(spec.bits)
+                hint = (f"type: {near} (the grid stage {i} rounds on)" if near and spec.sym and spec.group_size == 32
+                        else "sym: true, group_size: 32 and bits 4, 5 or 8 (Q4_0, Q5_0, Q8_0), or no quantize stage "
+                             "(llama.cpp's reference rounding of every type)")
+                raise BadInput(f"export gguf type {cfg.type} stores `{layer}` as {t}, but stage {i} "
+                               f"(`quantize`/{method}) rounds it at {spec.bits} bits, group {spec.group_size}, "
+                               f"{'sym' if spec.sym else 'asym'}: compress writes a layer it rounded only on that "
+                               f"same grid (it never rounds twice). Nearest: {hint}")
+    counts: dict[str, int] = {}
+    for t in plan.values():
+        counts[t] = counts.get(t, 0) + 1
+    size = g.planned_bytes(entries, plan)
+    facts.notes.append(f"export gguf {cfg.type}: " + ", ".join(f"{n} {t}" for t, n in sorted(counts.items()))
+                       + f" tensors; about {size / 1e6:.1f} MB")
+
+
+@register("export", "gguf", GGUFExportConfig, "GGUF file llama.cpp, Ollama and LM Studio run", check=check_gguf,
+          **EXPORT)
+def export_gguf_stage(ctx, cfg: GGUFExportConfig) -> dict:
+    from compress.export.gguf import export_gguf
+
+    return export_gguf(ctx.model, _qweights(ctx), ctx.tokenizer, ctx.workspace.path(cfg.directory),
+                       file_type=cfg.type, meta=_meta(ctx))
+
+
 class OnnxExportConfig(ExportConfig):
     format: Literal["onnx"] = "onnx"
     directory: str = "onnx"

@@ -42,7 +42,8 @@ def planned(adapter, export_spec, quantized, widths: set, mixed: bool) -> rules.
         layers=[rules.Layer(n, q.out_features, q.in_features, wide.get(n, q.bits), q.group_size, q.sym)
                 for n, q in layers.items()],
         packing=packing if hf is not None else None, dtype=hf.dtype if hf is not None else "float16",
-        model_type=adapter.model_type, experts=any(".experts." in n for n in layers), graphs=_graphs(export_spec))
+        model_type=adapter.model_type, experts=any(".experts." in n for n in layers), graphs=_graphs(export_spec),
+        gguf=export_spec.config("gguf").type if "gguf" in names else None)
 
 
 def _stored_width(widths: set, container: int | None) -> int:
@@ -66,7 +67,8 @@ def written(qweights: dict, exports: dict, model_type: str) -> rules.Checkpoint:
                 for n, q in packed.items()],
         packing=hf.get("packing"), dtype=hf.get("dtype", "float16"), model_type=model_type,
         experts=any(".experts." in n for n in packed),
-        graphs={k: {"genai": _runs_genai(k, v)} for k, v in exports.items() if k in ("onnx", "openvino")})
+        graphs={k: {"genai": _runs_genai(k, v)} for k, v in exports.items() if k in ("onnx", "openvino")},
+        gguf=(exports.get("gguf") or {}).get("type"))
 
 
 def _runs_genai(fmt: str, result: dict) -> bool:

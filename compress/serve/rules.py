@@ -28,7 +28,7 @@ Where each rule comes from (read in the engines' code at the versions named; `ve
   (`gptqmodel`); packing `gptq` needs `gptqmodel`. Layers whose width is not a multiple of 32 are stored dense.
 * openvino-genai (2026.4, verified): the `openvino` export with a stateful KV cache and tokenizer IRs.
 * ort-genai (onnxruntime-genai 0.18, verified): the `onnx` export with a `genai_config.json`.
-* llama.cpp: reads GGUF, which compress does not write yet.
+* llama.cpp (and Ollama, LM Studio): the `gguf` export, every type it writes (docs/gguf.md).
 """
 
 from __future__ import annotations
@@ -57,6 +57,7 @@ class Checkpoint:
     model_type: str = ""
     experts: bool = False  # routed experts are quantized
     graphs: dict = field(default_factory=dict)  # {"onnx": {"genai": bool}, "openvino": {"genai": bool}}
+    gguf: str | None = None  # the gguf export's file type; None: no gguf export
 
 
 @dataclass(frozen=True)
@@ -208,7 +209,9 @@ def ort_genai(ckpt: Checkpoint) -> list[Problem]:
 
 
 def llama_cpp(ckpt: Checkpoint) -> list[Problem]:
-    return [Problem("llama.cpp reads GGUF, which compress does not write yet", "")]
+    if ckpt.gguf is None:
+        return [Problem("the run writes no `gguf` export", "add `gguf` to export.formats")]
+    return []
 
 
 ENGINES = {e.name: e for e in (

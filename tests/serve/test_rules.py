@@ -74,7 +74,7 @@ def test_graph_engines_and_llama_cpp():
     assert why("openvino-genai", ckpt(graphs={"openvino": {"genai": True}})) == ""
     assert "genai_config.json" in why("ort-genai", ckpt(graphs={"onnx": {"genai": False}}))
     assert why("ort-genai", ckpt(graphs={"onnx": {"genai": True}})) == ""
-    assert "GGUF" in why("llama.cpp", ckpt())
+    assert "no `gguf` export" in why("llama.cpp", ckpt()) and why("llama.cpp", ckpt(gguf="Q4_K_M")) == ""
 
 
 def test_markdown_marks_unverified_engines():
@@ -96,7 +96,7 @@ def test_plan_prints_the_table_and_export_serve_refuses(tmp_path):
     ok = _recipe(tmp_path, model, {"bits": 4, "group_size": 32, "sym": False}, {"formats": ["hf"], "serve": ["vllm-cpu"]})
     rc, out, err = invoke("run", ok, "--dry-run")
     assert rc == 0, err
-    assert "vllm-cpu        serves it" in out and "llama.cpp       no: llama.cpp reads GGUF" in out
+    assert "vllm-cpu        serves it" in out and "llama.cpp       no: the run writes no `gguf` export" in out
     rc, out, err = invoke("run", ok, "--dry-run", "--json")
     assert json.loads(out)["serving"]["vllm-cpu"] == []
     bad = _recipe(tmp_path, model, {"bits": 3, "group_size": 32, "sym": True}, {"formats": ["hf"], "serve": ["vllm-cpu"]})

@@ -1,0 +1,132 @@
+"""The gguf export: what transformers' GGUF loader (and, in the engine tier, llama.cpp) reads back, llama.cpp's
+per-tensor type plan, and the plan-time refusals."""
+
+import json
+import shutil
+
+import pytest
+import torch
+import yaml
+import transformers as T
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from compress.export.gguf import export_gguf, types
+from conftest import MODELS, invoke
+
+from tiny import COMMON, save_tiny
+
+TEXT = "Once upon a time, there was a little dog named Max. He liked 33 apples!"
+
+
+def _roundtrip(src, out, file_type="F32", same_tokens=True):
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(src)
+    res = export_gguf(model, {}, tok, out, file_type=file_type)
+    back = AutoModelForCausalLM.from_pretrained(out, gguf_file=res["file"], dtype=torch.float32).eval()
+    tok_back = AutoTokenizer.from_pretrained(out, gguf_file=res["file"])
+    ids = tok(TEXT)["input_ids"]
+    assert tok_back(TEXT)["input_ids"] == ids or not same_tokens
+    with torch.no_grad():
+        x = torch.tensor([ids])
+        return res, model(x).logits, back(x).logits
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
+def test_f32_file_is_the_model_in_transformers(family, tmp_path):
+    """Every tensor written where transformers' GGUF loader (which undoes llama.cpp's q/k layout) expects it: the
+    logits of the file are the model's, bit for bit; the tokenizer encodes the same ids."""
+    if family == "qwen3":  # transformers' GGUF loader takes Qwen3's default head_dim (128), not key_length
+        src = tmp_path / "m"
+        torch.manual_seed(0)
+        cfg = T.Qwen3Config(**{**COMMON, "vocab_size": 512, "tie_word_embeddings": True}, head_dim=128)
+        T.AutoModelForCausalLM.from_config(cfg).save_pretrained(src)
+        for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"):
+            shutil.copy(MODELS / "stories260K" / f, src)
+    else:
+        src = save_tiny(family, tmp_path / "m", **({"attention_bias": True} if family == "qwen2" else {}))
+    # stories260K's SentencePiece files: transformers reads them as another tokenizer in a Qwen directory, llama.cpp
+    # (and the GGUF) as what they are
+    res, a, b = _roundtrip(src, tmp_path / "g", same_tokens=family in ("llama", "mistral"))
+    assert torch.equal(a, b)
+    assert (tmp_path / "g" / "Modelfile").read_text() == f"FROM ./{res['file']}\n"
+    assert not list((tmp_path / "g").glob("*.partial"))
+
+
+@pytest.mark.parametrize("name", ["stories260K", "ref-llama-7m"])
+def test_real_tokenizers(name, tmp_path):
+    """A SentencePiece tokenizer (stories260K: `llama`) and a byte-level BPE one (ref-llama-7m: `gpt2`, GPT-2's
+    pre-tokenizer)."""
+    res, a, b = _roundtrip(MODELS / name, tmp_path / "g", "F16")
+    assert (a - b).abs().max() < 0.05 and res["types"]["F16"] > 0  # fp16 weights
+
+
+def _names(n_layers, tied=False):
+    out = [("token_embd.weight", (512, 256))] + ([] if tied else [("output.weight", (512, 256))])
+    for i in range(n_layers):
+        out += [(f"blk.{i}.attn_norm.weight", (256,)), (f"blk.{i}.attn_q.weight", (256, 256)),
+                (f"blk.{i}.attn_k.weight", (64, 256)), (f"blk.{i}.attn_v.weight", (64, 256)),
+                (f"blk.{i}.attn_output.weight", (256, 256)), (f"blk.{i}.ffn_gate.weight", (768, 256)),
+                (f"blk.{i}.ffn_up.weight", (768, 256)), (f"blk.{i}.ffn_down.weight", (256, 768))]
+    return out
+
+
+def test_type_plan_follows_llama_cpp():
+    """llama-quant.cpp's choices: Q4_K_M bumps attn_v and ffn_down of the "more bits" layers to Q6_K (layers 0-3,
+    28-31 and every third between of 32), the output is Q6_K, norms F32; Q3_K_M, Q2_K as their rules say."""
+    p = types.plan("Q4_K_M", _names(32), n_head=8, n_head_kv=2)
+    six = sorted(int(n.split(".")[1]) for n, t in p.items() if n.endswith("attn_v.weight") and t == "Q6_K")
+    assert six == [0, 1, 2, 3, 6, 9, 12, 15, 18, 21, 24, 27, 28, 29, 30, 31]
+    assert six == sorted(int(n.split(".")[1]) for n, t in p.items() if n.endswith("ffn_down.weight") and t == "Q6_K")
+    assert p["output.weight"] == "Q6_K" and p["token_embd.weight"] == "Q4_K" and p["blk.0.attn_norm.weight"] == "F32"
+    assert p["blk.5.attn_q.weight"] == "Q4_K"
+    assert types.plan("Q4_K_M", _names(2, tied=True), n_head=8, n_head_kv=2)["token_embd.weight"] == "Q6_K"
+    p = types.plan("Q3_K_M", _names(32), n_head=8, n_head_kv=2)
+    assert [p[f"blk.{i}.attn_v.weight"] for i in (0, 1, 2)] == ["Q5_K", "Q5_K", "Q4_K"]
+    assert [p[f"blk.{i}.ffn_down.weight"] for i in (0, 1, 2)] == ["Q5_K", "Q5_K", "Q4_K"]
+    assert p["blk.3.attn_output.weight"] == "Q4_K" and p["blk.3.ffn_up.weight"] == "Q3_K"
+    p = types.plan("Q2_K", _names(4), n_head=8, n_head_kv=2)  # grouped-query ratio 4
+    assert (p["blk.0.attn_v.weight"], p["blk.0.ffn_down.weight"], p["blk.0.ffn_up.weight"]) == ("Q4_K", "Q3_K", "Q2_K")
+    assert types.plan("Q2_K", _names(4), n_head=8, n_head_kv=8)["blk.0.attn_v.weight"] == "Q3_K"
+    p = types.plan("Q4_0", _names(2), n_head=8, n_head_kv=2)
+    assert p["output.weight"] == "Q6_K" and p["token_embd.weight"] == "Q4_0"
+    assert types.plan("Q8_0", _names(2), n_head=8, n_head_kv=2)["output.weight"] == "Q8_0"
+    # widths the block does not divide: the fallbacks
+    assert [types.fallback(t, 576) for t in ("Q4_K", "Q6_K", "Q2_K", "Q5_K", "Q4_0")] == \
+        ["Q5_0", "Q8_0", "Q4_0", "Q5_1", "Q4_0"]
+    assert types.fallback("Q4_K", 172) == "F16" and types.fallback("Q8_0", 172) == "F16"
+
+
+def _recipe(tmp_path, model, stages, export):
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump({"version": 1, "model": {"path": str(model)}, "stages": stages,
+                                    "calibration": {"sources": ["bundled:botchan-calibration"], "nsamples": 2,
+                                                    "seqlen": 32},
+                                    "eval": {"enabled": False}, "export": {"formats": export}}))
+    return path
+
+
+def test_plan_refuses_a_grid_the_type_does_not_hold_and_shows_the_types(tmp_path):
+    model = save_tiny("llama", tmp_path / "m")
+    bad = _recipe(tmp_path, model, [{"stage": "quantize", "method": "rtn", "bits": 4, "group_size": 128}],
+                  [{"format": "gguf", "type": "Q4_0"}])
+    rc, _, err = invoke("run", bad, "--dry-run")
+    assert rc == 1 and "stores `model.layers.0.self_attn.q_proj` as Q4_0" in err and "group_size: 32" in err, err
+    asym = _recipe(tmp_path, model, [{"stage": "quantize", "method": "rtn", "bits": 4, "group_size": 32,
+                                      "sym": False}], [{"format": "gguf", "type": "Q4_0"}])
+    rc, _, err = invoke("run", asym, "--dry-run")
+    assert rc == 1 and "asym" in err, err
+    ok = _recipe(tmp_path, model, [], [{"format": "gguf", "type": "F16"}])
+    rc, out, err = invoke("run", ok, "--dry-run")
+    assert rc == 0 and "export gguf F16: 16 F16, 5 F32 tensors" in out and "llama.cpp       serves it" in out, out
+    rc, _, err = invoke("run", _recipe(tmp_path, save_tiny("gemma2", tmp_path / "g2"), [], ["gguf"]), "--dry-run")
+    assert rc == 1 and "`gemma2` is not one of them yet" in err, err
+
+
+def test_a_conversion_recipe_writes_the_file(tmp_path):
+    """No stages, export formats: the model converted; report and serving table name the file."""
+    model = save_tiny("llama", tmp_path / "m")
+    rc, out, err = invoke("run", _recipe(tmp_path, model, [], [{"format": "gguf", "type": "F32"}]), "--output",
+                          tmp_path / "o", "--json")
+    assert rc == 0, err
+    report = json.loads(out)
+    assert report["serving"]["llama.cpp"] == [] and (tmp_path / "o" / "gguf" / "model-F32.gguf").is_file()
