@@ -4,6 +4,7 @@ per-tensor type plan, and the plan-time refusals."""
 import json
 import shutil
 
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -130,3 +131,65 @@ def test_a_conversion_recipe_writes_the_file(tmp_path):
     assert rc == 0, err
     report = json.loads(out)
     assert report["serving"]["llama.cpp"] == [] and (tmp_path / "o" / "gguf" / "model-F32.gguf").is_file()
+
+
+def _tensors(path):
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    r = GGUFReader(path)
+    return {t.name: (t.tensor_type.name, dequantize(t.data, t.tensor_type).reshape(-1, int(t.shape[0])))
+            for t in r.tensors}
+
+
+@pytest.mark.parametrize("bits,file_type", [(4, "Q4_0"), (8, "Q8_0"), (5, "Q5_0")])
+def test_codes_compress_rounded_are_the_file(bits, file_type, tmp_path):
+    """RTN sym group 32 is Q4_0 / Q5_0 / Q8_0's own grid: each layer's tensor in the file dequantizes (by gguf's
+    reader) to exactly the weights compress evaluated, q and k rows in llama.cpp's order."""
+    from compress.export.gguf import arch
+    from compress.export.hf import read_quantized
+
+    model = save_tiny("llama", tmp_path / "m")
+    rc, out, err = invoke("run", _recipe(tmp_path, model, [{"stage": "quantize", "method": "rtn", "bits": bits,
+                                                            "group_size": 32, "sym": True}],
+                                         ["hf", {"format": "gguf", "type": file_type}]),
+                          "--output", tmp_path / "o", "--json")
+    assert rc == 0, err
+    res = json.loads(out)["exports"]
+    assert res["gguf"]
+    file = _tensors(tmp_path / "o" / "gguf" / f"model-{file_type}.gguf")
+    config, qweights = read_quantized(tmp_path / "o" / "hf")
+    cfg = AutoModelForCausalLM.from_pretrained(model).config
+    assert len(qweights) == 14
+    for name, qw in qweights.items():
+        t, w = file[arch.tensor_name(name + ".weight", "llama", 2)]
+        expect = qw.dequantize()
+        perm = arch.permutation(name, cfg, arch.FAMILIES["llama"], expect.shape[0])
+        assert t == file_type and np.array_equal(w, (expect if perm is None else expect[perm]).numpy()), name
+    assert file["output.weight"][0] == "Q8_0"  # Q6_K for the output, whose 64 columns fall back to Q8_0
+
+
+def test_k_types_hold_llama_cpps_rounding(tmp_path):
+    """A conversion to Q4_K_M of a 256-wide model: every tensor at llama.cpp's type, holding what llama.cpp's
+    reference quantizer (kernels/ggml.py, byte-exact to ggml-quants.c) gives its weights; transformers loads it."""
+    from compress.export.gguf import arch
+    from compress.kernels import ggml
+
+    src = save_tiny("llama", tmp_path / "m", hidden_size=256, intermediate_size=512, num_hidden_layers=4)
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(src)
+    res = export_gguf(model, {}, tok, tmp_path / "g", file_type="Q4_K_M")
+    file = _tensors(tmp_path / "g" / res["file"])
+    assert res["types"] == {"Q4_K": 25, "Q6_K": 5, "F32": 9}  # attn_v, ffn_down of layers 2 and 3; the output
+    state = model.state_dict()
+    for name, t in state.items():
+        g = arch.tensor_name(name, "llama", 4)
+        kind, w = file[g]
+        if t.dim() == 1:
+            assert kind == "F32" and np.array_equal(w[0], t.numpy())
+            continue
+        perm = arch.permutation(name.removesuffix(".weight"), model.config, arch.FAMILIES["llama"], t.shape[0])
+        ref = (t if perm is None else t[perm]).numpy()
+        assert np.array_equal(w, ggml.dequantize(kind, ggml.quantize_ref(kind, ref))), g
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "g", gguf_file=res["file"])
+    assert back.model.layers[3].mlp.down_proj.weight.shape == (256, 512)

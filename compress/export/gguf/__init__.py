@@ -132,14 +132,18 @@ def _encode(t: str, w: np.ndarray, imatrix) -> np.ndarray:
         return gguf.quants.quantize(w, gguf.GGMLQuantizationType.BF16)
     from compress.kernels import ggml
 
-    return ggml.encode(t, w, imatrix=None if imatrix is None else np.asarray(imatrix, dtype=np.float32))
+    return ggml.pack(t, ggml.quantize_ref(t, w, None if imatrix is None else np.asarray(imatrix, dtype=np.float32)))
 
 
 def _from_codes(t: str, qw: QuantizedWeight, perm) -> np.ndarray:
-    """The raw blocks of a compress weight on type `t`'s grid, exactly: d = the fp16 scale, q = code - zero."""
+    """The raw blocks of a compress weight on type `t`'s grid, exactly: d = its fp16 scale; Q4_0 / Q5_0 store the
+    code itself (x = d (q - 2^(b-1)), the zero compress's symmetric grid has), Q8_0 the signed code - 128."""
     from compress.kernels import ggml
 
     codes, scales = qw.codes, qw.scales
     if perm is not None:
         codes, scales = codes[perm], scales[perm]
-    return ggml.encode_codes(t, codes.numpy(), scales.numpy().astype(np.float16), zero=2 ** (qw.bits - 1))
+    q = codes.to(torch.int16) - (128 if t == "Q8_0" else 0)
+    blocks = ggml.GGMLBlocks(type=ggml.ggml_type(t), d=scales.numpy().astype(np.float16),
+                             codes=q.to(torch.int8).numpy())
+    return ggml.pack(t, blocks)

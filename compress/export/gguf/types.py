@@ -28,8 +28,7 @@ FILE_TYPES = {
 # every quantized tensor at that type (the output as above)
 FLOAT = {"F32", "F16", "BF16"}
 BLOCK = {"Q8_0": 32, "Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q5_1": 32, "Q2_K": 256, "Q3_K": 256, "Q4_K": 256,
-         "Q5_K": 256, "Q6_K": 256, "F32": 1, "F16": 1, "BF16": 1}
-FALLBACK = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
+         "Q5_K": 256, "Q6_K": 256}
 
 
 def quantizable(name: str, ndim: int) -> bool:
@@ -78,8 +77,7 @@ def plan(file_type: str, tensors: list[tuple[str, tuple[int, ...]]], *, n_head: 
         elif name.endswith("attn_k.weight") and n_expert == 8:
             t = "Q8_0"
         elif re.search(r"ffn_down(_exps)?\.weight$", name):
-            layer = int(name.split(".")[1]) if n_expert > 1 else i_down
-            n_layer = n_down if n_expert <= 1 else n_down  # one ffn_down tensor per layer in every family here
+            layer, n_layer = i_down, n_down  # one ffn_down tensor per layer in every family written here
             if file_type == "Q2_K":
                 t = "Q3_K"
             elif file_type == "Q3_K_M":
@@ -100,8 +98,10 @@ def plan(file_type: str, tensors: list[tuple[str, tuple[int, ...]]], *, n_head: 
 
 
 def fallback(t: str, ne0: int) -> str:
-    """tensor_type_fallback: a type whose block divides the width."""
-    if ne0 % BLOCK[t] == 0:
+    """tensor_type_fallback: a type whose block divides the width (F16 when none does)."""
+    if t in FLOAT:
         return t
-    t = FALLBACK.get(t, t)
-    return t if ne0 % BLOCK[t] == 0 else "F16"
+    from compress.kernels.ggml import fallback_type
+
+    c = fallback_type(t, ne0)
+    return "F16" if c is None else c.name
