@@ -17,6 +17,9 @@ Engines and what they load from a run's output directory (or an export directory
                     compares both perplexities on a text's first `max_tokens` tokens.
     openvino-genai  the openvino export (`engines/openvino_genai.py`); reference from the run's hf export
     ort-genai       the onnx export (`engines/ort_genai.py`); reference from the run's hf export
+    llama.cpp       a GGUF file (the run's gguf export, or a .gguf given directly), in llama.cpp's own environment
+                    (`compress serve-env llama.cpp`, `engines/llamacpp.py`); the reference is compress's reading
+                    of the same file (transformers' GGUF loader); `perplexity` compares both on the same windows
 
 A check writes nothing into the export directory: the directory's listing and modification times are compared
 before and after, and a change is an error.
@@ -27,6 +30,7 @@ from __future__ import annotations
 import inspect
 import json
 import logging
+import math
 import os
 import subprocess
 import tempfile
@@ -39,9 +43,10 @@ from compress.serve.decoded import N_TOKENS, PROMPTS, TOP_K, Decoded, compare
 
 logger = logging.getLogger(__name__)
 
-ENGINES = ("vllm", "transformers", "openvino-genai", "ort-genai")
-READS = {"vllm": "hf", "transformers": "hf", "openvino-genai": "openvino", "ort-genai": "onnx"}
+ENGINES = ("vllm", "transformers", "openvino-genai", "ort-genai", "llama.cpp")
+READS = {"vllm": "hf", "transformers": "hf", "openvino-genai": "openvino", "ort-genai": "onnx", "llama.cpp": "gguf"}
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+WINDOW = 256  # compress's evaluation window (the recipe default): the llama.cpp perplexity's windows
 
 
 def serve_check(out, engine: str, *, n_tokens: int = N_TOKENS, dtype: str = "float16",
@@ -53,6 +58,10 @@ def serve_check(out, engine: str, *, n_tokens: int = N_TOKENS, dtype: str = "flo
         raise BadInput(f"unknown engine `{engine}`; choose one of {', '.join(ENGINES)}")
     if dtype not in DTYPES:
         raise BadInput(f"unknown dtype `{dtype}`; choose one of {', '.join(DTYPES)}")
+    if engine == "llama.cpp":  # a GGUF file, its reference compress's own reading of it
+        if floor:
+            raise BadInput("--floor is transformers in --dtype against float32 on an hf export; llama.cpp reads GGUF")
+        return check_gguf(Path(out), n_tokens=n_tokens, dtype=dtype, perplexity=perplexity, max_tokens=max_tokens)
     export, hf = _directories(Path(out), engine)
     from transformers import AutoTokenizer
 
@@ -71,8 +80,9 @@ def serve_check(out, engine: str, *, n_tokens: int = N_TOKENS, dtype: str = "flo
         loaded = _transformers(export)
         result["loaded_dtype"] = str(next(loaded.parameters()).dtype).removeprefix("torch.")
         torch.nn.Module.to(loaded, DTYPES[dtype])  # auto-round's CPU loader forces float16; compute in --dtype
+        packed = _packed_names(export)
         result["loaded_layers"] = sorted({f"{type(m).__module__}.{type(m).__name__}" for n, m in loaded.named_modules()
-                                          if n in _packed_names(export)})  # the loader's backend
+                                          if n in packed})  # the loader's backend
         got = greedy(loaded, prompts, n_tokens, eos)
         if perplexity:
             result["perplexity"] = _perplexities(loaded, ref_model, tokenizer, perplexity, max_tokens)
@@ -271,3 +281,89 @@ def _vllm(export: Path, prompts: list[list[int]], n_tokens: int, dtype: str) -> 
     kernels = sorted({line.split("Using ", 1)[1].split(" for ")[0] for line in (proc.stdout + proc.stderr).splitlines()
                       if "Using " in line and "LinearKernel" in line})  # vLLM logs the kernel each linear runs
     return Decoded.from_json(data), {"vllm": data.get("vllm"), "kernels": kernels}
+
+
+# -- llama.cpp: a GGUF file against compress's reading of it -------------------------------------------
+
+def check_gguf(out: Path, *, n_tokens: int, dtype: str, perplexity: str | None = None,
+               max_tokens: int = 4096) -> dict:
+    """llama.cpp's greedy decoding of a GGUF file against compress's own reading of the same file (transformers'
+    GGUF loader, which dequantizes every tensor with the `gguf` package, in float32), on the same token ids (the
+    file's tokenizer as transformers reads it). `perplexity`: llama.cpp's per-token NLL (`score`) on exactly the
+    windows compress's perplexity scores (`WINDOW` tokens, no BOS, the text's first `max_tokens` tokens), each from
+    an empty KV cache. `dtype` is llama.cpp's KV cache type; it computes with the weights as stored, activations
+    rounded to each weight type's dot-product format (F16, Q8_0, Q8_K), so some |dlogprob| remains in float32."""
+    from compress.models.loading import load_model
+    from compress.serve.engines import llamacpp
+    from compress.serve.envs import python_of
+
+    gguf = gguf_file(Path(out))
+    python_of(llamacpp.ENV)  # a missing environment is said before any model is read
+    before = _snapshot(gguf.parent)
+    model, tokenizer = load_model(str(gguf), "float32")
+    prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
+    eos = _model_eos(model)
+    reference = greedy(model, prompts, n_tokens, eos)
+    got, info = llamacpp.decode(gguf, prompts, n_tokens, eos, dtype=dtype)
+    result = {"engine": "llama.cpp", "export": str(gguf), "dtype": dtype, "prompts": len(prompts),
+              "new_tokens": n_tokens, "reference": f"compress on {gguf.name} (transformers' GGUF loader, float32)",
+              "bos": [p[:1] == [tokenizer.bos_token_id] for p in prompts], **info}
+    if perplexity:
+        result["perplexity"] = _gguf_perplexities(gguf, model, tokenizer, perplexity, max_tokens, dtype)
+    if _snapshot(gguf.parent) != before:
+        raise RuntimeError(f"the llama.cpp check wrote into {gguf.parent}; a check must leave the export as it was")
+    cmp = compare(reference, got)
+    result.update(tokens={"equal": cmp["equal"], "total": cmp["total"]}, top5_overlap=cmp["top5_overlap"],
+                  max_dlogprob=cmp["max_dlogprob"], divergences=cmp["divergences"], ties=cmp["ties"],
+                  agree=len(cmp["divergences"]) == cmp["ties"])
+    return result
+
+
+def gguf_file(out: Path) -> Path:
+    """The .gguf a check reads: `out` itself, the run's gguf export, or the one .gguf in a directory."""
+    if out.is_file():
+        if out.suffix != ".gguf":
+            raise BadInput(f"`{out}` is not a .gguf file")
+        return out
+    if not out.is_dir():
+        raise BadInput(f"`{out}` does not exist")
+    directory = out
+    if (out / "manifest.json").is_file():
+        exports = _run_exports(out)
+        if "gguf" not in exports:
+            raise BadInput(f"`{out}` has no `gguf` export, which llama.cpp loads; add `gguf` to export.formats")
+        directory = exports["gguf"]
+    elif (out / "gguf").is_dir() and not list(out.glob("*.gguf")):
+        directory = out / "gguf"
+    found = sorted(directory.glob("*.gguf"))
+    if len(found) != 1:
+        raise BadInput(f"`{directory}` holds {len(found)} .gguf files ({', '.join(p.name for p in found) or 'none'}); "
+                       "give the one to check")
+    return found[0]
+
+
+def _model_eos(model) -> set[int]:
+    ids = set()
+    for cfg in (model.config, getattr(model, "generation_config", None)):
+        e = getattr(cfg, "eos_token_id", None)
+        ids |= set(e if isinstance(e, list) else [e] if e is not None else [])
+    return ids
+
+
+def _gguf_perplexities(gguf: Path, model, tokenizer, data: str, max_tokens: int, dtype: str) -> dict:
+    """llama.cpp's and compress's perplexity on the same windows of `data`'s first `max_tokens` tokens."""
+    from compress.data import resolve
+    from compress.eval.data import read_text, token_stream
+    from compress.eval.metrics import perplexity, windows
+    from compress.serve.engines import llamacpp
+
+    ids = token_stream(tokenizer, read_text(resolve(data)))[:max_tokens]
+    ws = list(windows(ids, window=WINDOW))
+    nll = llamacpp.score(gguf, ws, dtype=dtype)
+    count = sum(len(n) for n in nll)
+    if count != sum(w.targets.numel() for w in ws):
+        raise RuntimeError(f"llama.cpp scored {count} tokens of {sum(w.targets.numel() for w in ws)}")
+    ours = perplexity(model, ids, window=WINDOW)
+    theirs = math.exp(sum(map(sum, nll)) / count)
+    return {"data": data, "max_tokens": max_tokens, "window": WINDOW, "tokens": count, "windows": len(ws),
+            "llama.cpp": round(theirs, 4), "compress": round(ours, 4), "ratio": round(theirs / ours, 5)}
