@@ -333,13 +333,15 @@ def inspect(directory: Path = typer.Argument(..., help="an `hf` export directory
 
 @app.command("serve-check")
 def serve_check(
-    out: Path = typer.Argument(..., help="a run's output directory (or an export directory)"),
-    engine: str = typer.Option(..., "--engine", help="vllm | transformers | openvino-genai | ort-genai"),
+    out: Path = typer.Argument(..., help="a run's output directory (or an export directory; a .gguf file for "
+                               "llama.cpp)"),
+    engine: str = typer.Option(..., "--engine", help="vllm | transformers | openvino-genai | ort-genai | llama.cpp"),
     dtype: str = typer.Option("float16", "--dtype", help="the engine's and the reference's compute dtype "
-                              "(float16, bfloat16; float32 for the graph engines' exact mode)"),
+                              "(float16, bfloat16; float32 for the graph engines' exact mode; llama.cpp: its KV "
+                              "cache's type)"),
     tokens: int = typer.Option(32, "--tokens", min=1, help="new tokens per prompt"),
-    perplexity: Optional[str] = typer.Option(None, "--perplexity", help="transformers only: also compare "
-                                             "perplexities on this text file (transformers' loading vs compress's)"),
+    perplexity: Optional[str] = typer.Option(None, "--perplexity", help="transformers and llama.cpp: also compare "
+                                             "perplexities on this text file (the engine's vs compress's reading)"),
     max_tokens: int = typer.Option(4096, "--max-tokens", min=1, help="tokens scored by --perplexity"),
     floor: bool = typer.Option(False, "--floor", help="also transformers itself in --dtype against the float32 "
                                "reference: what the dtype alone costs on this model"),
@@ -350,6 +352,8 @@ def serve_check(
     of the reference (two tokens within 0.02 nats). Writes nothing into OUT.
 
     Example: compress serve-check out/ --engine vllm   (after `compress serve-env vllm`)
+    Example: compress serve-check model.gguf --engine llama.cpp --perplexity bundled:botchan-eval   (after `compress
+    serve-env llama.cpp`; the reference is compress's reading of the same file)
     """
     from compress.serve.check import serve_check as check
 
@@ -363,11 +367,20 @@ def serve_check(
         for d in res["divergences"]:
             typer.echo(f"  prompt {d['prompt']} diverges at token {d['position']}: reference margin {d['margin']} "
                        f"nats ({'a tie' if d['margin'] is not None and d['margin'] <= 0.02 else 'a disagreement'})")
+        if res.get("emulated"):  # llama.cpp: the reference with llama.cpp's activation rounding
+            e, types = res["emulated"], ", ".join(f"{n} {t}" for t, n in res["weight_types"].items())
+            typer.echo(f"against compress's reading with llama.cpp's activation rounding (linear layers: {types}): "
+                       f"{e['tokens']['equal']}/{e['tokens']['total']} tokens equal, top-5 overlap "
+                       f"{e['top5_overlap']}, max |dlogprob| {e['max_dlogprob']}")
         if res.get("floor"):
             f = res["floor"]
             typer.echo(f"floor: transformers in {res['dtype']}: {f['tokens']['equal']}/{f['tokens']['total']} tokens "
                        f"equal, top-5 overlap {f['top5_overlap']}, max |dlogprob| {f['max_dlogprob']}")
-        if res.get("perplexity"):
+        if res.get("perplexity") and engine == "llama.cpp":
+            p = res["perplexity"]
+            typer.echo(f"perplexity ({p['tokens']} tokens of {p['data']} in {p['windows']} windows of {p['window']}): "
+                       f"llama.cpp {p['llama.cpp']}, compress {p['compress']}: ratio {p['ratio']}")
+        elif res.get("perplexity"):
             p = res["perplexity"]
             half = "".join(f", {v} in {k.removeprefix('transformers_')}" for k, v in p.items()
                            if k.startswith("transformers_") and k != "transformers_fp32")
@@ -378,10 +391,12 @@ def serve_check(
 
 
 @app.command("serve-env")
-def serve_env(name: str = typer.Argument(..., help="vllm"),
+def serve_env(name: str = typer.Argument(..., help="vllm | llama.cpp"),
               force: bool = typer.Option(False, "--force", help="rebuild it")):
     """Build (once; cached) the virtual environment of an engine whose requirements conflict with compress's, and
-    print where it is. `compress serve-check --engine vllm` runs vLLM there.
+    print where it is. `compress serve-check --engine vllm` runs vLLM there; `--engine llama.cpp` runs llama.cpp
+    (llama-cpp-python 0.3.36 and its llama-quantize/llama-imatrix/llama-perplexity, compiled for this CPU: about
+    20 minutes on 2 cores; PIP_FIND_LINKS=DIR uses a local copy of its sdist).
 
     Example: compress serve-env vllm
     """

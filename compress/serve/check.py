@@ -34,6 +34,7 @@ import math
 import os
 import subprocess
 import tempfile
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -291,8 +292,10 @@ def check_gguf(out: Path, *, n_tokens: int, dtype: str, perplexity: str | None =
     GGUF loader, which dequantizes every tensor with the `gguf` package, in float32), on the same token ids (the
     file's tokenizer as transformers reads it). `perplexity`: llama.cpp's per-token NLL (`score`) on exactly the
     windows compress's perplexity scores (`WINDOW` tokens, no BOS, the text's first `max_tokens` tokens), each from
-    an empty KV cache. `dtype` is llama.cpp's KV cache type; it computes with the weights as stored, activations
-    rounded to each weight type's dot-product format (F16, Q8_0, Q8_K), so some |dlogprob| remains in float32."""
+    an empty KV cache. `dtype` is llama.cpp's KV cache type. llama.cpp computes with the weights as stored but
+    rounds each linear layer's input to its weight type's dot-product format (F16, Q8_0, Q8_K): "emulated" compares
+    it with compress's reading rounded the same way (`llamacpp.emulate_activations`; the KV cache in float32), and
+    a divergence from the float32 reading that is not a tie still agrees when none remains against that one."""
     from compress.models.loading import load_model
     from compress.serve.engines import llamacpp
     from compress.serve.envs import python_of
@@ -310,12 +313,20 @@ def check_gguf(out: Path, *, n_tokens: int, dtype: str, perplexity: str | None =
               "bos": [p[:1] == [tokenizer.bos_token_id] for p in prompts], **info}
     if perplexity:
         result["perplexity"] = _gguf_perplexities(gguf, model, tokenizer, perplexity, max_tokens, dtype)
+    handles, types = llamacpp.emulate_activations(model, gguf)  # compress's reading, llama.cpp's rounding
+    emulated = greedy(model, prompts, n_tokens, eos)
+    for h in handles:
+        h.remove()
     if _snapshot(gguf.parent) != before:
         raise RuntimeError(f"the llama.cpp check wrote into {gguf.parent}; a check must leave the export as it was")
-    cmp = compare(reference, got)
+    cmp, emu = compare(reference, got), compare(emulated, got)
     result.update(tokens={"equal": cmp["equal"], "total": cmp["total"]}, top5_overlap=cmp["top5_overlap"],
                   max_dlogprob=cmp["max_dlogprob"], divergences=cmp["divergences"], ties=cmp["ties"],
-                  agree=len(cmp["divergences"]) == cmp["ties"])
+                  weight_types=dict(sorted(Counter(t or "F32" for t in types.values()).items())),
+                  emulated={"tokens": {"equal": emu["equal"], "total": emu["total"]}, "top5_overlap":
+                            emu["top5_overlap"], "max_dlogprob": emu["max_dlogprob"], "ties": emu["ties"],
+                            "divergences": emu["divergences"]},
+                  agree=len(cmp["divergences"]) == cmp["ties"] or len(emu["divergences"]) == emu["ties"])
     return result
 
 
