@@ -706,6 +706,31 @@ if __name__ == "__main__":
     entry()
 
 
+@bench_app.command("gguf")
+def bench_gguf(
+    model: str = typer.Option(..., "--model", help="a local model directory (e.g. ../shared/data/models/ref-llama-7m)"),
+    data: str = typer.Option(..., "--data", help="the text every file is scored on"),
+    calibration: str = typer.Option(..., "--calibration", help="the calibration text (compress's runs and "
+                                    "llama.cpp's importance matrix)"),
+    types: str = typer.Option(",".join(("Q4_0", "Q4_K_M", "Q3_K_M", "Q2_K")), "--types", help="comma-separated"),
+    seeds: int = typer.Option(3, "--seeds", help="compress runs per type (calibration sampling seeds)"),
+    max_tokens: int = typer.Option(8192, "--max-tokens", help="tokens scored"),
+    json_out: Optional[Path] = JSON_OUT,
+    md_out: Optional[Path] = MARKDOWN_OUT,
+):
+    """compress's GGUF files against llama.cpp's own quantize (with and without its importance matrix) of the same
+    model: KL to the full-precision model, top-1, perplexity ratio and file size on the same tokens. Needs
+    `compress serve-env llama.cpp`.
+
+    Example: compress bench gguf --model ../shared/data/models/ref-llama-7m --data ../shared/data/text/wikitext-2-raw/wiki.test.raw --calibration ../shared/data/text/wikitext-2/train.txt
+    """
+    from compress.export.gguf import bench
+
+    result = bench.run(model, data, calibration, types=tuple(t.strip() for t in types.split(",") if t.strip()),
+                       seeds=seeds, max_tokens=max_tokens)
+    emit_bench(result, bench.markdown(result), json_out, md_out)
+
+
 @bench_app.command("serve")
 def bench_serve(
     model: str = typer.Option(..., "--model", help="a local model directory (e.g. ../shared/data/models/ref-llama-7m)"),

@@ -1,0 +1,96 @@
+"""`compress bench gguf`: compress's GGUF files against llama.cpp's own quantize of the same model, same tokens.
+
+For `model` (a local directory): compress writes an F16 GGUF (a conversion run); llama.cpp computes an importance
+matrix on the calibration text (`llama-imatrix`) and quantizes that F16 file to each type with and without it
+(`llama_model_quantize`, `compress/serve/engines/llamacpp.py`); compress writes each type from its own runs
+(`METHODS`: GPTQ on Q4_0's grid, W4 sym group 32, one run per seed; for the other types the export's rounding, which
+is llama.cpp's reference quantizer ported byte for byte, so that row equals llama.cpp without an importance matrix
+until compress's quantizers optimise the K-quant grids). Every file is read by compress (`compress eval FILE
+--reference MODEL`: the file's tensors dequantized by gguf) on the same first `max_tokens` tokens of `data`: KL to the
+full-precision model, top-1 agreement, perplexity ratio, and the file's size.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+from compress.eval.machine import machine, machine_text
+
+TYPES = ("Q4_0", "Q4_K_M", "Q3_K_M", "Q2_K")
+# type -> compress's quantize stage on that type's grid (None: no stage; the export rounds every tensor)
+METHODS = {"Q4_0": {"stage": "quantize", "method": "gptq", "bits": 4, "group_size": 32, "sym": True}}
+
+
+def _run(tmp: Path, model: str, stages: list, file_type: str, calibration: str, seed: int) -> Path:
+    from compress import pipeline
+    from compress.recipe import load_recipe
+
+    doc = {"version": 1, "description": "compress bench gguf", "model": {"path": model, "dtype": "float32"},
+           "calibration": {"sources": [calibration], "nsamples": 64, "seqlen": 256, "seed": seed},
+           "stages": stages, "eval": {"enabled": False},
+           "export": {"formats": [{"format": "gguf", "type": file_type}]}}
+    path, out = tmp / f"r-{file_type}-{seed}.yaml", tmp / f"o-{file_type}-{seed}"
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    pipeline.run(load_recipe(path), out, force=True, quiet=True)
+    return out / "gguf" / f"model-{file_type}.gguf"
+
+
+def _score(file: Path, model: str, data: str, max_tokens: int) -> dict:
+    from compress.eval.cli import evaluate_checkpoint
+
+    r = next(iter(evaluate_checkpoint(str(file), reference=model, data=[data], max_tokens=max_tokens,
+                                      gen_prompts=0).values()))
+    return {"kl": r["kl"], "top1": r["top1"], "ppl": r["ppl"], "ppl_ratio": r["ppl_ratio"],
+            "bytes": file.stat().st_size}
+
+
+def run(model: str, data: str, calibration: str, *, types=TYPES, seeds: int = 3, max_tokens: int = 8192,
+        imatrix_chunks: int = 64) -> dict:
+    from compress.serve.engines import llamacpp
+
+    t0, rows = time.time(), []
+    with tempfile.TemporaryDirectory(prefix="bench-gguf-") as tmp:
+        tmp = Path(tmp)
+        f16 = _run(tmp, model, [], "F16", calibration, 0)
+        imatrix = tmp / "imatrix.dat"
+        llamacpp.imatrix(f16, Path(calibration), imatrix, chunk_size=256, chunks=imatrix_chunks)
+        for t in types:
+            for label, im in (("llama.cpp quantize", None), ("llama.cpp quantize + imatrix", imatrix)):
+                dst = tmp / f"llama-{t}-{'im' if im else 'plain'}.gguf"
+                llamacpp.quantize(f16, dst, t, imatrix=im)
+                rows.append({"type": t, "method": label, "seed": None, **_score(dst, model, data, max_tokens)})
+            stage = METHODS.get(t)
+            for seed in range(seeds if stage else 1):
+                file = _run(tmp, model, [stage] if stage else [], t, calibration, seed)
+                label = f"compress {stage['method']}" if stage else "compress (llama.cpp's rounding, ported)"
+                rows.append({"type": t, "method": label, "seed": seed if stage else None,
+                             **_score(file, model, data, max_tokens)})
+                shutil.rmtree(file.parent.parent, ignore_errors=True)
+    return {"model": model, "data": data, "calibration": calibration, "max_tokens": max_tokens,
+            "imatrix_chunks": imatrix_chunks, "rows": rows, "seconds": round(time.time() - t0, 1),
+            "date": time.strftime("%Y-%m-%d"), "machine": machine()}
+
+
+def markdown(res: dict) -> str:
+    import statistics
+
+    lines = [f"`compress bench gguf --model {res['model']} --data {res['data']} --calibration {res['calibration']} "
+             f"--max-tokens {res['max_tokens']}` ({res['date']}, {res['seconds'] / 60:.0f} min): every file read by "
+             f"compress against the full-precision model on the same tokens; compress's rows: mean and spread over "
+             f"seeds.{machine_text(res.get('machine'))}", "",
+             "| type | method | KL | top-1 | ppl ratio | file bytes | seeds |", "|---|---|---|---|---|---|---|"]
+    groups: dict = {}
+    for r in res["rows"]:
+        groups.setdefault((r["type"], r["method"]), []).append(r)
+    for (t, method), rs in groups.items():
+        kl = [r["kl"] for r in rs]
+        spread = f" ± {statistics.pstdev(kl):.4f}" if len(kl) > 1 else ""
+        lines.append(f"| {t} | {method} | {statistics.mean(kl):.4f}{spread} | "
+                     f"{statistics.mean(r['top1'] for r in rs):.4f} | {statistics.mean(r['ppl_ratio'] for r in rs):.4f} "
+                     f"| {rs[0]['bytes']:,} | {len(rs)} |")
+    return "\n".join(lines) + "\n"
