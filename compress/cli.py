@@ -396,7 +396,7 @@ def serve_env(name: str = typer.Argument(..., help="vllm | llama.cpp"),
     """Build (once; cached) the virtual environment of an engine whose requirements conflict with compress's, and
     print where it is. `compress serve-check --engine vllm` runs vLLM there; `--engine llama.cpp` runs llama.cpp
     (llama-cpp-python 0.3.36 and its llama-quantize/llama-imatrix/llama-perplexity, compiled for this CPU: about
-    20 minutes on 2 cores; PIP_FIND_LINKS=DIR uses a local copy of its sdist).
+    10 minutes on 2 cores; PIP_FIND_LINKS=DIR uses a local copy of its sdist).
 
     Example: compress serve-env vllm
     """

@@ -12,7 +12,8 @@ that `compress serve-env NAME` builds once and caches (`COMPRESS_ENGINES`, defau
             linked to those libraries; plus the sdist's own `gguf` (gguf-py) and `convert_hf_to_gguf.py`
             (share/llama.cpp/, with torch, transformers 4.57.6 and sentencepiece as its requirements pin). The
             sdist comes through `pip download`, so a local copy in a `--find-links` folder (`PIP_FIND_LINKS`) or
-            pip's cache is used before PyPI's. About 20 minutes on 2 cores (docs/serving.md#llamacpp).
+            pip's cache is used before PyPI's. About 10 minutes on 2 busy cores, 9 of them compiling
+            (docs/serving.md#llamacpp).
 
 An environment is built in a temporary sibling and renamed into place with a `ready.json` only once `import` of the
 engine works, so an interrupted build leaves nothing half-made.
