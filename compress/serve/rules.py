@@ -222,7 +222,7 @@ ENGINES = {e.name: e for e in (
     Engine("transformers", "hf", True, transformers),
     Engine("openvino-genai", "openvino", True, openvino_genai),
     Engine("ort-genai", "onnx", True, ort_genai),
-    Engine("llama.cpp", "gguf", False, llama_cpp),
+    Engine("llama.cpp", "gguf", True, llama_cpp),
 )}
 
 

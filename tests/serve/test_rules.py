@@ -79,7 +79,7 @@ def test_graph_engines_and_llama_cpp():
 
 def test_markdown_marks_unverified_engines():
     md = rules.markdown(rules.table(ckpt()))
-    assert "| vllm-cpu | hf | yes |" in md and "| vllm * | hf | yes |" in md and "| llama.cpp * | gguf | no |" in md
+    assert "| vllm-cpu | hf | yes |" in md and "| vllm * | hf | yes |" in md and "| llama.cpp | gguf | no |" in md
 
 
 def _recipe(tmp_path, model, quantize: dict, export: dict) -> str:
