@@ -12,7 +12,7 @@ import transformers as T
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from compress.export.gguf import export_gguf, types
-from conftest import MODELS, invoke
+from conftest import MODELS, TEXT as TEXTS, invoke
 
 from tiny import COMMON, save_tiny
 
@@ -193,3 +193,29 @@ def test_k_types_hold_llama_cpps_rounding(tmp_path):
         assert np.array_equal(w, ggml.dequantize(kind, ggml.quantize_ref(kind, ref))), g
     back = AutoModelForCausalLM.from_pretrained(tmp_path / "g", gguf_file=res["file"])
     assert back.model.layers[3].mlp.down_proj.weight.shape == (256, 512)
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("stages,file_type", [
+    ([{"stage": "quantize", "method": "rtn", "bits": 4, "group_size": 32, "sym": True}], "Q4_0"),
+    ([], "Q4_K_M"), ([], "Q2_K"), ([], "F16")])
+def test_llama_cpp_runs_what_compress_writes(stages, file_type, tmp_path):
+    """llama.cpp (compress serve-env llama.cpp) loads compress's own files of ref-llama-7m (byte-level BPE, the
+    `gpt2` tokenizer; 256 wide, so the K-quants are real): greedy tokens as compress reads the file, perplexity on
+    compress's windows within 0.5%; and llama.cpp tokenizes the text as transformers does."""
+    from compress.serve.check import serve_check
+    from compress.serve.engines import llamacpp
+
+    model = MODELS / "ref-llama-7m"
+    rc, _, err = invoke("run", _recipe(tmp_path, model, stages, [{"format": "gguf", "type": file_type}]),
+                        "--output", tmp_path / "o")
+    assert rc == 0, err
+    res = serve_check(tmp_path / "o", "llama.cpp", dtype="float32", perplexity=str(TEXTS / "wikitext-2-raw" / "wiki.test.raw"), max_tokens=4096)
+    print(file_type, json.dumps({k: res[k] for k in ("tokens", "top5_overlap", "max_dlogprob", "perplexity")}),
+          json.dumps({k: res["emulated"][k] for k in ("tokens", "max_dlogprob")}))
+    assert res["agree"] and res["tokens"]["total"] == 128
+    assert max(res["tokens"]["equal"], res["emulated"]["tokens"]["equal"]) >= 120
+    assert abs(res["perplexity"]["ratio"] - 1) < 0.005, res["perplexity"]
+    ids = AutoTokenizer.from_pretrained(model)(TEXT)["input_ids"]
+    out = llamacpp.run("tokenize", {"model": str(tmp_path / "o" / "gguf" / f"model-{file_type}.gguf"), "text": TEXT})
+    assert out["tokens"] == ids

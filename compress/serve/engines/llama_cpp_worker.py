@@ -137,7 +137,13 @@ def _metadata(llm) -> dict:
     return {k: v for k, v in llm.metadata.items() if k in keep}
 
 
-OPS = {"decode": decode, "score": score, "quantize": quantize, "imatrix": imatrix}
+def tokenize(req: dict) -> dict:
+    """llama.cpp's tokenization of `text` (with BOS where the file's tokenizer adds one)."""
+    llm = llama_cpp.Llama(model_path=req["model"], vocab_only=True, verbose=False)
+    return {"tokens": llm.tokenize(req["text"].encode("utf-8"), add_bos=True, special=False)}
+
+
+OPS = {"decode": decode, "score": score, "quantize": quantize, "imatrix": imatrix, "tokenize": tokenize}
 
 
 def main(request_path: str, result_path: str) -> None:
