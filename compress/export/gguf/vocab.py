@@ -70,17 +70,9 @@ def add_vocab(writer, directory: Path, vocab_size: int) -> str:
     from transformers import AutoTokenizer
 
     how = kind(directory)
-    if how == "spm":
-        vocab = gguf.SentencePieceVocab(directory)
+    if how in ("spm", "llama-hf"):
+        vocab = gguf.SentencePieceVocab(directory) if how == "spm" else gguf.LlamaHfVocab(directory)
         tokens, scores, types = _padded(list(vocab.all_tokens()), vocab_size)
-        writer.add_tokenizer_model("llama")
-        writer.add_tokenizer_pre("default")
-        writer.add_token_list(tokens)
-        writer.add_token_scores(scores)
-        writer.add_token_types(types)
-        gguf.SpecialVocab(directory, n_vocab=len(tokens)).add_to_gguf(writer)
-    elif how == "llama-hf":
-        tokens, scores, types = _padded(list(gguf.LlamaHfVocab(directory).all_tokens()), vocab_size)
         writer.add_tokenizer_model("llama")
         writer.add_tokenizer_pre("default")
         writer.add_token_list(tokens)
