@@ -89,8 +89,8 @@ def markdown(res: dict) -> str:
         groups.setdefault((r["type"], r["method"]), []).append(r)
     for (t, method), rs in groups.items():
         kl = [r["kl"] for r in rs]
-        spread = f" ± {statistics.pstdev(kl):.4f}" if len(kl) > 1 else ""
-        lines.append(f"| {t} | {method} | {statistics.mean(kl):.4f}{spread} | "
+        spread = f" ± {statistics.pstdev(kl):.5f}" if len(kl) > 1 else ""
+        lines.append(f"| {t} | {method} | {statistics.mean(kl):.5f}{spread} | "
                      f"{statistics.mean(r['top1'] for r in rs):.4f} | {statistics.mean(r['ppl_ratio'] for r in rs):.4f} "
                      f"| {rs[0]['bytes']:,} | {len(rs)} |")
     return "\n".join(lines) + "\n"
