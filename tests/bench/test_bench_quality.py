@@ -49,7 +49,8 @@ def test_lab_help_has_an_example(command):
 
 def test_lab_runs_as_python_m_bench_and_compress_bench_keeps_the_speed_commands():
     """`python -m bench` from the checkout, with compress's exit codes; `compress bench` holds only what a user
-    measures on their machine (kernels, decode, eval), and no product module imports the lab."""
+    measures on their machine (kernels, decode, eval; serve and gguf: the engines on their model), and no product
+    module imports the lab."""
     import ast
     import subprocess
     import sys
@@ -62,7 +63,7 @@ def test_lab_runs_as_python_m_bench_and_compress_bench_keeps_the_speed_commands(
     proc = subprocess.run([sys.executable, "-m", "bench", "quality", "--suite", "nope"], cwd=REPO,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1 and "unknown --suite `nope`" in proc.stderr, proc.stderr
-    assert set(typer.main.get_command(cli.bench_app).commands) == {"kernels", "decode", "eval", "serve"}
+    assert set(typer.main.get_command(cli.bench_app).commands) == {"kernels", "decode", "eval", "serve", "gguf"}
     rc, _, err = invoke("bench", "quality", "--quick")
     assert rc == 1 and "quality" in err
     lab_imports = []
