@@ -247,13 +247,15 @@ def _perplexities(loaded, reference, tokenizer, data: str, max_tokens: int) -> d
     from compress.data import resolve
 
     ids = token_stream(tokenizer, read_text(resolve(data)))
+    # a run's own protocol (compress/evaluate.py): 256-token windows, each after the BOS token where there is one
+    kw = {"max_tokens": max_tokens, "window": 256, "bos_id": getattr(tokenizer, "bos_token_id", None)}
     dtype = next(loaded.parameters()).dtype
     out = {"data": data, "max_tokens": max_tokens}
     if dtype != torch.float32:  # transformers in the check's dtype, then in float32 (what the dtype alone costs)
-        out["transformers_" + str(dtype).removeprefix("torch.")] = round(perplexity(loaded, ids, max_tokens=max_tokens), 4)
+        out["transformers_" + str(dtype).removeprefix("torch.")] = round(perplexity(loaded, ids, **kw), 4)
         torch.nn.Module.float(loaded)
-    out["transformers_fp32"] = round(perplexity(loaded, ids, max_tokens=max_tokens), 4)
-    out["compress"] = round(perplexity(reference.float(), ids, max_tokens=max_tokens), 4)
+    out["transformers_fp32"] = round(perplexity(loaded, ids, **kw), 4)
+    out["compress"] = round(perplexity(reference.float(), ids, **kw), 4)
     out["ratio"] = round(out["transformers_fp32"] / out["compress"], 4)
     return out
 
