@@ -131,6 +131,8 @@ def check_gguf(adapter, cfg: GGUFExportConfig, facts) -> None:
     """At plan time: a family llama.cpp runs and compress writes, a tokenizer llama.cpp pre-tokenizes the same, and
     every layer a quantize stage rounds on a grid the file's type for that tensor holds; the per-tensor type plan
     and the file size go to the plan's notes (`--dry-run`)."""
+    from collections import Counter
+
     from compress.errors import BadInput
     from compress.export import gguf as g
 
@@ -149,18 +151,16 @@ def check_gguf(adapter, cfg: GGUFExportConfig, facts) -> None:
             t = by_layer.get(layer)
             if t is None or t in g.gtypes.FLOAT:
                 continue
-            if g.FROM_CODES.get(spec.bits) != t or not spec.sym or spec.group_size != 32:
-                near = g.FROM_CODES.get(spec.bits)
-                hint = (f"type: {near} (the grid stage {i} rounds on)" if near and spec.sym and spec.group_size == 32
-                        else "sym: true, group_size: 32 and bits 4, 5 or 8 (Q4_0, Q5_0, Q8_0), or no quantize stage "
-                             "(llama.cpp's reference rounding of every type)")
+            near = g.grid_type(spec.bits, spec.group_size, spec.sym)
+            if near != t:
+                hint = (f"type: {near} (the grid stage {i} rounds on)" if near else
+                        "sym: true, group_size: 32 and bits 4, 5 or 8 (Q4_0, Q5_0, Q8_0), or no quantize stage "
+                        "(llama.cpp's reference rounding of every type)")
                 raise BadInput(f"export gguf type {cfg.type} stores `{layer}` as {t}, but stage {i} "
                                f"(`quantize`/{method}) rounds it at {spec.bits} bits, group {spec.group_size}, "
                                f"{'sym' if spec.sym else 'asym'}: compress writes a layer it rounded only on that "
                                f"same grid (it never rounds twice). Nearest: {hint}")
-    counts: dict[str, int] = {}
-    for t in plan.values():
-        counts[t] = counts.get(t, 0) + 1
+    counts = Counter(plan.values())
     size = g.planned_bytes(entries, plan)
     facts.notes.append(f"export gguf {cfg.type}: " + ", ".join(f"{n} {t}" for t, n in sorted(counts.items()))
                        + f" tensors; about {size / 1e6:.1f} MB")

@@ -248,7 +248,7 @@ def _perplexities(loaded, reference, tokenizer, data: str, max_tokens: int) -> d
 
     ids = token_stream(tokenizer, read_text(resolve(data)))
     # a run's own protocol (compress/evaluate.py): 256-token windows, each after the BOS token where there is one
-    kw = {"max_tokens": max_tokens, "window": 256, "bos_id": getattr(tokenizer, "bos_token_id", None)}
+    kw = {"max_tokens": max_tokens, "window": WINDOW, "bos_id": getattr(tokenizer, "bos_token_id", None)}
     dtype = next(loaded.parameters()).dtype
     out = {"data": data, "max_tokens": max_tokens}
     if dtype != torch.float32:  # transformers in the check's dtype, then in float32 (what the dtype alone costs)

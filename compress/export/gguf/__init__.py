@@ -25,11 +25,14 @@ from compress.qweight import QuantizedWeight
 FROM_CODES = {8: "Q8_0", 5: "Q5_0", 4: "Q4_0"}
 
 
+def grid_type(bits: int, group_size: int, sym: bool) -> str | None:
+    """The GGML type whose grid compress's (bits, group_size, sym) rounding is, or None."""
+    return FROM_CODES.get(bits) if sym and group_size == 32 else None
+
+
 def code_type(qw: QuantizedWeight) -> str | None:
     """The GGML type that holds `qw` exactly, or None."""
-    if qw.sym and not qw.mixed and qw.group_size == 32 and qw.bits in FROM_CODES and qw.in_features % 32 == 0:
-        return FROM_CODES[qw.bits]
-    return None
+    return None if qw.mixed or qw.in_features % 32 else grid_type(qw.bits, qw.group_size, qw.sym)
 
 
 def file_name(file_type: str) -> str:
@@ -91,7 +94,7 @@ def export_gguf(model, qweights: dict[str, QuantizedWeight], tokenizer, out_dir,
             tokenizer.save_pretrained(tok_dir)
             vocabs.add_vocab(writer, Path(tok_dir), config.vocab_size)
     state = model.state_dict()
-    from_codes, counts = [], {}
+    from_codes, counts = 0, {}
     for hf_name, g_name, _ in entries:
         layer = hf_name.removesuffix(".weight")
         t = plan[g_name]
@@ -102,7 +105,7 @@ def export_gguf(model, qweights: dict[str, QuantizedWeight], tokenizer, out_dir,
                 raise ValueError(f"`{layer}` was quantized at {qw.bits} bits, group {qw.group_size}, "
                                  f"{'sym' if qw.sym else 'asym'}, which GGUF type {t} does not hold")
             data = _from_codes(t, qw, perm)
-            from_codes.append(layer)
+            from_codes += 1
         else:
             w = state[hf_name].detach().float()
             if perm is not None:
@@ -117,7 +120,7 @@ def export_gguf(model, qweights: dict[str, QuantizedWeight], tokenizer, out_dir,
     os.replace(tmp_path, path)
     (out_dir / "Modelfile").write_text(f"FROM ./{path.name}\n")
     return {"path": str(out_dir), "file": path.name, "type": file_type, "types": counts,
-            "bytes": path.stat().st_size, "from_codes": len(from_codes)}
+            "bytes": path.stat().st_size, "from_codes": from_codes}
 
 
 def _encode(t: str, w: np.ndarray, imatrix) -> np.ndarray:

@@ -27,8 +27,6 @@ FILE_TYPES = {
 # Q5_K, Q4_K, Q3_K written alone are llama.cpp's Q5_K_S, Q4_K_S, Q3_K_S file types without their per-tensor bumps:
 # every quantized tensor at that type (the output as above)
 FLOAT = {"F32", "F16", "BF16"}
-BLOCK = {"Q8_0": 32, "Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q5_1": 32, "Q2_K": 256, "Q3_K": 256, "Q4_K": 256,
-         "Q5_K": 256, "Q6_K": 256}
 
 
 def quantizable(name: str, ndim: int) -> bool:
@@ -63,7 +61,9 @@ def plan(file_type: str, tensors: list[tuple[str, tuple[int, ...]]], *, n_head: 
             continue
         ne0, t = shape[-1], default
         if name == "output.weight" or (tied and name == "token_embd.weight"):
-            t = "Q8_0" if ne0 % BLOCK[default] else ("Q6_K" if default != "Q8_0" else "Q8_0")
+            from compress.kernels.ggml import block_size
+
+            t = "Q8_0" if ne0 % block_size(default) or default == "Q8_0" else "Q6_K"
         elif name.endswith("attn_v.weight"):
             if file_type == "Q2_K":
                 t = "Q4_K" if gqa >= 4 else "Q3_K"
