@@ -157,8 +157,9 @@ def _bind_exports(recipe, adapter, stages: list[Bound], base: ModelSpec, spec: M
         b, reason = why[0]
         raise BadInput(f"stage {b.index} (`{b.cfg.stage}`/{b.cfg.method}) {reason}, which no exporter writes; remove "
                        "`export.formats` (evaluation only) or use a deployable configuration")
-    quantized = [(b.index, b.cfg.method, (b.cfg.bits, b.cfg.group_size, b.cfg.sym), b.facts.layers)
+    quantized = [(b.index, b.cfg.method, (b.cfg.bits, b.cfg.group_size, b.cfg.sym, b.cfg.gguf), b.facts.layers)
                  for b in stages if b.cfg.stage == "quantize"]
+    _check_grids(stages, formats)
     mixed = any(b.cfg.stage == "allocate" and not b.entry.per_layer for b in stages)  # per-layer plans: no chunks
     widths = {spec.bits for *_, layers in quantized for spec in layers.values()}
     for b in stages:
@@ -177,6 +178,24 @@ def _bind_exports(recipe, adapter, stages: list[Bound], base: ModelSpec, spec: M
             cfg = entry.check(adapter, cfg, facts) or cfg
         out.append(Bound(-1, facts.key, cfg, entry, facts))
     return out
+
+
+def _check_grids(stages: list[Bound], formats: list[str]) -> None:
+    """A quantize stage on llama.cpp's grids (`gguf`) writes only GGUF: no other format holds the K-quants' two-level
+    scales and float minimums (docs/gguf.md#rounding-on-llamacpps-grids), and one GGML type per tensor takes no
+    per-chunk allocation plan."""
+    grid = next((b for b in stages if b.cfg.stage == "quantize" and b.cfg.gguf), None)
+    if grid is None:
+        return
+    other = [f for f in formats if f != "gguf"]
+    if other:
+        raise BadInput(f"stage {grid.index} rounds on llama.cpp's {grid.cfg.gguf} blocks (`gguf: {grid.cfg.gguf}`), "
+                       f"which only the gguf export stores; drop {', '.join(other)} from export.formats, or drop "
+                       "`gguf` and choose bits / group_size / sym for those formats")
+    alloc = next((b for b in stages if b.cfg.stage == "allocate"), None)
+    if alloc is not None:
+        raise BadInput(f"stage {alloc.index} (`allocate`) plans widths, but stage {grid.index} rounds every layer on "
+                       f"the type llama.cpp's {grid.cfg.gguf} gives it: remove one of them")
 
 
 def holds(fmt: str, spec: ModelSpec, base: ModelSpec) -> list[str]:

@@ -49,6 +49,9 @@ class GuardConfig(StrictModel):
 
 
 FinalBlock = Literal["auto", "same", "lfq", "hard_ce"]
+# the quantized GGUF file types (export/gguf/types.py FILE_TYPES less the float ones)
+GGUFQuantType = Literal["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q6_K", "Q5_K", "Q4_K", "Q3_K", "Q2_K", "Q4_K_M",
+                        "Q3_K_M"]
 FINAL_BLOCK_HELP = ("objective of the last decoder block: `same` (the method's own), `lfq` (KL to the FP model's "
                     "token distribution through the frozen head), `hard_ce` (next-token CE, for comparison), "
                     "`auto` (`lfq` on a causal LM with an LM head, `same` otherwise); other than `same`, the last "
@@ -75,6 +78,12 @@ class QuantizeConfig(StrictModel):
     final_block: FinalBlock = Field("same", description=FINAL_BLOCK_HELP)
     final_iters: Optional[int] = Field(None, gt=0, description="AutoRound steps on the last block when `final_block` "
                                                                "is not `same` (default 200; autoround: its `iters`)")
+    gguf: Optional[GGUFQuantType] = Field(None, description="round onto llama.cpp's grids for this GGUF file type: "
+                                                            "each layer gets the type llama.cpp's quantize assigns it "
+                                                            "(Q4_K_M, Q3_K_M, Q2_K are mixes) and the method optimises "
+                                                            "that type's blocks, written byte for byte by the gguf "
+                                                            "export (replaces bits, group_size and sym; "
+                                                            "docs/gguf.md#rounding-on-llamacpps-grids)")
 
     _gs = field_validator("group_size")(lambda cls, v: check_group_size(v))
 

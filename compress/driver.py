@@ -52,6 +52,7 @@ class LayerSpec:
     sym: bool
     mixed: MixedSpec | None = None  # per-chunk bit widths from an `allocate` stage
     asked: int | None = None  # the recipe's group_size when the plan adapted it to this layer (`fit_group`)
+    ggml: str | None = None  # a llama.cpp type to round onto (`gguf`: compress/quantize/ggml_grid.py)
 
 
 @dataclass

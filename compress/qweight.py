@@ -28,12 +28,23 @@ in fp16. `bits` is then the widest quantized chunk (the container width); each c
 chunk has codes 0, scale 1, zero 0, and its fp16 values in `kept` (d_out, kept columns, in column
 order). `map_bits` is the plan's own storage per chunk (the option index), counted by
 `storage_bits`. A uniform weight (`chunk_size == 0`) behaves exactly as before.
+
+llama.cpp's block grids (`grid`, docs/gguf.md#rounding-on-llamacpps-grids): a weight a quantize stage rounded for a
+GGUF type (`gguf: Q4_K_M`) carries the blocks' parameters as the file stores them (`kernels.ggml.GGMLParams`: fp16
+`d`, `dmin`/`m`, integer sub-block scales and mins). `group_size` is then the sub-block (16 or 32 columns), `codes`
+ggml's codes made unsigned (Q8_0 q+128, Q3_K q+4, Q6_K q+32) with the type's fixed `zeros` (128, 8, 16, 4, 32 or
+0), `scales` the fp32 product `d*sc` (not fp16-representable for the K types), and the types with a float minimum
+(Q4_1, Q5_1, Q2_K, Q4_K, Q5_K) subtract a per-group `offsets()` (`dmin*mn`, or `-m`) after scaling:
+`W_hat = scales * (codes - zeros) - offsets`, the same fp32 operations as ggml's `dequantize_row_*`, so the
+evaluation sees exactly what the file holds. Only the gguf export stores such a weight packed; the other exports
+write it dense (`export/hf.dense_reason`).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -77,6 +88,7 @@ class QuantizedWeight:
     chunk_bits: tuple[int, ...] = ()  # bits of each chunk (2..8, or 16 = kept in fp16)
     kept: torch.Tensor | None = None  # fp16-representable values of the kept chunks, (d_out, kept columns)
     map_bits: int = 0  # plan metadata per chunk, counted in storage_bits
+    grid: Any = None  # kernels.ggml.GGMLParams: llama.cpp blocks of that type (module docstring)
 
     def __post_init__(self):
         if not 1 <= self.bits <= 8:
@@ -91,6 +103,22 @@ class QuantizedWeight:
                 f"scales {tuple(self.scales.shape)} / zeros {tuple(self.zeros.shape)} do not match "
                 f"codes {tuple(self.codes.shape)} with group size {self.group_size}"
             )
+        if self.grid is not None:
+            from compress.kernels import ggml
+
+            if self.mixed or tuple(self.grid.shape) != (d_out, d_in) or self.group_size != ggml.sub_block(self.grid.type):
+                raise ValueError(f"{self.grid.type.name} blocks of shape {self.grid.shape} do not match codes "
+                                 f"{(d_out, d_in)} with group size {self.group_size}")
+
+    def offsets(self) -> torch.Tensor | None:
+        """Per group fp32 value subtracted after scaling (module docstring): llama.cpp's float minimums (`dmin*mn`
+        for Q2_K / Q4_K / Q5_K, `-m` for Q4_1 / Q5_1), None for every other weight."""
+        if self.grid is None or (self.grid.dmin is None and self.grid.m is None):
+            return None
+        from compress.kernels import ggml
+
+        _, off = ggml.scale_offset(self.grid.type, self.grid, slice(0, self.in_features, self.group_size))
+        return torch.from_numpy(off)
 
     def _check_mixed(self) -> None:
         d_out, d_in = self.codes.shape
@@ -157,6 +185,7 @@ class QuantizedWeight:
             z = torch.zeros_like(s)
         g_idx = self.group_index() if d_in % g else None
         kept = self.column_bits() == KEEP_BITS if self.kept is not None and self.kept.numel() else None
+        off = self.offsets()
         for r in row_chunks(d_out, d_in):
             W = self.codes[r].to(torch.float32)
             if self.bits == 1:  # the sign rule (module docstring): 2q - 1, then the scale (z is 0 here)
@@ -166,6 +195,8 @@ class QuantizedWeight:
             else:
                 Wg = W.view(-1, d_in // g, g)
                 Wg.sub_(z[r, :, None]).mul_(s[r, :, None])
+                if off is not None:  # llama.cpp's float minimum: d1 * q - m1, one more rounding, as ggml
+                    Wg.sub_(off[r, :, None])
             if kept is not None:
                 W[:, kept] = self.kept[r].to(torch.float32)
             out[r] = W
@@ -173,7 +204,12 @@ class QuantizedWeight:
 
     def storage_bits(self) -> int:
         """Bits this weight takes in a packed export: codes, fp16 scales, zero points if asymmetric
-        (mixed: per chunk at its own width, kept chunks at 16 bits, plus `map_bits` per chunk)."""
+        (mixed: per chunk at its own width, kept chunks at 16 bits, plus `map_bits` per chunk; llama.cpp blocks:
+        their bytes)."""
+        if self.grid is not None:
+            from compress.kernels import ggml
+
+            return self.out_features * ggml.bytes_per_row(self.grid.type, self.in_features) * 8
         if self.mixed:
             return sum(unit_storage_bits(self.out_features, e - s, self.group, b, self.sym, self.map_bits)
                        for (s, e), b in zip(self.chunk_bounds(), self.chunk_bits))
@@ -186,6 +222,9 @@ class QuantizedWeight:
 
 
 # -- serialization (block checkpoints, QuantizedWeights hand-offs) ---------------------------------------
+GRID_FIELDS = ("d", "m", "dmin", "scales", "mins")  # kernels.ggml.GGMLParams' arrays
+
+
 def qweights_to_tensors(qweights: dict[str, QuantizedWeight]) -> tuple[dict[str, torch.Tensor], dict]:
     tensors, meta = {}, {}
     for name, qw in qweights.items():
@@ -197,6 +236,11 @@ def qweights_to_tensors(qweights: dict[str, QuantizedWeight]) -> tuple[dict[str,
             meta[name].update(chunk_size=qw.chunk_size, chunk_bits=list(qw.chunk_bits), map_bits=qw.map_bits)
             if qw.kept is not None:
                 tensors[f"{name}.kept"] = qw.kept.contiguous()
+        if qw.grid is not None:
+            meta[name]["ggml"] = qw.grid.type.name
+            for f in GRID_FIELDS:
+                if getattr(qw.grid, f) is not None:
+                    tensors[f"{name}.ggml.{f}"] = torch.from_numpy(getattr(qw.grid, f).copy())
     return tensors, meta
 
 
@@ -206,6 +250,11 @@ def tensors_to_qweights(tensors: dict[str, torch.Tensor], meta: dict) -> dict[st
         m = dict(m)
         if "chunk_bits" in m:
             m["chunk_bits"] = tuple(m["chunk_bits"])
+        if "ggml" in m:
+            from compress.kernels import ggml
+
+            m["grid"] = ggml.GGMLParams(type=m.pop("ggml"), **{f: tensors[f"{name}.ggml.{f}"].numpy() for f in
+                                                                 GRID_FIELDS if f"{name}.ggml.{f}" in tensors})
         out[name] = QuantizedWeight(codes=tensors[f"{name}.codes"], scales=tensors[f"{name}.scales"],
                                     zeros=tensors[f"{name}.zeros"], kept=tensors.get(f"{name}.kept"), **m)
     return out

@@ -149,6 +149,17 @@ def block_size(t) -> int:
     return GGML_QUANT_SIZES[ggml_type(t)][0]
 
 
+def sub_block(t) -> int:
+    """Weights sharing one scale: the block (legacy types) or the sub-block (K types: 16 or 32)."""
+    return _SPECS[ggml_type(t)].sub
+
+
+def code_range(t) -> tuple[int, int]:
+    """(lo, hi): the codes of the module's convention (Q8_0 -128..127, Q3_K -4..3, Q6_K -32..31, else 0..2^b-1)."""
+    spec = _SPECS[ggml_type(t)]
+    return spec.lo, spec.hi
+
+
 def bytes_per_row(t, n: int) -> int:
     """Bytes of one quantized row of `n` weights (n a multiple of the block size)."""
     bs, ts = GGML_QUANT_SIZES[ggml_type(t)]

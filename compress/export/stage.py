@@ -144,16 +144,26 @@ def check_gguf(adapter, cfg: GGUFExportConfig, facts) -> None:
     if facts.mixed:
         raise BadInput("the gguf export writes one GGML type per tensor: an `allocate` plan gives layers per-chunk "
                        "widths; remove the allocate stage or drop `gguf` from export.formats")
+    asked = set(_stage_gguf(facts).values())
+    if len(asked) == 1 and "type" not in cfg.model_fields_set:  # the file type the quantize stage rounded for
+        cfg = cfg.model_copy(update={"type": asked.pop()})
     entries, plan = g.tensor_plan(adapter.model, cfg.type)  # BadInput for a family it does not write
     by_layer = {hf.removesuffix(".weight"): plan[name] for hf, name, _ in entries}
     for i, method, rounding, layers in facts.quantized:
         for layer, spec in layers.items():
             t = by_layer.get(layer)
+            if spec.ggml is not None:
+                if spec.ggml != t:
+                    raise BadInput(f"stage {i} (`quantize`/{method}) rounds `{layer}` on {spec.ggml} blocks for "
+                                   f"`gguf: {_stage_gguf(facts).get(i)}`, but export gguf type {cfg.type} stores it "
+                                   f"as {t}: give the export the stage's type (or leave the export's `type` out)")
+                continue
             if t is None or t in g.gtypes.FLOAT:
                 continue
             near = g.grid_type(spec.bits, spec.group_size, spec.sym)
             if near != t:
                 hint = (f"type: {near} (the grid stage {i} rounds on)" if near else
+                        f"`gguf: {cfg.type}` on the quantize stage (it then rounds on llama.cpp's blocks), "
                         "sym: true, group_size: 32 and bits 4, 5 or 8 (Q4_0, Q5_0, Q8_0), or no quantize stage "
                         "(llama.cpp's reference rounding of every type)")
                 raise BadInput(f"export gguf type {cfg.type} stores `{layer}` as {t}, but stage {i} "
@@ -164,6 +174,12 @@ def check_gguf(adapter, cfg: GGUFExportConfig, facts) -> None:
     size = g.planned_bytes(entries, plan)
     facts.notes.append(f"export gguf {cfg.type}: " + ", ".join(f"{n} {t}" for t, n in sorted(counts.items()))
                        + f" tensors; about {size / 1e6:.1f} MB")
+    return cfg
+
+
+def _stage_gguf(facts) -> dict[int, str]:
+    """{quantize stage index: its `gguf` file type} for the stages that round on llama.cpp's grids."""
+    return {i: rounding[3] for i, _, rounding, _ in facts.quantized if rounding[3]}
 
 
 @register("export", "gguf", GGUFExportConfig, "GGUF file llama.cpp, Ollama and LM Studio run", check=check_gguf,
@@ -302,7 +318,7 @@ def check_openvino_targets(adapter, cfg: OpenVINOExportConfig, facts) -> None:
         bad = {n: p for n, s in layers.items() if (p := npu_problems(s.bits, s.group_size, s.sym))}
         if bad:
             name, problems = next(iter(bad.items()))
-            where = "its `overrides`" if not npu_problems(*rounding) else f"stages.{i}"
+            where = "its `overrides`" if not npu_problems(*rounding[:3]) else f"stages.{i}"
             raise BadInput(f"export openvino targets NPU, which runs symmetric int4 weights with group size 128 or "
                            f"per-channel: stage {i} (`quantize`/{method}) quantizes {len(bad)} layers otherwise "
                            f"(e.g. `{name}`). Change in {where}: {'; '.join(problems)}; or drop NPU from the openvino "

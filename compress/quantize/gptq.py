@@ -16,6 +16,7 @@ from compress.config import QuantizeConfig
 from compress.errors import RunFailure
 from compress.hessian import as_store
 from compress.primitives import choose_qparams, quantize_codes, resolve_group
+from compress.quantize.ggml_grid import GridGroups
 from compress.quantize.spine import SIGN, Quantizer, quantizer
 from compress.qweight import QuantizedWeight
 
@@ -34,6 +35,7 @@ def gptq(
     act_order: bool = False,
     overwrite_h: bool = False,
     overwrite_w: bool = False,
+    ggml: str | None = None,
 ) -> tuple[QuantizedWeight, float]:
     """Quantize `W` (d_out, d_in) column by column, pushing each rounding error onto later columns.
 
@@ -47,6 +49,9 @@ def gptq(
     column (block boundaries are rounded to whole groups so those weights are current). With
     `act_order` columns go by decreasing `diag(H)` and groups are static: all qparams computed up
     front from `W` in original column order, so `g_idx = i // g` holds and no permutation is stored.
+    `ggml` (a GGML type name): the groups are that type's llama.cpp blocks instead (`ggml_grid.GridGroups`), each
+    fitted by llama.cpp's search weighted by the importance `diag(H) / 2` (the mean squared input, what llama.cpp's
+    imatrix holds); `bits`, `group_size` and `sym` are then the type's.
 
     Returns `(QuantizedWeight, error)`, `error = sum_j ||W[:,j] - Q[:,j]||^2 / (2 Hinv[j,j]^2)` (the
     paper's Losses; `Hinv` is the upper Cholesky factor of `H^-1`). Since `W - Q = E Hinv` with `E`
@@ -72,7 +77,10 @@ def gptq(
     Hinv = _inverse_cholesky(H, damp)  # in H's storage (on the CPU: packed, half a dense matrix)
     W = W.detach() if overwrite_w and W.dtype == torch.float32 else W.detach().float().clone()
     W[:, dead.to(W.device)] = 0
-    groups = _Groups.create(W, bits, group_size, sym, static=act_order)
+    if ggml is not None:
+        groups = GridGroups(W, ggml, torch.where(dead, torch.zeros_like(diag), diag).cpu() / 2, static=act_order)
+    else:
+        groups = _Groups.create(W, bits, group_size, sym, static=act_order)
     if act_order:
         W = W[:, perm]
     codes = torch.zeros(d_out, d_in, dtype=torch.uint8, device=W.device)
@@ -195,5 +203,5 @@ class GPTQ(Quantizer):
             shared = sum(h is data.hessians[name] for h in data.hessians.values()) > 1
             out[name] = gptq(lin.weight.data, data.hessians.pop(name), bits=s.bits, group_size=s.group_size,
                              sym=s.sym, damp=c.damp, block_size=c.block_size, act_order=c.act_order,
-                             overwrite_h=not shared, overwrite_w=True)[0]  # the driver sets the weight next
+                             overwrite_h=not shared, overwrite_w=True, ggml=s.ggml)[0]  # the driver sets the weight next
         return out

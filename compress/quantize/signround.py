@@ -143,13 +143,82 @@ class _MixedTuned:
         return assemble_mixed(self.W, parts, self.c, g, self.spec.sym, m.map_bits)
 
 
-def _tuned(W: torch.Tensor, spec: LayerSpec, minmax: bool):
+class _GridTuned:
+    """A layer on a llama.cpp grid (`gguf`, compress/quantize/ggml_grid.py): the blocks fitted once by llama.cpp's
+    search weighted by the importance matrix of the block's inputs, then only the rounding offset V (rows, n) tuned:
+    q = clamp(round((w + offset) / scale + V)), x = scale * q - offset, the stored grid's own arithmetic. The range
+    tuning (alpha, beta) has no counterpart on a grid whose scales are fixed by the search."""
+
+    def __init__(self, W: torch.Tensor, spec: LayerSpec, imatrix: torch.Tensor | None):
+        from compress.kernels import ggml
+
+        self.W, self.t = W.float(), spec.ggml
+        self.grid = ggml.fit(self.t, self.W.numpy(), None if imatrix is None else imatrix.numpy())
+        s, o = ggml.scale_offset(self.t, self.grid)
+        self.scale, self.offset = torch.from_numpy(s), torch.from_numpy(o)
+        self.lo, self.hi = ggml.code_range(self.t)
+        self.live = self.scale != 0
+        self.safe = torch.where(self.live, self.scale, torch.ones_like(self.scale))
+        self.V = torch.zeros_like(self.W, requires_grad=True)
+
+    def params(self):
+        return [self.V]
+
+    def _codes(self, V):
+        x = (self.W + self.offset) / self.safe + V
+        q = x + (torch.round(x) - x).detach()  # straight-through rounding
+        return torch.where(self.live, q.clamp(self.lo, self.hi), torch.zeros_like(q))
+
+    def qdq(self, V=None):
+        return (self.scale * self._codes(self.V if V is None else V) - self.offset,)
+
+    def snapshot(self):
+        return (self.V.detach().clone(),)
+
+    def to_qweight(self, V) -> QuantizedWeight:
+        from compress.quantize import ggml_grid
+
+        with torch.no_grad():
+            q = self._codes(V)
+        return ggml_grid.to_qweight(self.grid, q.to(torch.int16).numpy())
+
+
+def _tuned(W: torch.Tensor, spec: LayerSpec, minmax: bool, imatrix=None):
+    if spec.ggml is not None:
+        return _GridTuned(W, spec, imatrix)
     return _MixedTuned(W, spec, minmax) if spec.mixed is not None else _Tuned(W, spec, minmax)
+
+
+def input_importance(data: BlockData, names) -> dict[str, torch.Tensor]:
+    """{linear: mean squared input per column} over the block's calibration inputs (what llama.cpp's imatrix
+    holds), for the layers `names`."""
+    sums, counts, hooks = {}, {}, []
+
+    def hook(name):
+        def record(_, args):
+            x = args[0].detach().float().reshape(-1, args[0].shape[-1])
+            sums[name] = sums.get(name, 0) + x.square().sum(0)
+            counts[name] = counts.get(name, 0) + x.shape[0]
+        return record
+
+    for n in names:
+        hooks.append(data.linears[n].register_forward_pre_hook(hook(n)))
+    try:
+        with torch.no_grad():
+            for x, kw in zip(data.inputs, data.kwargs):
+                block_forward(data.block, x, kw)
+    finally:
+        for h in hooks:
+            h.remove()
+    return {n: sums[n] / counts[n] for n in sums}
 
 
 def signround_block(data: BlockData, cfg: AutoRoundConfig) -> dict[str, QuantizedWeight]:
     """Tune one block; returns the best QuantizedWeight of each linear in `data.linears`."""
-    tuned = {n: _tuned(lin.weight.data, data.specs[n], cfg.minmax_tuning) for n, lin in data.linears.items()}
+    grid = [n for n in data.linears if data.specs[n].ggml is not None]
+    imatrix = input_importance(data, grid) if grid else {}
+    tuned = {n: _tuned(lin.weight.data, data.specs[n], cfg.minmax_tuning, imatrix.get(n))
+             for n, lin in data.linears.items()}
     inputs = data.inputs if cfg.quanted_input else data.fp_inputs
     originals = {n: lin.forward for n, lin in data.linears.items()}
     for n, lin in data.linears.items():

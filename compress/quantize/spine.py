@@ -225,7 +225,46 @@ def planned_layers(adapter, cfg: QuantizeConfig) -> dict[str, LayerSpec]:
     if head:
         name, lin = head
         out[name] = fitted(name, lin.in_features, LayerSpec(cfg.bits, cfg.group_size, cfg.sym), cfg.strict_groups)
+    return grid_layers(adapter, cfg, out) if cfg.gguf else out
+
+
+def grid_layers(adapter, cfg: QuantizeConfig, layers: dict[str, LayerSpec]) -> dict[str, LayerSpec]:
+    """`gguf: TYPE`: each layer on the llama.cpp type the GGUF file gives it (compress/quantize/ggml_grid.py), the
+    token embeddings and the output too (the file stores them quantized, so the run evaluates them so); a layer the
+    file keeps in floating point (a width no block divides) is left unquantized, as llama.cpp leaves it."""
+    from compress.export.gguf import layer_types
+    from compress.export.gguf.types import FLOAT
+    from compress.quantize import ggml_grid
+
+    fixed = sorted(cfg.model_fields_set & {"bits", "group_size", "sym", "strict_groups"})
+    if fixed or any(o.bits is not None or o.group_size is not None or o.sym is not None for o in cfg.overrides):
+        what = ", ".join(f"`{f}`" for f in fixed) or "an override's bits / group_size / sym"
+        raise BadInput(f"`gguf: {cfg.gguf}` gives every layer llama.cpp's type for it, so {what} has no effect: "
+                       "remove it (overrides may only `skip` layers), or drop `gguf` to choose the grid yourself")
+    types = layer_types(adapter.model, cfg.gguf)  # BadInput for a family the gguf export does not write
+    out, kept = {}, []
+    for name in outside_blocks(adapter):
+        layers.setdefault(name, None)
+    for name, spec in layers.items():
+        t = types.get(name)
+        if t is None or t in FLOAT:
+            kept.append(name)
+            continue
+        out[name] = LayerSpec(ggml_grid.code_bits(t), ggml_grid.sub_block(t), ggml_grid.sym(t), ggml=t)
+    if kept:
+        log.info("gguf %s: %d layers stay in floating point in the file (no block divides their width), "
+                 "e.g. `%s`; they are not quantized", cfg.gguf, len(kept), kept[0])
     return out
+
+
+def outside_blocks(adapter) -> list[str]:
+    """The weights a GGUF file quantizes outside the decoder blocks: the token embeddings and an untied LM head."""
+    emb = adapter.embeddings()
+    names = [n for n, m in adapter.model.named_modules() if m is emb and getattr(m, "weight", None) is not None]
+    name, head = adapter.lm_head()
+    if head is not None and (emb is None or head.weight is not emb.weight):  # `is`: a meta skeleton has no data
+        names.append(name)
+    return names
 
 
 def lm_head_target(adapter, cfg: QuantizeConfig):
@@ -273,14 +312,19 @@ def apply(ctx, cfg: QuantizeConfig) -> dict:
     )
     bar.close()
     block_layers = sorted(qweights)
-    target = lm_head_target(adapter, cfg)
-    if target:  # after the blocks: a final-block objective through the head assumes it is FP
-        name, lin = target
+    # after the blocks (a final-block objective through the head assumes it is FP): the `lm_head` option's head, and
+    # with `gguf` the embeddings and output as the file stores them; RTN (llama.cpp's fit on a grid)
+    for name in [n for n in outside_blocks(adapter) if n in layers and n not in qweights]:
+        module, spec = adapter.model.get_submodule(name), layers[name]
         if cfg.guard is not None:
-            q.guard(name, lin, layers[name])
-        spec = layers[name]
-        qw = rtn(lin.weight.data, spec.bits, spec.group_size, spec.sym)
-        set_weight(lin, qw)
+            q.guard(name, module, spec)
+        if spec.ggml is not None:
+            from compress.quantize import ggml_grid
+
+            qw = ggml_grid.rtn(module.weight.data, spec.ggml)
+        else:
+            qw = rtn(module.weight.data, spec.bits, spec.group_size, spec.sym)
+        set_weight(module, qw)
         qweights[name] = qw
     ctx.emit(QuantizedWeights(qweights, ctx.key, len(adapter.blocks), block_layers))
     out = {"layers": len(qweights), "calibration_tokens": 0 if tokens is None else tokens.numel()}

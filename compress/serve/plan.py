@@ -25,6 +25,8 @@ def planned(adapter, export_spec, quantized, widths: set, mixed: bool) -> rules.
     layers = {}
     for *_, specs in quantized:
         for name, spec in specs.items():
+            if spec.ggml is not None:
+                continue  # llama.cpp blocks: only the gguf export stores them (bind.planned refuses the others)
             lin = adapter.model.get_submodule(name)
             if spec.bits == 1 or why_dense(lin.out_features, lin.in_features, spec.group_size):
                 continue  # stored dense: every engine reads a dense layer

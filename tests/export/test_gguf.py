@@ -219,3 +219,41 @@ def test_llama_cpp_runs_what_compress_writes(stages, file_type, tmp_path):
     ids = AutoTokenizer.from_pretrained(model)(TEXT)["input_ids"]
     out = llamacpp.run("tokenize", {"model": str(tmp_path / "o" / "gguf" / f"model-{file_type}.gguf"), "text": TEXT})
     assert out["tokens"] == ids
+
+
+def test_a_quantize_stage_on_llama_cpps_grids_is_the_file(tmp_path):
+    """`gguf: Q4_K_M` on GPTQ: every tensor the file stores quantized (the embeddings and output too) was rounded
+    by the run on its own type's blocks, written byte for byte: compress's reading of the file gives the run's own
+    report to the digit; the export takes the stage's type; the dry run names the types."""
+    from compress.eval.cli import evaluate_checkpoint
+
+    src = save_tiny("llama", tmp_path / "m", hidden_size=256, intermediate_size=512, num_hidden_layers=4)
+    path = _recipe(tmp_path, src, [{"stage": "quantize", "method": "gptq", "gguf": "Q4_K_M"}], ["gguf"])
+    doc = yaml.safe_load(path.read_text())
+    doc["eval"] = {"data": ["bundled:botchan-eval"], "max_tokens": 512, "generation": {"prompts": 0}}
+    path.write_text(yaml.safe_dump(doc))
+    rc, out, err = invoke("run", path, "--dry-run")
+    assert rc == 0 and "export gguf Q4_K_M: 9 F32, 25 Q4_K, 5 Q6_K tensors" in out, out + err
+    rc, out, err = invoke("run", path, "--output", tmp_path / "o", "--json")
+    assert rc == 0, err
+    report = json.loads(out)
+    assert report["size"]["quantized_layers"] == 30
+    file = tmp_path / "o" / "gguf" / "model-Q4_K_M.gguf"
+    got = next(iter(evaluate_checkpoint(str(file), reference=str(src), data=["bundled:botchan-eval"],
+                                        max_tokens=512, gen_prompts=0).values()))
+    ran = next(iter(report["eval"].values()))
+    assert got["ppl"] == pytest.approx(ran["ppl"], rel=1e-5) and got["kl"] == pytest.approx(ran["kl"], rel=1e-3, abs=1e-6)
+
+
+def test_plan_refuses_what_a_grid_stage_cannot_give(tmp_path):
+    model = save_tiny("llama", tmp_path / "m", hidden_size=256, intermediate_size=512)
+    stage = {"stage": "quantize", "method": "rtn", "gguf": "Q3_K_M"}
+    cases = [([stage], ["gguf", "hf"], "only the gguf export stores; drop hf"),
+             ([{**stage, "bits": 3}], ["gguf"], "`bits` has no effect"),
+             ([stage], [{"format": "gguf", "type": "Q4_K_M"}], "export gguf type Q4_K_M stores it as"),
+             ([{"stage": "allocate", "method": "rl", "budget": 3.5}, stage], ["gguf"], "plans widths")]
+    for stages, export, msg in cases:
+        rc, _, err = invoke("run", _recipe(tmp_path, model, stages, export), "--dry-run")
+        assert rc == 1 and msg in err, (msg, err)
+    rc, out, err = invoke("run", _recipe(tmp_path, model, [stage], ["gguf"]), "--dry-run")
+    assert rc == 0 and "export gguf Q3_K_M" in out, err

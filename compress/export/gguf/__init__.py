@@ -3,8 +3,9 @@
 `export_gguf(model, qweights, tokenizer, out_dir, file_type=...)` writes `model-<TYPE>.gguf` and an Ollama
 `Modelfile` beside it, with the `gguf` package's writer: the architecture's hyperparameters and tensor names
 (`arch.py`), the tokenizer as llama.cpp's converter writes it (`vocab.py`), and every tensor at the type llama.cpp's
-quantize would give it (`types.py`). A layer compress quantized is written from its codes, exactly (its grid must be
-the type's: sym 8/5/4-bit group 32 is Q8_0/Q5_0/Q4_0, checked at plan time); every other quantized tensor is rounded
+quantize would give it (`types.py`). A layer compress quantized is written from its codes, exactly: rounded on the type's own blocks
+(a quantize stage's `gguf: TYPE`, compress/quantize/ggml_grid.py), or on compress's integer grid where that is the
+type's (sym 8/5/4-bit group 32 is Q8_0/Q5_0/Q4_0); both checked at plan time. Every other quantized tensor is rounded
 by llama.cpp's own reference quantizer (`compress.kernels.ggml`), optionally with an importance matrix.
 """
 
@@ -32,6 +33,8 @@ def grid_type(bits: int, group_size: int, sym: bool) -> str | None:
 
 def code_type(qw: QuantizedWeight) -> str | None:
     """The GGML type that holds `qw` exactly, or None."""
+    if qw.grid is not None:
+        return qw.grid.type.name
     return None if qw.mixed or qw.in_features % 32 else grid_type(qw.bits, qw.group_size, qw.sym)
 
 
@@ -52,6 +55,12 @@ def tensor_plan(model, file_type: str) -> tuple[list[tuple[str, str, tuple[int, 
     kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     plan = gtypes.plan(file_type, [(g, s) for _, g, s in entries], n_head=config.num_attention_heads, n_head_kv=kv)
     return entries, plan
+
+
+def layer_types(model, file_type: str) -> dict[str, str]:
+    """{HF layer name (no `.weight`): the GGML type the file stores its weight in}."""
+    entries, plan = tensor_plan(model, file_type)
+    return {hf.removesuffix(".weight"): plan[g] for hf, g, _ in entries if hf.endswith(".weight")}
 
 
 def planned_bytes(entries, plan: dict[str, str]) -> int:
@@ -100,7 +109,16 @@ def export_gguf(model, qweights: dict[str, QuantizedWeight], tokenizer, out_dir,
         t = plan[g_name]
         perm = archs.permutation(layer, config, fam, state[hf_name].shape[0]) if hf_name.endswith("weight") else None
         qw = qweights.get(layer)
-        if qw is not None and t not in gtypes.FLOAT:
+        if qw is not None and qw.grid is not None:
+            if qw.grid.type.name != t:
+                raise ValueError(f"`{layer}` was rounded on {qw.grid.type.name} blocks, but the {file_type} file "
+                                 f"stores it as {t}")
+            from compress.kernels import ggml
+            from compress.quantize import ggml_grid
+
+            data = ggml.pack(t, ggml_grid.blocks(qw, None if perm is None else perm.numpy()))
+            from_codes += 1
+        elif qw is not None and t not in gtypes.FLOAT:
             if code_type(qw) != t:
                 raise ValueError(f"`{layer}` was quantized at {qw.bits} bits, group {qw.group_size}, "
                                  f"{'sym' if qw.sym else 'asym'}, which GGUF type {t} does not hold")
