@@ -713,6 +713,8 @@ def bench_gguf(
     calibration: str = typer.Option(..., "--calibration", help="the calibration text (compress's runs and "
                                     "llama.cpp's importance matrix)"),
     types: str = typer.Option(",".join(("Q4_0", "Q4_K_M", "Q3_K_M", "Q2_K")), "--types", help="comma-separated"),
+    methods: str = typer.Option("gptq", "--methods", help="compress's quantizers on each type's blocks (`gguf: TYPE`), "
+                                                          "comma-separated: rtn, gptq, autoround"),
     seeds: int = typer.Option(3, "--seeds", help="compress runs per type (calibration sampling seeds)"),
     max_tokens: int = typer.Option(8192, "--max-tokens", help="tokens scored"),
     json_out: Optional[Path] = JSON_OUT,
@@ -727,7 +729,8 @@ def bench_gguf(
     from compress.export.gguf import bench
 
     result = bench.run(model, data, calibration, types=tuple(t.strip() for t in types.split(",") if t.strip()),
-                       seeds=seeds, max_tokens=max_tokens)
+                       methods=tuple(m.strip() for m in methods.split(",") if m.strip()), seeds=seeds,
+                       max_tokens=max_tokens)
     emit_bench(result, bench.markdown(result), json_out, md_out)
 
 

@@ -3,9 +3,8 @@
 For `model` (a local directory): compress writes an F16 GGUF (a conversion run); llama.cpp computes an importance
 matrix on the calibration text (`llama-imatrix`) and quantizes that F16 file to each type with and without it
 (`llama_model_quantize`, `compress/serve/engines/llamacpp.py`); compress writes each type from its own runs
-(`METHODS`: GPTQ on Q4_0's grid, W4 sym group 32, one run per seed; for the other types the export's rounding, which
-is llama.cpp's reference quantizer ported byte for byte, so that row equals llama.cpp without an importance matrix
-until compress's quantizers optimise the K-quant grids). Every file is read by compress (`compress eval FILE
+(`methods`: GPTQ on each type's own blocks, `gguf: TYPE`, one run per seed; `--methods gptq,autoround` adds
+AutoRound on the same blocks; and at Q4_0 GPTQ on compress's own W4 sym group 32 grid, which Q4_0 holds exactly). Every file is read by compress (`compress eval FILE
 --reference MODEL`: the file's tensors dequantized by gguf) on the same first `max_tokens` tokens of `data`: KL to the
 full-precision model, top-1 agreement, perplexity ratio, and the file's size.
 """
@@ -22,8 +21,17 @@ import yaml
 from compress.eval.machine import machine, machine_text
 
 TYPES = ("Q4_0", "Q4_K_M", "Q3_K_M", "Q2_K")
-# type -> compress's quantize stage on that type's grid (None: no stage; the export rounds every tensor)
-METHODS = {"Q4_0": {"stage": "quantize", "method": "gptq", "bits": 4, "group_size": 32, "sym": True}}
+METHODS = ("gptq",)
+# compress's own grid a type holds exactly: (label, stage)
+OWN_GRID = {"Q4_0": ("compress gptq (W4 sym g32)",
+                     {"stage": "quantize", "method": "gptq", "bits": 4, "group_size": 32, "sym": True})}
+
+
+def stages(file_type: str, methods=METHODS) -> list[tuple[str, dict]]:
+    """(row label, quantize stage) of compress's rows at `file_type`."""
+    out = [(f"compress {m} (gguf: {file_type})", {"stage": "quantize", "method": m, "gguf": file_type})
+           for m in methods]
+    return out + ([OWN_GRID[file_type]] if file_type in OWN_GRID else [])
 
 
 def _run(tmp: Path, model: str, stages: list, file_type: str, calibration: str, seed: int) -> Path:
@@ -49,8 +57,8 @@ def _score(file: Path, model: str, data: str, max_tokens: int) -> dict:
             "bytes": file.stat().st_size}
 
 
-def run(model: str, data: str, calibration: str, *, types=TYPES, seeds: int = 3, max_tokens: int = 8192,
-        imatrix_chunks: int = 64) -> dict:
+def run(model: str, data: str, calibration: str, *, types=TYPES, methods=METHODS, seeds: int = 3,
+        max_tokens: int = 8192, imatrix_chunks: int = 64) -> dict:
     from compress.serve.engines import llamacpp
 
     t0, rows = time.time(), []
@@ -64,14 +72,12 @@ def run(model: str, data: str, calibration: str, *, types=TYPES, seeds: int = 3,
                 dst = tmp / f"llama-{t}-{'im' if im else 'plain'}.gguf"
                 llamacpp.quantize(f16, dst, t, imatrix=im)
                 rows.append({"type": t, "method": label, "seed": None, **_score(dst, model, data, max_tokens)})
-            stage = METHODS.get(t)
-            for seed in range(seeds if stage else 1):
-                file = _run(tmp, model, [stage] if stage else [], t, calibration, seed)
-                label = f"compress {stage['method']}" if stage else "compress (llama.cpp's rounding, ported)"
-                rows.append({"type": t, "method": label, "seed": seed if stage else None,
-                             **_score(file, model, data, max_tokens)})
-                shutil.rmtree(file.parent.parent, ignore_errors=True)
-    return {"model": model, "data": data, "calibration": calibration, "max_tokens": max_tokens,
+            for label, stage in stages(t, methods):
+                for seed in range(seeds):
+                    file = _run(tmp, model, [stage], t, calibration, seed)
+                    rows.append({"type": t, "method": label, "seed": seed, **_score(file, model, data, max_tokens)})
+                    shutil.rmtree(file.parent.parent, ignore_errors=True)
+    return {"model": model, "data": data, "calibration": calibration, "max_tokens": max_tokens, "methods": list(methods),
             "imatrix_chunks": imatrix_chunks, "rows": rows, "seconds": round(time.time() - t0, 1),
             "date": time.strftime("%Y-%m-%d"), "machine": machine()}
 
