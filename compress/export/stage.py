@@ -185,10 +185,15 @@ def _stage_gguf(facts) -> dict[int, str]:
 @register("export", "gguf", GGUFExportConfig, "GGUF file llama.cpp, Ollama and LM Studio run", check=check_gguf,
           **EXPORT)
 def export_gguf_stage(ctx, cfg: GGUFExportConfig) -> dict:
-    from compress.export.gguf import export_gguf
+    from pathlib import Path
 
+    from compress.export.gguf import export_gguf
+    from compress.models.loading import resolve_source
+
+    src, gguf_file = resolve_source(ctx.loaded.recipe.model.path, ctx.loaded.recipe.model.gguf_file)
+    source = Path(src) / gguf_file if gguf_file else None
     return export_gguf(ctx.model, _qweights(ctx), ctx.tokenizer, ctx.workspace.path(cfg.directory),
-                       file_type=cfg.type, meta=_meta(ctx))
+                       file_type=cfg.type, meta=_meta(ctx), source=source)
 
 
 class OnnxExportConfig(ExportConfig):
