@@ -74,10 +74,36 @@ def planned_bytes(entries, plan: dict[str, str]) -> int:
     return total
 
 
+def source_blocks(path) -> dict[str, tuple[str, np.ndarray]]:
+    """{GGUF tensor name: (type, raw blocks)} of the quantized tensors of a GGUF file the model was read from."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    return {t.name: (t.tensor_type.name, np.asarray(t.data)) for t in reader.tensors
+            if t.tensor_type.name not in gtypes.FLOAT}
+
+
+def _unchanged(t: str, w: torch.Tensor, source) -> np.ndarray | None:
+    """The source file's blocks of this tensor when they are at type `t` and hold exactly `w` (no stage changed it):
+    written back as they were, so GGUF -> compress -> GGUF keeps every untouched tensor's bytes (a K-quant's search
+    on its own dequantized values does not always find the same blocks again)."""
+    if source is None or source[0] != t:
+        return None
+    from compress.kernels import ggml
+
+    raw = source[1]
+    try:
+        held = ggml.dequantize(t, ggml.unpack(t, raw.reshape(-1), tuple(w.shape)))
+    except ValueError:
+        return None
+    return raw if np.array_equal(held, w.numpy()) else None
+
+
 def export_gguf(model, qweights: dict[str, QuantizedWeight], tokenizer, out_dir, *, file_type: str,
-                imatrix: dict[str, torch.Tensor] | None = None, meta: dict | None = None) -> dict:
+                imatrix: dict[str, torch.Tensor] | None = None, meta: dict | None = None, source=None) -> dict:
     """Write `out_dir/model-<file_type>.gguf` (and `Modelfile`); returns {"path", "file", "type", "types", "bytes",
-    "from_codes"}."""
+    "from_codes", "from_source"}. `source`: the GGUF file the model was read from, whose blocks are kept for every
+    tensor that is still exactly what they hold (`_unchanged`)."""
     import tempfile
 
     import gguf
@@ -103,7 +129,8 @@ def export_gguf(model, qweights: dict[str, QuantizedWeight], tokenizer, out_dir,
             tokenizer.save_pretrained(tok_dir)
             vocabs.add_vocab(writer, Path(tok_dir), config.vocab_size)
     state = model.state_dict()
-    from_codes, counts = 0, {}
+    held = source_blocks(source) if source is not None else {}
+    from_codes, kept, counts = 0, 0, {}
     for hf_name, g_name, _ in entries:
         layer = hf_name.removesuffix(".weight")
         t = plan[g_name]
@@ -128,7 +155,11 @@ def export_gguf(model, qweights: dict[str, QuantizedWeight], tokenizer, out_dir,
             w = state[hf_name].detach().float()
             if perm is not None:
                 w = w[perm]
-            data = _encode(t, w.numpy(), None if imatrix is None else imatrix.get(layer))
+            data = None if t in gtypes.FLOAT else _unchanged(t, w, held.get(g_name))
+            if data is None:
+                data = _encode(t, w.numpy(), None if imatrix is None else imatrix.get(layer))
+            else:
+                kept += 1
         writer.add_tensor(g_name, data, raw_dtype=gguf.GGMLQuantizationType[t])
         counts[t] = counts.get(t, 0) + 1
     writer.write_header_to_file()
@@ -138,7 +169,7 @@ def export_gguf(model, qweights: dict[str, QuantizedWeight], tokenizer, out_dir,
     os.replace(tmp_path, path)
     (out_dir / "Modelfile").write_text(f"FROM ./{path.name}\n")
     return {"path": str(out_dir), "file": path.name, "type": file_type, "types": counts,
-            "bytes": path.stat().st_size, "from_codes": from_codes}
+            "bytes": path.stat().st_size, "from_codes": from_codes, "from_source": kept}
 
 
 def _encode(t: str, w: np.ndarray, imatrix) -> np.ndarray:
