@@ -121,9 +121,9 @@ def export_gguf(model, qweights: dict[str, QuantizedWeight], tokenizer, out_dir,
     writer.add_file_type(gtypes.FILE_TYPES[file_type][1])
     if file_type not in gtypes.FLOAT:
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    source = Path(str(getattr(tokenizer, "name_or_path", "") or ""))
-    if any((source / f).is_file() for f in ("tokenizer.model", "tokenizer.json")):
-        vocabs.add_vocab(writer, source, config.vocab_size)  # the files llama.cpp's converter would read
+    tok_dir = Path(str(getattr(tokenizer, "name_or_path", "") or ""))
+    if any((tok_dir / f).is_file() for f in ("tokenizer.model", "tokenizer.json")):
+        vocabs.add_vocab(writer, tok_dir, config.vocab_size)  # the files llama.cpp's converter would read
     else:
         with tempfile.TemporaryDirectory(prefix="compress-gguf-tok-") as tok_dir:
             tokenizer.save_pretrained(tok_dir)
