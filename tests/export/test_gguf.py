@@ -119,8 +119,8 @@ def test_plan_refuses_a_grid_the_type_does_not_hold_and_shows_the_types(tmp_path
     ok = _recipe(tmp_path, model, [], [{"format": "gguf", "type": "F16"}])
     rc, out, err = invoke("run", ok, "--dry-run")
     assert rc == 0 and "export gguf F16: 16 F16, 5 F32 tensors" in out and "llama.cpp       serves it" in out, out
-    rc, _, err = invoke("run", _recipe(tmp_path, save_tiny("gemma2", tmp_path / "g2"), [], ["gguf"]), "--dry-run")
-    assert rc == 1 and "`gemma2` is not one of them yet" in err, err
+    rc, _, err = invoke("run", _recipe(tmp_path, save_tiny("deepseek_v3", tmp_path / "d3"), [], ["gguf"]), "--dry-run")
+    assert rc == 1 and "`deepseek_v3` is not one of them yet" in err, err
 
 
 def test_a_conversion_recipe_writes_the_file(tmp_path):

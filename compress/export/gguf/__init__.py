@@ -43,17 +43,10 @@ def file_name(file_type: str) -> str:
 
 
 def tensor_plan(model, file_type: str) -> tuple[list[tuple[str, str, tuple[int, ...]]], dict[str, str]]:
-    """[(HF name, GGUF name, shape)] in file order and {GGUF name: type}."""
-    config = model.config
-    fam = archs.family(config)
-    tied = bool(getattr(config, "tie_word_embeddings", False))
-    entries = []
-    for name, t in model.state_dict().items():
-        if tied and name == "lm_head.weight":
-            continue
-        entries.append((name, archs.tensor_name(name, fam.arch, config.num_hidden_layers), tuple(t.shape)))
-    kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    plan = gtypes.plan(file_type, [(g, s) for _, g, s in entries], n_head=config.num_attention_heads, n_head_kv=kv)
+    """[(HF name, GGUF name, shape)] in file order and {GGUF name: type}. A GGUF tensor made of several of the
+    model's tensors (stacked experts) has an entry per source, with that source's part of the shape (rows, ne0),
+    so the entries' sizes add up to the file's."""
+    entries, plan, _ = _plan(model, file_type)
     return entries, plan
 
 
@@ -61,6 +54,21 @@ def layer_types(model, file_type: str) -> dict[str, str]:
     """{HF layer name (no `.weight`): the GGML type the file stores its weight in}."""
     entries, plan = tensor_plan(model, file_type)
     return {hf.removesuffix(".weight"): plan[g] for hf, g, _ in entries if hf.endswith(".weight")}
+
+
+def _plan(model, file_type: str):
+    config = model.config
+    fam, tensors = archs.layout(model)
+    entries = []
+    for t in tensors:
+        rows: dict[str, int] = {}
+        for p in t.parts:
+            rows[p.source] = rows.get(p.source, 0) + int(np.prod(p.shape[:-1]))
+        entries += [(src, t.name, (r, t.shape[-1])) for src, r in rows.items()]
+    kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    plan = gtypes.plan(file_type, [(t.name, t.shape) for t in tensors], n_head=config.num_attention_heads,
+                       n_head_kv=kv, n_expert=archs.n_experts(config, fam))
+    return entries, plan, (fam, tensors)
 
 
 def planned_bytes(entries, plan: dict[str, str]) -> int:
@@ -111,8 +119,12 @@ def export_gguf(model, qweights: dict[str, QuantizedWeight], tokenizer, out_dir,
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     config = model.config
-    fam = archs.family(config)
-    entries, plan = tensor_plan(model, file_type)
+    _, plan, (fam, tensors) = _plan(model, file_type)
+    if fam.arch == "phi3" and "<|endoftext|>" not in tokenizer.get_vocab():
+        from compress.errors import BadInput
+
+        raise BadInput("llama.cpp's phi3 looks up the token `<|endoftext|>` when it loads a file, and this tokenizer "
+                       "has none: llama.cpp would not load the GGUF")
     path = out_dir / file_name(file_type)
     tmp_path = path.with_suffix(".gguf.partial")
     writer = gguf.GGUFWriter(tmp_path, fam.arch)
@@ -123,44 +135,35 @@ def export_gguf(model, qweights: dict[str, QuantizedWeight], tokenizer, out_dir,
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     tok_dir = Path(str(getattr(tokenizer, "name_or_path", "") or ""))
     if any((tok_dir / f).is_file() for f in ("tokenizer.model", "tokenizer.json")):
-        vocabs.add_vocab(writer, tok_dir, config.vocab_size)  # the files llama.cpp's converter would read
+        how = vocabs.add_vocab(writer, tok_dir, config.vocab_size)  # the files llama.cpp's converter would read
     else:
-        with tempfile.TemporaryDirectory(prefix="compress-gguf-tok-") as tok_dir:
-            tokenizer.save_pretrained(tok_dir)
-            vocabs.add_vocab(writer, Path(tok_dir), config.vocab_size)
+        with tempfile.TemporaryDirectory(prefix="compress-gguf-tok-") as tmp_tok:
+            tokenizer.save_pretrained(tmp_tok)
+            how = vocabs.add_vocab(writer, Path(tmp_tok), config.vocab_size)
+    if fam.norm_shift and how == "spm":  # Gemma(2|3)Model.set_vocab
+        writer.add_add_space_prefix(False)
     state = model.state_dict()
     held = source_blocks(source) if source is not None else {}
     from_codes, kept, counts = 0, 0, {}
-    for hf_name, g_name, _ in entries:
-        layer = hf_name.removesuffix(".weight")
-        t = plan[g_name]
-        perm = archs.permutation(layer, config, fam, state[hf_name].shape[0]) if hf_name.endswith("weight") else None
-        qw = qweights.get(layer)
-        if qw is not None and qw.grid is not None:
-            if qw.grid.type.name != t:
-                raise ValueError(f"`{layer}` was rounded on {qw.grid.type.name} blocks, but the {file_type} file "
-                                 f"stores it as {t}")
-            from compress.kernels import ggml
-            from compress.quantize import ggml_grid
-
-            data = ggml.pack(t, ggml_grid.blocks(qw, None if perm is None else perm.numpy()))
-            from_codes += 1
-        elif qw is not None and t not in gtypes.FLOAT:
-            if code_type(qw) != t:
-                raise ValueError(f"`{layer}` was quantized at {qw.bits} bits, group {qw.group_size}, "
-                                 f"{'sym' if qw.sym else 'asym'}, which GGUF type {t} does not hold")
-            data = _from_codes(t, qw, perm)
-            from_codes += 1
+    for ft in tensors:
+        t = plan[ft.name]
+        coded = [_coded(p, t, file_type, qweights, config, fam) for p in ft.parts]
+        if all(c is not None for c in coded):
+            data = coded[0] if len(ft.shape) < 3 else np.stack(coded)
+            from_codes += len(coded)
         else:
-            w = state[hf_name].detach().float()
-            if perm is not None:
-                w = w[perm]
-            data = None if t in gtypes.FLOAT else _unchanged(t, w, held.get(g_name))
+            ws = [_float(p, state, config, fam) for p in ft.parts]
+            data = None
+            if ft.name in held and not any(c is not None for c in coded):
+                data = _unchanged(t, torch.cat(ws).reshape(-1, ft.shape[-1]), held[ft.name])
+                kept += data is not None
             if data is None:
-                data = _encode(t, w.numpy(), None if imatrix is None else imatrix.get(layer))
-            else:
-                kept += 1
-        writer.add_tensor(g_name, data, raw_dtype=gguf.GGMLQuantizationType[t])
+                pieces = [c if c is not None else
+                          _encode(t, w.numpy(), None if imatrix is None else imatrix.get(p.layer))
+                          for c, w, p in zip(coded, ws, ft.parts)]
+                data = pieces[0] if len(ft.shape) < 3 else np.stack(pieces)
+                from_codes += sum(c is not None for c in coded)
+        writer.add_tensor(ft.name, np.ascontiguousarray(data), raw_dtype=gguf.GGMLQuantizationType[t])
         counts[t] = counts.get(t, 0) + 1
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -170,6 +173,39 @@ def export_gguf(model, qweights: dict[str, QuantizedWeight], tokenizer, out_dir,
     (out_dir / "Modelfile").write_text(f"FROM ./{path.name}\n")
     return {"path": str(out_dir), "file": path.name, "type": file_type, "types": counts,
             "bytes": path.stat().st_size, "from_codes": from_codes, "from_source": kept}
+
+
+def _coded(part, t: str, file_type: str, qweights, config, fam) -> np.ndarray | None:
+    """The raw blocks of one 2-D part of a file tensor written from its quantized layer's codes, or None (a layer
+    compress did not quantize, or a file type that stores it in floating point)."""
+    qw = qweights.get(part.layer) if part.source.endswith(".weight") and not part.index else None
+    if qw is None or (qw.grid is None and t in gtypes.FLOAT):
+        return None
+    perm = archs.permutation(part.layer, config, fam, part.shape[0])
+    if qw.grid is not None:
+        if qw.grid.type.name != t:
+            raise ValueError(f"`{part.layer}` was rounded on {qw.grid.type.name} blocks, but the {file_type} file "
+                             f"stores it as {t}")
+        from compress.kernels import ggml
+        from compress.quantize import ggml_grid
+
+        return ggml.pack(t, ggml_grid.blocks(qw, None if perm is None else perm.numpy()))
+    if code_type(qw) != t:
+        raise ValueError(f"`{part.layer}` was quantized at {qw.bits} bits, group {qw.group_size}, "
+                         f"{'sym' if qw.sym else 'asym'}, which GGUF type {t} does not hold")
+    return _from_codes(t, qw, perm)
+
+
+def _float(part, state, config, fam) -> torch.Tensor:
+    """One 2-D part of a file tensor in float32, as llama.cpp's converter transforms it (q/k row order, Gemma's
+    norm offset)."""
+    w = archs.part_tensor(state, part).detach().float()
+    perm = archs.permutation(part.layer, config, fam, w.shape[0]) if part.source.endswith("weight") else None
+    if perm is not None:
+        w = w[perm]
+    if fam.norm_shift and part.source.endswith("norm.weight"):
+        w = w + 1  # Gemma's RMSNorm scales by 1 + weight; llama.cpp's by the stored weight
+    return w
 
 
 def _encode(t: str, w: np.ndarray, imatrix) -> np.ndarray:

@@ -9,6 +9,9 @@ file types the export writes, so a compress file and llama.cpp's quantize of the
 - Q3_K_M: attn_v Q5_K for the first two, else Q4_K; ffn_down Q5_K in the first 1/16 of the layers, else Q4_K;
   attn_output Q4_K;
 - Q2_K: attn_v Q4_K with a grouped-query ratio >= 4, else Q3_K; ffn_down and attn_output Q3_K;
+- MoE: with 8 experts attn_v and attn_k are Q8_0 and attn_output Q5_K in the K mixes; the experts' and shared
+  experts' ffn_down take the layer in their name; routers (`ffn_gate_inp`) and 1-D tensors stay F32; phi3's fused
+  attn_qkv follows the attn_v rules (checked against llama.cpp's own quantize, tests/export/test_gguf_families.py);
 - a tensor whose width (ne0, the input columns) the chosen block does not divide falls back (Q2_K/Q3_K -> Q4_0,
   Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0; F16 when that does not divide either).
 """
@@ -29,8 +32,20 @@ FILE_TYPES = {
 FLOAT = {"F32", "F16", "BF16"}
 
 
-def quantizable(name: str, ndim: int) -> bool:
-    """llama.cpp's tensor_allows_quantization for the families written here."""
+def n_dims(shape: tuple[int, ...]) -> int:
+    """ggml_n_dims of a tensor of torch `shape`: trailing axes of size 1 in ggml's order (leading in torch's) do not
+    count (qwen2_moe's (1, hidden) `ffn_gate_inp_shexp` is 1-D)."""
+    ne = list(reversed(shape))
+    for i in range(len(ne) - 1, 0, -1):
+        if ne[i] > 1:
+            return i + 1
+    return 1
+
+
+def quantizable(name: str, shape) -> bool:
+    """llama.cpp's tensor_allows_quantization for the families written here (`shape`: torch order; an int is read
+    as the number of dimensions)."""
+    ndim = shape if isinstance(shape, int) else n_dims(tuple(shape))
     return ndim >= 2 and name.endswith("weight") and "_norm.weight" not in name and "ffn_gate_inp.weight" not in name
 
 
@@ -41,19 +56,24 @@ def _more_bits(i: int, n: int) -> bool:
 def plan(file_type: str, tensors: list[tuple[str, tuple[int, ...]]], *, n_head: int, n_head_kv: int,
          n_expert: int = 0) -> dict[str, str]:
     """{gguf tensor name: GGML type name} for `tensors` [(name, shape as (rows, ne0) / (experts, rows, ne0))] in
-    file order."""
+    file order. The categories are llama-quant.cpp's (`tensor_get_category`: a name containing `attn_qkv.weight`,
+    `attn_v.weight`, ..., `ffn_up`, `ffn_gate`, `ffn_down`, so the experts' and shared experts' tensors count as
+    FFN ones); attn_qkv (phi3) is an attn_v-like tensor; with experts (`n_expert` > 1) a tensor's layer is the one in
+    its name, else its rank among its kind."""
     if file_type not in FILE_TYPES:
         raise ValueError(f"unknown GGUF type `{file_type}`; choose one of {', '.join(FILE_TYPES)}")
     default = FILE_TYPES[file_type][0]
     names = [n for n, _ in tensors]
     tied = "output.weight" not in names
-    n_v = sum(1 for n in names if n.endswith("attn_v.weight"))
-    n_down = sum(1 for n in names if re.search(r"ffn_down(_exps)?\.weight$", n))
+    attn_v = ("attn_v.weight", "attn_qkv.weight")
+    n_v = sum(1 for n in names if any(k in n for k in attn_v))
+    blocks = [int(m.group(1)) for n in names if (m := re.match(r"blk\.(\d+)\.", n))]
+    n_layer = max(blocks) + 1 if blocks else 0
     gqa = n_head // max(n_head_kv, 1)
     i_v = i_down = 0
     out = {}
     for name, shape in tensors:
-        if not quantizable(name, len(shape)):
+        if not quantizable(name, shape):
             out[name] = "F32"
             continue
         if default in FLOAT:
@@ -64,7 +84,9 @@ def plan(file_type: str, tensors: list[tuple[str, tuple[int, ...]]], *, n_head: 
             from compress.kernels.ggml import block_size
 
             t = "Q8_0" if ne0 % block_size(default) or default == "Q8_0" else "Q6_K"
-        elif name.endswith("attn_v.weight"):
+        elif name == "token_embd.weight":
+            pass
+        elif any(k in name for k in attn_v):
             if file_type == "Q2_K":
                 t = "Q4_K" if gqa >= 4 else "Q3_K"
             elif file_type == "Q3_K_M":
@@ -74,18 +96,12 @@ def plan(file_type: str, tensors: list[tuple[str, tuple[int, ...]]], *, n_head: 
             if n_expert == 8:
                 t = "Q8_0"
             i_v += 1
-        elif name.endswith("attn_k.weight") and n_expert == 8:
-            t = "Q8_0"
-        elif re.search(r"ffn_down(_exps)?\.weight$", name):
-            layer, n_layer = i_down, n_down  # one ffn_down tensor per layer in every family written here
-            if file_type == "Q2_K":
-                t = "Q3_K"
-            elif file_type == "Q3_K_M":
-                t = "Q5_K" if layer < n_layer // 16 else "Q4_K"
-            elif file_type == "Q4_K_M" and _more_bits(layer, n_layer):
-                t = "Q6_K"
-            i_down += 1
-        elif name.endswith("attn_output.weight"):
+        elif "attn_k.weight" in name:
+            if n_expert == 8:
+                t = "Q8_0"
+        elif "attn_q.weight" in name:
+            pass
+        elif "attn_output.weight" in name:
             if n_expert == 8:
                 if file_type in ("Q2_K", "Q3_K_M", "Q4_K_M"):
                     t = "Q5_K"
@@ -93,6 +109,17 @@ def plan(file_type: str, tensors: list[tuple[str, tuple[int, ...]]], *, n_head: 
                 t = "Q3_K"
             elif file_type == "Q3_K_M":
                 t = "Q4_K"
+        elif "ffn_up" in name or "ffn_gate" in name:
+            pass
+        elif "ffn_down" in name:
+            layer = int(re.match(r"blk\.(\d+)\.", name).group(1)) if n_expert > 1 else i_down
+            if file_type == "Q2_K":
+                t = "Q3_K"
+            elif file_type == "Q3_K_M":
+                t = "Q5_K" if layer < n_layer // 16 else "Q4_K"
+            elif file_type == "Q4_K_M" and _more_bits(layer, n_layer):
+                t = "Q6_K"
+            i_down += 1
         out[name] = fallback(t, ne0)
     return out
 
