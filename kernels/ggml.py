@@ -796,7 +796,7 @@ def _as_imatrix(imatrix, n: int) -> np.ndarray | None:
     return q
 
 
-def _quantize(t, W, imatrix) -> GGMLBlocks:
+def _quantize(t, W, imatrix, row_ms=None) -> GGMLBlocks:
     t = ggml_type(t)
     W = _as_weight(t, W)
     rows, n = W.shape
@@ -806,7 +806,8 @@ def _quantize(t, W, imatrix) -> GGMLBlocks:
     X = W.reshape(rows * nb, spec.block)
     sigma2 = None
     if qw is not None and spec.block == 32:   # the legacy _impl paths: mean square of the whole row
-        sigma2 = np.repeat(_row_sum(W * W) / _F(n), nb)
+        ms = _row_sum(W * W) / _F(n) if row_ms is None else np.asarray(row_ms, dtype=np.float32).reshape(rows)
+        sigma2 = np.repeat(ms, nb)
     fn = _quantizer(t, qw is not None)
     step = max(1, _CHUNK // spec.block)
     parts = []
@@ -834,10 +835,12 @@ def quantize_ref(t, W, imatrix=None) -> GGMLBlocks:
     return _quantize(t, W, imatrix)
 
 
-def fit(t, W, imatrix=None) -> GGMLParams:
+def fit(t, W, imatrix=None, row_ms=None) -> GGMLParams:
     """The block and sub-block parameters llama.cpp chooses for W (those of `quantize_ref`), sub-block scales
-    quantized as stored. Round weights onto them with `round_codes`."""
-    return _quantize(t, W, imatrix).params()
+    quantized as stored. Round weights onto them with `round_codes`. `row_ms` (rows,): the mean square of each whole
+    row, which the legacy types' imatrix search weights by (`sigma2`), for W a column slice of those rows (default:
+    W's own)."""
+    return _quantize(t, W, imatrix, row_ms).params()
 
 
 # ----------------------------------------------------------------------------------------------- per-weight grid

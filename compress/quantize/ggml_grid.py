@@ -113,6 +113,7 @@ class GridGroups:
         self.g = ggml.block_size(self.t)
         self.static = static
         self.imatrix = None if imatrix is None else _np(imatrix).reshape(-1)
+        self.row_ms = _np(W.float().square().mean(1))  # the legacy types' imatrix search weighs by the whole row's
         n_blocks = W.shape[1] // self.g
         self.params: list[ggml.GGMLParams | None] = [None] * n_blocks
         self.scale = torch.zeros(W.shape[0], W.shape[1])
@@ -124,7 +125,7 @@ class GridGroups:
     def _fit(self, k: int, W_block: torch.Tensor) -> None:
         cols = slice(k * self.g, (k + 1) * self.g)
         im = None if self.imatrix is None else self.imatrix[cols]
-        p = ggml.fit(self.t, _np(W_block), im)
+        p = ggml.fit(self.t, _np(W_block), im, self.row_ms)
         self.params[k] = p
         s, o = ggml.scale_offset(self.t, p)
         self.scale[:, cols], self.offset[:, cols] = torch.from_numpy(s), torch.from_numpy(o)

@@ -73,3 +73,17 @@ def test_autoround_tunes_rounding_on_the_fixed_grid(t):
     assert torch.equal(qw.dequantize(), tuned.qdq(V)[0].detach())
     assert np.array_equal(qw.dequantize().numpy(), ggml.dequantize(t, ggml_grid.blocks(qw)))
     assert not torch.equal(qw.codes, fitted.codes)
+
+
+@pytest.mark.parametrize("t", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K"])
+def test_a_slice_fits_as_its_whole_row(t):
+    """GPTQ fits each block on its own columns: with the whole row's mean square (`row_ms`, what the legacy types'
+    imatrix search weighs by) a slice gets the parameters llama.cpp gives those columns of the whole row."""
+    W, X, _ = _data(3, rows=8)
+    im = X.square().mean(0).numpy()
+    w = W.numpy()
+    whole = ggml.fit(t, w, im)
+    b = ggml.block_size(t)
+    ms = (w.astype(np.float32) ** 2).sum(1, dtype=np.float32) / np.float32(w.shape[1])
+    part = ggml.fit(t, w[:, b:2 * b], im[b:2 * b], ms)
+    assert np.array_equal(part.d, whole.d[:, 1:2])
