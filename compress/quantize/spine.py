@@ -261,7 +261,9 @@ def outside_blocks(adapter) -> list[str]:
     emb = adapter.embeddings()
     names = [n for n, m in adapter.model.named_modules() if m is emb and getattr(m, "weight", None) is not None]
     name, head = adapter.lm_head()
-    if head is not None and (emb is None or head.weight is not emb.weight):  # `is`: a meta skeleton has no data
+    tied = getattr(adapter.model.config, "tie_word_embeddings", False) or (emb is not None and head is not None
+                                                                         and head.weight is emb.weight)
+    if head is not None and not tied:
         names.append(name)
     return names
 
