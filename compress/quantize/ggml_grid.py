@@ -24,15 +24,6 @@ from compress.kernels import ggml
 from compress.qweight import QuantizedWeight
 
 
-def layer_types(model, file_type: str) -> dict[str, str]:
-    """{HF layer name (no `.weight`): the GGML type a `file_type` GGUF file stores its weight in}
-    (export/gguf/types.py, llama.cpp's per-tensor plan); BadInput for a family the gguf export does not write."""
-    from compress.export.gguf import tensor_plan
-
-    entries, plan = tensor_plan(model, file_type)
-    return {hf.removesuffix(".weight"): plan[g] for hf, g, _ in entries if hf.endswith(".weight")}
-
-
 def shift(t) -> int:
     """What makes ggml's code unsigned: 128 (Q8_0), 4 (Q3_K), 32 (Q6_K), else 0."""
     return -ggml.code_range(t)[0]

@@ -232,6 +232,7 @@ def grid_layers(adapter, cfg: QuantizeConfig, layers: dict[str, LayerSpec]) -> d
     """`gguf: TYPE`: each layer on the llama.cpp type the GGUF file gives it (compress/quantize/ggml_grid.py), the
     token embeddings and the output too (the file stores them quantized, so the run evaluates them so); a layer the
     file keeps in floating point (a width no block divides) is left unquantized, as llama.cpp leaves it."""
+    from compress.export.gguf import layer_types
     from compress.export.gguf.types import FLOAT
     from compress.quantize import ggml_grid
 
@@ -240,7 +241,7 @@ def grid_layers(adapter, cfg: QuantizeConfig, layers: dict[str, LayerSpec]) -> d
         what = ", ".join(f"`{f}`" for f in fixed) or "an override's bits / group_size / sym"
         raise BadInput(f"`gguf: {cfg.gguf}` gives every layer llama.cpp's type for it, so {what} has no effect: "
                        "remove it (overrides may only `skip` layers), or drop `gguf` to choose the grid yourself")
-    types = ggml_grid.layer_types(adapter.model, cfg.gguf)  # BadInput for a family the gguf export does not write
+    types = layer_types(adapter.model, cfg.gguf)  # BadInput for a family the gguf export does not write
     out, kept = {}, []
     for name in outside_blocks(adapter):
         layers.setdefault(name, None)
