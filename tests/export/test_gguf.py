@@ -225,14 +225,18 @@ def test_llama_cpp_runs_what_compress_writes(stages, file_type, tmp_path):
     assert out["tokens"] == ids
 
 
-def test_a_quantize_stage_on_llama_cpps_grids_is_the_file(tmp_path):
-    """`gguf: Q4_K_M` on GPTQ: every tensor the file stores quantized (the embeddings and output too) was rounded
-    by the run on its own type's blocks, written byte for byte: compress's reading of the file gives the run's own
-    report to the digit; the export takes the stage's type; the dry run names the types."""
+@pytest.mark.parametrize("stage", [{"method": "gptq"}, {"method": "autoround", "iters": 4},
+                                   {"method": "gptq", "final_block": "lfq", "final_iters": 4}, {"method": "rtn"}],
+                         ids=["gptq", "autoround", "gptq-lfq", "rtn"])
+def test_a_quantize_stage_on_llama_cpps_grids_is_the_file(stage, tmp_path):
+    """`gguf: Q4_K_M` on each method (and the LFQ final block): every tensor the file stores quantized (the
+    embeddings and output too) was rounded by the run on its own type's blocks, written byte for byte: compress's
+    reading of the file gives the run's own report to the digit; the export takes the stage's type; the dry run
+    names the types."""
     from compress.eval.cli import evaluate_checkpoint
 
     src = save_tiny("llama", tmp_path / "m", hidden_size=256, intermediate_size=512, num_hidden_layers=4)
-    path = _recipe(tmp_path, src, [{"stage": "quantize", "method": "gptq", "gguf": "Q4_K_M"}], ["gguf"])
+    path = _recipe(tmp_path, src, [{"stage": "quantize", "gguf": "Q4_K_M", **stage}], ["gguf"])
     doc = yaml.safe_load(path.read_text())
     doc["eval"] = {"data": ["bundled:botchan-eval"], "max_tokens": 512, "generation": {"prompts": 0}}
     path.write_text(yaml.safe_dump(doc))
