@@ -20,6 +20,10 @@ def check_group_size(v: int) -> int:
     return v
 
 
+# one GGML tensor type (a quantize stage's override of the file type's per-tensor plan)
+GGMLType = Literal["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q6_K", "Q5_K", "Q4_K", "Q3_K", "Q2_K"]
+
+
 class LayerOverride(StrictModel):
     """Per-layer override: `pattern` is a regex matched (re.search) against the module name."""
 
@@ -28,6 +32,9 @@ class LayerOverride(StrictModel):
     group_size: Optional[int] = None
     sym: Optional[bool] = None
     skip: bool = False
+    gguf: Optional[GGMLType] = Field(None, description="with the stage's `gguf`: this layer's GGML type instead of "
+                                                       "the one llama.cpp's plan gives it (llama-quantize's "
+                                                       "--tensor-type)")
 
     _gs = field_validator("group_size")(lambda cls, v: v if v is None else check_group_size(v))
 

@@ -144,10 +144,18 @@ def check_gguf(adapter, cfg: GGUFExportConfig, facts) -> None:
     if facts.mixed:
         raise BadInput("the gguf export writes one GGML type per tensor: an `allocate` plan gives layers per-chunk "
                        "widths; remove the allocate stage or drop `gguf` from export.formats")
-    asked = set(_stage_gguf(facts).values())
-    if len(asked) == 1 and "type" not in cfg.model_fields_set:  # the file type the quantize stage rounded for
-        cfg = cfg.model_copy(update={"type": asked.pop()})
-    entries, plan = g.tensor_plan(adapter.model, cfg.type)  # BadInput for a family it does not write
+    asked = _stage_gguf(facts)
+    if "type" not in cfg.model_fields_set and len(set(asked.values())) == 1:  # the file type the stage rounded for
+        cfg = cfg.model_copy(update={"type": next(iter(asked.values()))})
+    for i, t in asked.items():
+        if t != cfg.type:
+            raise BadInput(f"stage {i} rounds on llama.cpp's blocks for `gguf: {t}`, but export gguf type is "
+                           f"{cfg.type}: give the export the stage's type (or leave the export's `type` out)")
+    grids = {n: spec.ggml for *_, layers in facts.quantized for n, spec in layers.items() if spec.ggml}
+    try:
+        entries, plan = g.tensor_plan(adapter.model, cfg.type, grids)  # BadInput for a family it does not write
+    except ValueError as e:
+        raise BadInput(f"export gguf: {e}; give the parts of one tensor (a stacked expert tensor) one type") from e
     by_layer = {hf.removesuffix(".weight"): plan[name] for hf, name, _ in entries}
     for i, method, rounding, layers in facts.quantized:
         for layer, spec in layers.items():

@@ -221,6 +221,9 @@ def planned_layers(adapter, cfg: QuantizeConfig) -> dict[str, LayerSpec]:
             if spec is not None:
                 out[name] = spec
     check_overrides(cfg, list(out))
+    if not cfg.gguf and any(o.gguf for o in cfg.overrides):
+        raise BadInput("an override sets a `gguf` type, but the stage has no `gguf` file type: add `gguf: TYPE` to "
+                       "the stage (its layers then round on llama.cpp's blocks)")
     head = lm_head_target(adapter, cfg)
     if head:
         name, lin = head
@@ -233,20 +236,29 @@ def grid_layers(adapter, cfg: QuantizeConfig, layers: dict[str, LayerSpec]) -> d
     token embeddings and the output too (the file stores them quantized, so the run evaluates them so); a layer the
     file keeps in floating point (a width no block divides) is left unquantized, as llama.cpp leaves it."""
     from compress.export.gguf import layer_types
-    from compress.export.gguf.types import FLOAT
+    from compress.export.gguf.types import FLOAT, fallback
     from compress.quantize import ggml_grid
 
     fixed = sorted(cfg.model_fields_set & {"bits", "group_size", "sym", "strict_groups"})
-    if fixed or any(o.bits is not None or o.group_size is not None or o.sym is not None for o in cfg.overrides):
-        what = ", ".join(f"`{f}`" for f in fixed) or "an override's bits / group_size / sym"
-        raise BadInput(f"`gguf: {cfg.gguf}` gives every layer llama.cpp's type for it, so {what} has no effect: "
-                       "remove it (overrides may only `skip` layers), or drop `gguf` to choose the grid yourself")
+    if fixed or any(o.bits is not None or o.group_size is not None or o.sym is not None or o.skip
+                    for o in cfg.overrides):
+        what = ", ".join(f"`{f}`" for f in fixed) or "an override's bits / group_size / sym / skip"
+        raise BadInput(f"`gguf: {cfg.gguf}` gives every layer llama.cpp's type for it (the file stores every one of "
+                       f"them quantized), so {what} does not apply: remove it (an override may set a layer's own "
+                       "`gguf` type), or drop `gguf` to choose the grid yourself")
     types = layer_types(adapter.model, cfg.gguf)  # BadInput for a family the gguf export does not write
     out, kept = {}, []
     for name in outside_blocks(adapter):
         layers.setdefault(name, None)
     for name, spec in layers.items():
         t = types.get(name)
+        for o in cfg.overrides:
+            if o.gguf is not None and t is not None and re.search(o.pattern, name):
+                width = adapter.model.get_submodule(name).weight.shape[-1]
+                t = fallback(o.gguf, width)
+                if t != o.gguf:
+                    log.info("%s: %s does not divide its %d columns; %s, as llama.cpp falls back", name, o.gguf,
+                             width, t)
         if t is None or t in FLOAT:
             kept.append(name)
             continue

@@ -257,11 +257,31 @@ def test_plan_refuses_what_a_grid_stage_cannot_give(tmp_path):
     model = save_tiny("llama", tmp_path / "m", hidden_size=256, intermediate_size=512)
     stage = {"stage": "quantize", "method": "rtn", "gguf": "Q3_K_M"}
     cases = [([stage], ["gguf", "hf"], "only the gguf export stores; drop hf"),
-             ([{**stage, "bits": 3}], ["gguf"], "`bits` has no effect"),
-             ([stage], [{"format": "gguf", "type": "Q4_K_M"}], "export gguf type Q4_K_M stores it as"),
+             ([{**stage, "bits": 3}], ["gguf"], "`bits` does not apply"),
+             ([{"stage": "quantize", "method": "rtn", "overrides": [{"pattern": "q_proj", "gguf": "Q8_0"}]}],
+              ["gguf"], "the stage has no `gguf` file type"),
+             ([stage], [{"format": "gguf", "type": "Q4_K_M"}], "but export gguf type is Q4_K_M"),
              ([{"stage": "allocate", "method": "rl", "budget": 3.5}, stage], ["gguf"], "plans widths")]
     for stages, export, msg in cases:
         rc, _, err = invoke("run", _recipe(tmp_path, model, stages, export), "--dry-run")
         assert rc == 1 and msg in err, (msg, err)
     rc, out, err = invoke("run", _recipe(tmp_path, model, [stage], ["gguf"]), "--dry-run")
     assert rc == 0 and "export gguf Q3_K_M" in out, err
+
+
+def test_an_override_gives_a_layer_its_own_type(tmp_path):
+    """Overrides set per-tensor types (llama-quantize's --tensor-type): the dry run's plan, the file and the run's
+    rounding all carry them."""
+    src = save_tiny("llama", tmp_path / "m", hidden_size=256, intermediate_size=512, num_hidden_layers=4)
+    stage = {"stage": "quantize", "method": "rtn", "gguf": "Q4_K_M",
+             "overrides": [{"pattern": r"layers\.0\.mlp", "gguf": "Q8_0"}, {"pattern": "o_proj", "gguf": "Q2_K"}]}
+    path = _recipe(tmp_path, src, [stage], ["gguf"])
+    rc, out, err = invoke("run", path, "--dry-run")
+    # layer 0's gate, up, down at Q8_0, the 4 o_proj at Q2_K (from 25 Q4_K); attn_v, ffn_down of layers 2, 3 and the
+    # output stay Q6_K
+    assert rc == 0 and "export gguf Q4_K_M: 9 F32, 4 Q2_K, 18 Q4_K, 5 Q6_K, 3 Q8_0 tensors" in out, out + err
+    rc, out, err = invoke("run", path, "--output", tmp_path / "o")
+    assert rc == 0, err
+    file = _tensors(tmp_path / "o" / "gguf" / "model-Q4_K_M.gguf")
+    assert file["blk.0.ffn_down.weight"][0] == "Q8_0" and file["blk.3.attn_output.weight"][0] == "Q2_K"
+    assert file["blk.1.ffn_up.weight"][0] == "Q4_K"

@@ -42,11 +42,13 @@ def file_name(file_type: str) -> str:
     return f"model-{file_type}.gguf"
 
 
-def tensor_plan(model, file_type: str) -> tuple[list[tuple[str, str, tuple[int, ...]]], dict[str, str]]:
+def tensor_plan(model, file_type: str, types: dict[str, str] | None = None,
+                ) -> tuple[list[tuple[str, str, tuple[int, ...]]], dict[str, str]]:
     """[(HF name, GGUF name, shape)] in file order and {GGUF name: type}. A GGUF tensor made of several of the
     model's tensors (stacked experts) has an entry per source, with that source's part of the shape (rows, ne0),
-    so the entries' sizes add up to the file's."""
-    entries, plan, _ = _plan(model, file_type)
+    so the entries' sizes add up to the file's. `types` {HF layer: type}: the types a quantize stage rounded
+    layers on (its `gguf` and its overrides' `gguf`), which replace llama.cpp's choice for their tensors."""
+    entries, plan, _ = _plan(model, file_type, types)
     return entries, plan
 
 
@@ -56,7 +58,7 @@ def layer_types(model, file_type: str) -> dict[str, str]:
     return {hf.removesuffix(".weight"): plan[g] for hf, g, _ in entries if hf.endswith(".weight")}
 
 
-def _plan(model, file_type: str):
+def _plan(model, file_type: str, types: dict[str, str] | None = None):
     config = model.config
     fam, tensors = archs.layout(model)
     entries = []
@@ -68,6 +70,13 @@ def _plan(model, file_type: str):
     kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     plan = gtypes.plan(file_type, [(t.name, t.shape) for t in tensors], n_head=config.num_attention_heads,
                        n_head_kv=kv, n_expert=archs.n_experts(config, fam))
+    for t in tensors if types else ():
+        chosen = {types[s] for s in {p.source.removesuffix(".weight") for p in t.parts} if s in types}
+        if len(chosen) > 1:
+            raise ValueError(f"{t.name} is one tensor in the file, stored at one type, but its parts were rounded "
+                             f"on {', '.join(sorted(chosen))}")
+        if chosen:
+            plan[t.name] = chosen.pop()
     return entries, plan, (fam, tensors)
 
 
@@ -119,7 +128,8 @@ def export_gguf(model, qweights: dict[str, QuantizedWeight], tokenizer, out_dir,
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     config = model.config
-    _, plan, (fam, tensors) = _plan(model, file_type)
+    grids = {n: qw.grid.type.name for n, qw in qweights.items() if qw.grid is not None}
+    _, plan, (fam, tensors) = _plan(model, file_type, grids)
     if fam.arch == "phi3" and "<|endoftext|>" not in tokenizer.get_vocab():
         from compress.errors import BadInput
 
