@@ -235,17 +235,18 @@ def test_a_quantize_stage_on_llama_cpps_grids_is_the_file(stage, tmp_path):
     names the types."""
     from compress.eval.cli import evaluate_checkpoint
 
-    src = save_tiny("llama", tmp_path / "m", hidden_size=256, intermediate_size=512, num_hidden_layers=4)
+    src = save_tiny("llama", tmp_path / "m", hidden_size=256, intermediate_size=512)
     path = _recipe(tmp_path, src, [{"stage": "quantize", "gguf": "Q4_K_M", **stage}], ["gguf"])
     doc = yaml.safe_load(path.read_text())
     doc["eval"] = {"data": ["bundled:botchan-eval"], "max_tokens": 512, "generation": {"prompts": 0}}
     path.write_text(yaml.safe_dump(doc))
-    rc, out, err = invoke("run", path, "--dry-run")
-    assert rc == 0 and "export gguf Q4_K_M: 9 F32, 25 Q4_K, 5 Q6_K tensors" in out, out + err
+    if stage["method"] == "gptq" and len(stage) == 1:  # attn_v, ffn_down of layer 1 (of 2) and the output Q6_K
+        rc, out, err = invoke("run", path, "--dry-run")
+        assert rc == 0 and "export gguf Q4_K_M: 5 F32, 13 Q4_K, 3 Q6_K tensors" in out, out + err
     rc, out, err = invoke("run", path, "--output", tmp_path / "o", "--json")
     assert rc == 0, err
     report = json.loads(out)
-    assert report["size"]["quantized_layers"] == 30
+    assert report["size"]["quantized_layers"] == 2 * 7 + 2
     file = tmp_path / "o" / "gguf" / "model-Q4_K_M.gguf"
     got = next(iter(evaluate_checkpoint(str(file), reference=str(src), data=["bundled:botchan-eval"],
                                         max_tokens=512, gen_prompts=0).values()))
