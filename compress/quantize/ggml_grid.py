@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from compress.kernels import ggml
-from compress.qweight import QuantizedWeight
+from compress.qweight import GRID_FIELDS, QuantizedWeight
 
 
 def shift(t) -> int:
@@ -65,7 +65,7 @@ def blocks(qw: QuantizedWeight, rows=None) -> ggml.GGMLBlocks:
     if p is None:
         raise ValueError("this weight was not rounded on a llama.cpp grid (no `grid`)")
     sel = slice(None) if rows is None else np.asarray(rows)
-    fields = {f: (None if getattr(p, f) is None else getattr(p, f)[sel]) for f in ("d", "m", "dmin", "scales", "mins")}
+    fields = {f: (None if getattr(p, f) is None else getattr(p, f)[sel]) for f in GRID_FIELDS}
     codes = (qw.codes.to(torch.int16) - shift(p.type)).numpy().astype(np.int8)[sel]
     return ggml.GGMLBlocks(type=p.type, codes=codes, **fields)
 
@@ -75,7 +75,7 @@ def concat(parts: list[ggml.GGMLParams]) -> ggml.GGMLParams:
     if len(parts) == 1:
         return parts[0]
     fields = {}
-    for f in ("d", "m", "dmin", "scales", "mins"):
+    for f in GRID_FIELDS:
         vals = [getattr(p, f) for p in parts]
         fields[f] = None if vals[0] is None else np.concatenate(vals, axis=1)
     return ggml.GGMLParams(type=parts[0].type, **fields)
