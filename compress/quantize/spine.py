@@ -248,9 +248,7 @@ def grid_layers(adapter, cfg: QuantizeConfig, layers: dict[str, LayerSpec]) -> d
                        "`gguf` type), or drop `gguf` to choose the grid yourself")
     types = layer_types(adapter.model, cfg.gguf)  # BadInput for a family the gguf export does not write
     out, kept = {}, []
-    for name in outside_blocks(adapter):
-        layers.setdefault(name, None)
-    for name, spec in layers.items():
+    for name in [*layers, *(n for n in outside_blocks(adapter) if n not in layers)]:
         t = types.get(name)
         for o in cfg.overrides:
             if o.gguf is not None and t is not None and re.search(o.pattern, name):
