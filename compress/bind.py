@@ -36,6 +36,7 @@ class Facts:
     exports: list[str] = field(default_factory=list)  # the recipe's export formats
     rounding: tuple[int, int, bool] | None = None  # (bits, group_size, sym) of the next quantize stage
     consumer: str | None = None  # method of the next quantize stage (the one an allocation plan is for)
+    grid: str | None = None  # the next quantize stage's `gguf` type (it rounds on llama.cpp's grids), else None
     capabilities: frozenset = frozenset()  # what that method can do (registry.Entry.capabilities)
     layers: dict = field(default_factory=dict)  # quantize: {name: LayerSpec} it rounds; allocate: its consumer's
     plan_from: str | None = None  # quantize: the key of the allocate stage whose Plan it applies
@@ -92,11 +93,12 @@ def bind(recipe, adapter) -> Binding:
         q = _next(cfgs, i, "quantize")
         if q is not None:
             facts.rounding, facts.consumer = (cfgs[q].bits, cfgs[q].group_size, cfgs[q].sym), cfgs[q].method
+            facts.grid = cfgs[q].gguf
             facts.capabilities = entries[q].capabilities
             facts.group_of = _group_of(cfgs, entries, i, q)
             layers.setdefault(q, planned_layers(adapter, cfgs[q]))
             if cfg.stage == "allocate":
-                if not entry.per_layer:  # a per-chunk plan rounds every layer with one group: no per-layer fitting
+                if not (entry.per_layer or cfgs[q].gguf):  # a per-chunk plan rounds every layer with one group
                     layers[q] = {n: dataclasses.replace(s, group_size=cfgs[q].group_size, asked=None)
                                  for n, s in layers[q].items()}
                 facts.layers = layers[q]
@@ -160,7 +162,7 @@ def _bind_exports(recipe, adapter, stages: list[Bound], base: ModelSpec, spec: M
     quantized = [(b.index, b.cfg.method, (b.cfg.bits, b.cfg.group_size, b.cfg.sym, b.cfg.gguf), b.facts.layers)
                  for b in stages if b.cfg.stage == "quantize"]
     _check_grids(stages, formats)
-    mixed = any(b.cfg.stage == "allocate" and not b.entry.per_layer for b in stages)  # per-layer plans: no chunks
+    mixed = any(b.cfg.stage == "allocate" and not (b.entry.per_layer or b.facts.grid) for b in stages)  # chunks
     widths = {spec.bits for *_, layers in quantized for spec in layers.values()}
     for b in stages:
         if b.cfg.stage == "allocate":
@@ -182,8 +184,7 @@ def _bind_exports(recipe, adapter, stages: list[Bound], base: ModelSpec, spec: M
 
 def _check_grids(stages: list[Bound], formats: list[str]) -> None:
     """A quantize stage on llama.cpp's grids (`gguf`) writes only GGUF: no other format holds the K-quants' two-level
-    scales and float minimums (docs/gguf.md#rounding-on-llamacpps-grids), and one GGML type per tensor takes no
-    per-chunk allocation plan."""
+    scales and float minimums (docs/gguf.md#rounding-on-llamacpps-grids)."""
     grid = next((b for b in stages if b.cfg.stage == "quantize" and b.cfg.gguf), None)
     if grid is None:
         return
@@ -192,10 +193,6 @@ def _check_grids(stages: list[Bound], formats: list[str]) -> None:
         raise BadInput(f"stage {grid.index} rounds on llama.cpp's {grid.cfg.gguf} blocks (`gguf: {grid.cfg.gguf}`), "
                        f"which only the gguf export stores; drop {', '.join(other)} from export.formats, or drop "
                        "`gguf` and choose bits / group_size / sym for those formats")
-    alloc = next((b for b in stages if b.cfg.stage == "allocate"), None)
-    if alloc is not None:
-        raise BadInput(f"stage {alloc.index} (`allocate`) plans widths, but stage {grid.index} rounds every layer on "
-                       f"the type llama.cpp's {grid.cfg.gguf} gives it: remove one of them")
 
 
 def holds(fmt: str, spec: ModelSpec, base: ModelSpec) -> list[str]:

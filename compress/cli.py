@@ -717,6 +717,11 @@ def bench_gguf(
                                                           "comma-separated: rtn, gptq, autoround"),
     seeds: int = typer.Option(3, "--seeds", help="compress runs per type (calibration sampling seeds)"),
     max_tokens: int = typer.Option(8192, "--max-tokens", help="tokens scored"),
+    allocate: Optional[str] = typer.Option(None, "--allocate", help="also each method after this `allocate` method "
+                                           "(greedy, lagrangian, rl, uniform) choosing llama.cpp types per tensor at "
+                                           "the bits per weight the type's own mix gives the same tensors"),
+    allocated_only: bool = typer.Option(False, "--allocated-only", help="with --allocate: no compress rows "
+                                        "without the allocation"),
     json_out: Optional[Path] = JSON_OUT,
     md_out: Optional[Path] = MARKDOWN_OUT,
 ):
@@ -730,7 +735,7 @@ def bench_gguf(
 
     result = bench.run(model, data, calibration, types=tuple(t.strip() for t in types.split(",") if t.strip()),
                        methods=tuple(m.strip() for m in methods.split(",") if m.strip()), seeds=seeds,
-                       max_tokens=max_tokens)
+                       max_tokens=max_tokens, allocate=allocate, baselines=not allocated_only)
     emit_bench(result, bench.markdown(result), json_out, md_out)
 
 

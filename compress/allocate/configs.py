@@ -6,18 +6,26 @@ from typing import Literal, Optional
 
 from pydantic import Field, field_validator, model_validator
 
-from compress.allocate.problem import Option
-from compress.config import StrictModel, check_group_size
+from compress.allocate.problem import Option, gguf_option
+from compress.config import GGMLType, StrictModel, check_group_size
 from compress.qweight import KEEP_BITS
 
 
 class OptionSpec(StrictModel):
-    bits: int = Field(..., description="2..8, or 16 = keep the chunk in fp16")
+    bits: Optional[int] = Field(None, description="2..8, or 16 = keep the chunk in fp16")
     treatment: Literal["minmax", "clip", "keep"] = Field("minmax", description="minmax RTN, activation-weighted "
                                                                                 "clipping search, or keep (16 bits)")
+    gguf: Optional[GGMLType] = Field(None, description="instead of bits: a llama.cpp type for a whole tensor (the "
+                                                       "next quantize stage rounds on llama.cpp's grids, `gguf`)")
 
     @model_validator(mode="after")
     def _pair(self):
+        if (self.bits is None) == (self.gguf is None):
+            raise ValueError("an option is either `bits` (with a treatment) or a llama.cpp type `gguf`")
+        if self.gguf is not None:
+            if "treatment" in self.model_fields_set:
+                raise ValueError("a `gguf` option takes no treatment: llama.cpp's fit of that type rounds it")
+            return self
         if (self.bits == KEEP_BITS) != (self.treatment == "keep"):
             raise ValueError("bits 16 goes with treatment `keep` and only with it")
         if self.bits != KEEP_BITS and not 2 <= self.bits <= 8:
@@ -28,6 +36,10 @@ class OptionSpec(StrictModel):
 def default_options() -> list[OptionSpec]:
     return [OptionSpec(bits=b, treatment=t) for b in (2, 3, 4, 8) for t in ("minmax", "clip")] + [
         OptionSpec(bits=16, treatment="keep")]
+
+
+# the options when the next quantize stage rounds on llama.cpp's grids: the types llama.cpp's K mixes are made of
+GGUF_OPTIONS = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_0")
 
 
 class AllocateConfig(StrictModel):
@@ -52,17 +64,24 @@ class AllocateConfig(StrictModel):
             raise ValueError("group_size -1 (per-channel) cannot be cut into chunks; use a group size")
         if self.group_size is not None and self.chunk_size is not None and self.chunk_size % self.group_size:
             raise ValueError(f"chunk_size {self.chunk_size} is not a multiple of group_size {self.group_size}")
-        labels = [(o.bits, o.treatment) for o in self.options]
+        labels = [(o.bits, o.treatment, o.gguf) for o in self.options]
         if len(set(labels)) != len(labels):
             raise ValueError("options are listed more than once")
+        if len({o.gguf is None for o in self.options}) > 1:
+            raise ValueError("options are either all llama.cpp types (`gguf`) or all bit widths")
         return self
 
     def option_list(self) -> list[Option]:
-        return [Option(o.bits, o.treatment) for o in self.options]
+        return [gguf_option(o.gguf) if o.gguf else Option(o.bits, o.treatment) for o in self.options]
+
+    @property
+    def gguf(self) -> bool:
+        """The options are llama.cpp types: one per tensor (docs/gguf.md#mixed-precision-plans)."""
+        return any(o.gguf for o in self.options)
 
     def widths(self) -> set[int]:
         """Every bit width a layer may end up with (the exports plan their containers for these)."""
-        return {o.bits for o in self.options}
+        return {o.bits for o in self.option_list()}
 
 
 class SelectionSlice(StrictModel):

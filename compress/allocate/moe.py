@@ -110,6 +110,11 @@ def _cost(linears: dict, bits: list[int], group: int, sym: bool) -> list[int]:
 def check(adapter, cfg: MoEConfig, facts):
     if facts.rounding is None:
         raise BadInput(f"stage {facts.index} (`allocate moe`) needs a `quantize` stage after it to apply the plan")
+    if facts.grid is not None:
+        raise BadInput(f"stage {facts.index} (`allocate moe`) plans expert bit widths, but the next quantize stage "
+                       f"rounds on llama.cpp's {facts.grid} blocks, where a layer's experts are one tensor of one type: "
+                       "plan llama.cpp types with `greedy`, `lagrangian`, `rl` or `uniform` "
+                       "(docs/gguf.md#mixed-precision-plans)")
     _, group, sym = facts.rounding
     if 1 in cfg.bits and SIGN not in facts.capabilities:
         signs = " or ".join(f"`{m}`" for m in registry.having("quantize", SIGN))

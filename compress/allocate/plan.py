@@ -15,11 +15,11 @@ from typing import ClassVar
 
 import torch
 
-from compress.allocate.problem import Option, Problem, map_bits
+from compress.allocate.problem import Option, Problem, ggml_type_at, gguf_option, map_bits, option_bits
 from compress.driver import LayerSpec, MixedSpec
 from compress.errors import BadInput
 from compress.handoff import Handoff
-from compress.qweight import KEEP_BITS, unit_storage_bits
+from compress.qweight import KEEP_BITS
 
 PLAN_FORMAT, PLAN_VERSION = "compress-plan", 1
 PLAN_FILE, ENERGY_FILE = "plan.json", "energy.safetensors"
@@ -29,12 +29,13 @@ PLAN_FILE, ENERGY_FILE = "plan.json", "energy.safetensors"
 class Plan(Handoff):
     """unit -> option, per layer: `layers[name][j]` is the option index of chunk j. `chunk_size` 0: one unit
     per layer (`layers[name] == [i]`), rounded at that width by the quantizer itself (any method: the
-    expert-level plans of `allocate method: moe`), with no per-unit metadata stored."""
+    expert-level plans of `allocate method: moe`, and the llama.cpp types of a plan for a quantize stage on llama.cpp's
+    grids), with no per-unit metadata stored."""
 
     options: list[Option]
     chunk_size: int
-    group_size: int
-    sym: bool
+    group_size: int | None  # None: llama.cpp types (`gguf`), each with its own blocks
+    sym: bool | None
     budget: float
     layers: dict[str, list[int]]
     shapes: dict[str, tuple[int, int]]
@@ -49,10 +50,24 @@ class Plan(Handoff):
         return self.chunk_size == 0
 
     @property
+    def gguf(self) -> bool:
+        """The options are llama.cpp types (docs/gguf.md#mixed-precision-plans)."""
+        return any(o.ggml for o in self.options)
+
+    @property
     def map_bits(self) -> int:
         return 0 if self.per_layer else map_bits(self.options)
 
+    def layer_type(self, name: str) -> str:
+        """A llama.cpp-type plan: the type layer `name` is stored in (llama.cpp's fallback where the planned type's
+        block does not divide its width)."""
+        return ggml_type_at(self.options[self.layers[name][0]].ggml, self.shapes[name][1])
+
     def layer_spec(self, name: str) -> LayerSpec:
+        if self.gguf:
+            from compress.quantize import ggml_grid
+
+            return ggml_grid.layer_spec(self.layer_type(name))
         if self.per_layer:
             return LayerSpec(self.options[self.layers[name][0]].bits, self.group_size, self.sym)
         opts = tuple((self.options[i].bits, self.options[i].treatment) for i in self.layers[name])
@@ -63,8 +78,8 @@ class Plan(Handoff):
     def layer_bits(self, name: str) -> int:
         d_out, d_in = self.shapes[name]
         c = self.chunk_size or d_in
-        return sum(unit_storage_bits(d_out, min(c, d_in - j * c), self.group_size, self.options[i].bits, self.sym,
-                                     self.map_bits) for j, i in enumerate(self.layers[name]))
+        return sum(option_bits(d_out, min(c, d_in - j * c), self.group_size, self.options[i], self.sym, self.map_bits)
+                   for j, i in enumerate(self.layers[name]))
 
     def total_bits(self) -> int:
         return sum(self.layer_bits(n) for n in self.layers)
@@ -79,11 +94,14 @@ class Plan(Handoff):
         return {
             "format": PLAN_FORMAT, "version": PLAN_VERSION, "method": self.method, "budget": self.budget,
             "chunk_size": self.chunk_size, "group_size": self.group_size, "sym": self.sym,
-            "map_bits": self.map_bits, "options": [{"bits": o.bits, "treatment": o.treatment} for o in self.options],
+            "map_bits": self.map_bits,
+            "options": [{"gguf": o.ggml} if o.ggml else {"bits": o.bits, "treatment": o.treatment}
+                        for o in self.options],
             "effective_bits": self.effective_bits(), "total_bits": self.total_bits(),
             "total_weights": self.total_weights(),
             "layers": {n: {"shape": list(self.shapes[n]), "options": self.layers[n],
                            "bits": [self.options[i].bits for i in self.layers[n]],
+                           **({"type": self.layer_type(n)} if self.gguf else {}),
                            "effective_bits": self.layer_bits(n) / (self.shapes[n][0] * self.shapes[n][1])}
                        for n in self.layers},
             "info": self.info or {},
@@ -94,7 +112,8 @@ class Plan(Handoff):
         if data.get("format") != PLAN_FORMAT or data.get("version") != PLAN_VERSION:
             raise BadInput(f"{where} is not a {PLAN_FORMAT} version {PLAN_VERSION} file "
                            f"(format {data.get('format')!r}, version {data.get('version')!r})")
-        options = [Option(o["bits"], o["treatment"]) for o in data["options"]]
+        options = [gguf_option(o["gguf"]) if o.get("gguf") else Option(o["bits"], o["treatment"])
+                   for o in data["options"]]
         plan = cls(options, data["chunk_size"], data["group_size"], data["sym"], data["budget"],
                    {n: list(v["options"]) for n, v in data["layers"].items()},
                    {n: tuple(v["shape"]) for n, v in data["layers"].items()}, data["method"], info=data.get("info"))
@@ -130,7 +149,9 @@ def plan_from_choice(p: Problem, choice: torch.Tensor, shapes: dict, cfg, method
     layers = {n: [] for n in p.layers}
     for u in range(p.n_units):
         layers[p.layers[int(p.unit_layer[u])]].append(int(choice[u]))
-    plan = Plan(p.options, cfg.chunk_size, cfg.group_size, cfg.sym, cfg.budget, layers, shapes, method, energy, info)
+    per_layer = any(o.ggml for o in p.options)  # llama.cpp types: one per tensor
+    plan = Plan(p.options, 0 if per_layer else cfg.chunk_size, cfg.group_size, cfg.sym, cfg.budget, layers, shapes,
+                method, energy, info)
     assert plan.total_bits() == p.bits_of(choice) <= p.budget  # the two accountings agree, budget holds
     return plan
 
@@ -146,9 +167,15 @@ def read_plan(path: str) -> Plan:
     return Plan.from_json(data, path)
 
 
-def check_plan_file(plan: Plan, layers: dict, group_size: int, sym: bool, where: str) -> None:
-    """`layers`: {name: (linear, block index)} of the quantize stage the plan is for, with its group and sym."""
-    if (group_size, sym) != (plan.group_size, plan.sym):
+def check_plan_file(plan: Plan, layers: dict, group_size: int | None, sym: bool | None, where: str,
+                    gguf: bool = False) -> None:
+    """`layers`: {name: (linear, block index)} of the quantize stage the plan is for, with its group and sym (`gguf`:
+    that stage rounds on llama.cpp's grids, and the plan must hold llama.cpp types)."""
+    if gguf != plan.gguf:
+        raise BadInput(f"plan `{where}` holds " + ("llama.cpp types" if plan.gguf else "bit widths") + ", but the next "
+                       "quantize stage " + ("rounds on llama.cpp's grids (`gguf`)" if gguf else
+                                            "does not round on llama.cpp's grids (no `gguf`)"))
+    if not gguf and (group_size, sym) != (plan.group_size, plan.sym):
         raise BadInput(f"plan `{where}` (group_size {plan.group_size}, sym {plan.sym}) and the next quantize stage "
                        f"(group_size {group_size}, sym {sym}) must agree")
     missing = sorted(set(layers) ^ set(plan.layers))

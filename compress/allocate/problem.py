@@ -3,7 +3,9 @@ non-RL solvers.
 
 Pure functions over tensors (no model, no hooks). A *unit* is chunk `j` of a quantized linear: input
 columns `[j*c, (j+1)*c)` (the last chunk may be shorter). An *option* is a bit width and a treatment
-(`minmax` RTN, `clip` = activation-weighted clipping search, or 16-bit `keep`). For every unit and option:
+(`minmax` RTN, `clip` = activation-weighted clipping search, or 16-bit `keep`), or a llama.cpp type for a whole
+tensor (`ggml`; the unit is then the whole layer, fitted as llama.cpp fits it with `a` as its importance matrix, and
+its cost the type's block bytes: docs/gguf.md#mixed-precision-plans). For every unit and option:
 
     cost(u, o) = exact storage bits (codes + fp16 scales + zero points + map_bits), qweight.unit_storage_bits
     err(u, o)  = sum_{k in u} a_k * ||W[:, k] - Q_o(W)[:, k]||^2,   a_k = E[x_k^2] over calibration tokens
@@ -38,12 +40,38 @@ LAYER_TYPES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 
 @dataclass(frozen=True)
 class Option:
-    bits: int  # 2..8, or 16 = keep in fp16
-    treatment: str  # minmax | clip | keep
+    bits: int  # 2..8, or 16 = keep in fp16; a llama.cpp type: its code bits
+    treatment: str  # minmax | clip | keep | gguf
+    ggml: str | None = None  # a llama.cpp type (treatment `gguf`): the whole tensor on that type's blocks
 
     @property
     def label(self) -> str:
-        return f"{self.bits}-{self.treatment}"
+        return self.ggml or f"{self.bits}-{self.treatment}"
+
+
+def gguf_option(t: str) -> Option:
+    from compress.quantize import ggml_grid
+
+    return Option(ggml_grid.code_bits(t), "gguf", t)
+
+
+def ggml_type_at(t: str, width: int) -> str:
+    """The type a tensor of `width` columns asked to be `t` is stored in: llama.cpp's fallback where `t`'s block does
+    not divide the width (`export/gguf/types.fallback`; F16 where no block does)."""
+    from compress.export.gguf.types import fallback
+
+    return fallback(t, width)
+
+
+def option_bits(d_out: int, width: int, group: int, o: Option, sym: bool, mbits: int) -> int:
+    """Exact storage bits of a unit at option `o`: `qweight.unit_storage_bits`, or a llama.cpp type's block bytes
+    (the type the tensor falls back to; the file names each tensor's type in its header, no plan metadata)."""
+    if o.ggml is None:
+        return unit_storage_bits(d_out, width, group, o.bits, sym, mbits)
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType[ggml_type_at(o.ggml, width)]]
+    return d_out * width // block * size * 8
 
 
 def map_bits(options) -> int:
@@ -69,6 +97,7 @@ class Problem:
     err: torch.Tensor  # (U, O) float64 proxy error
     features: torch.Tensor  # (U, F) float32 static state features
     budget: int  # bits
+    chunk: int = 0  # unit width in input columns (a layer's last unit may be narrower)
 
     @property
     def n_units(self) -> int:
@@ -112,13 +141,24 @@ def layer_units(W: torch.Tensor, energy: torch.Tensor, options: list[Option], ch
     W = W.detach().float()
     hats, costs, errs = [], [], []
     for o in options:
-        W_hat = W.half().float() if o.bits == KEEP_BITS else fit(W, o.bits, o.treatment, group_size, sym, energy)
+        W_hat = W.half().float() if o.bits == KEEP_BITS else _fit(W, o, group_size, sym, energy)
         W_hat = W_hat if isinstance(W_hat, torch.Tensor) else W_hat.dequantize()
         col = (((W - W_hat) ** 2).double() * energy.double().view(1, -1)).sum(0)
         errs.append(group_view(col.view(1, -1), chunk_size)[0].sum(-1))
-        costs.append(torch.tensor([unit_storage_bits(d_out, w, group_size, o.bits, sym, mbits) for w in widths]))
+        costs.append(torch.tensor([option_bits(d_out, w, group_size, o, sym, mbits) for w in widths]))
         hats.append(W_hat)
     return torch.stack(costs, 1), torch.stack(errs, 1), torch.stack(hats)
+
+
+def _fit(W: torch.Tensor, o: Option, group_size: int, sym: bool, energy: torch.Tensor):
+    """Option `o`'s rounding of a whole layer: compress's grid (`primitives.fit`), or llama.cpp's fit of type
+    `o.ggml` weighted by the input energy (the importance matrix llama.cpp's quantize takes) and ggml's rounding."""
+    if o.ggml is None:
+        return fit(W, o.bits, o.treatment, group_size, sym, energy)
+    from compress.quantize import ggml_grid
+
+    t = ggml_type_at(o.ggml, W.shape[1])
+    return W.half().float() if t in ("F16", "BF16", "F32") else ggml_grid.rtn(W, t, energy)
 
 
 def unit_features(W: torch.Tensor, energy: torch.Tensor, chunk_size: int) -> torch.Tensor:
@@ -170,7 +210,7 @@ def build_problem(layers: dict[str, tuple[torch.Tensor, torch.Tensor, int]], n_b
     feats = torch.cat(feats)
     feats = (feats - feats.mean(0)) / feats.std(0).clamp_min(1e-6)  # standardised per feature
     p = Problem(options, names, torch.tensor(ul), torch.tensor(uc), weights, torch.cat(costs), torch.cat(errs),
-                feats.float(), budget_bits(budget, int(weights.sum())))
+                feats.float(), budget_bits(budget, int(weights.sum())), chunk_size)
     p.check_feasible()
     return p, hats
 

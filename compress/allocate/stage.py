@@ -57,6 +57,7 @@ import torch
 
 from compress import registry
 from compress.allocate.configs import (
+    GGUF_OPTIONS,
     FileConfig,
     GreedyConfig,
     LagrangianConfig,
@@ -78,6 +79,7 @@ from compress.allocate.problem import (
     lagrangian,
     map_bits,
     nearest_uniform,
+    option_bits,
     refine,
     reweight,
     uniform,
@@ -86,7 +88,6 @@ from compress.allocate.report import ALLOCATION
 from compress.allocate.terminal import Terminal, collect_stats, sensitivity
 from compress.errors import BadInput
 from compress.quantize.spine import CHUNK_PLAN
-from compress.qweight import unit_storage_bits
 from compress.registry import register
 
 log = logging.getLogger(__name__)
@@ -108,6 +109,13 @@ def check(adapter, cfg, facts):
     `chunk_size` defaults resolved from it, the budget against the cheapest plan."""
     if facts.rounding is None:
         raise BadInput(f"stage {facts.index} (`allocate`) needs a `quantize` stage after it to apply the plan")
+    if facts.grid is not None:
+        return _check_gguf(adapter, cfg, facts)
+    if cfg.method == "file" or cfg.gguf:
+        if cfg.method != "file" or read_plan(cfg.path).gguf:
+            raise BadInput(f"stage {facts.index} (`allocate`) plans llama.cpp types, but the next quantize stage does "
+                           "not round on llama.cpp's grids: give it `gguf: TYPE` (docs/gguf.md#mixed-precision-plans), "
+                           "or plan bit widths")
     if CHUNK_PLAN not in facts.capabilities:
         raise BadInput(f"the `quantize` stage after `allocate` uses method `{facts.consumer}`; mixed-precision plans "
                        f"are fitted by {' or '.join(f'`{m}`' for m in registry.having('quantize', CHUNK_PLAN))}")
@@ -126,37 +134,98 @@ def check(adapter, cfg, facts):
     except ValueError as e:
         raise BadInput(f"stage {facts.index} (`allocate`) with the next quantize stage's group_size {group}: "
                        f"{e.errors()[0]['msg'] if hasattr(e, 'errors') else e}") from None
+    _check_budget(cfg, layers, cfg.chunk_size, cfg.group_size, cfg.sym, map_bits(cfg.options))
+    return cfg
+
+
+def _check_budget(cfg, layers: dict, chunk: int | None, group: int, sym: bool, mbits: int) -> None:
+    """The budget against the plan with every unit at its cheapest option (`chunk` None: one unit per layer)."""
     total = least = 0
-    mbits = map_bits(cfg.options)
+    options = cfg.option_list()
     for name, (lin, _) in layers.items():
         d_out, d_in = lin.weight.shape  # a short last chunk (or a layer narrower than a group) is one short group
-        for s in range(0, d_in, cfg.chunk_size):
-            w = min(cfg.chunk_size, d_in - s)
-            least += min(unit_storage_bits(d_out, w, cfg.group_size, o.bits, cfg.sym, mbits) for o in cfg.options)
+        for s in range(0, d_in, chunk or d_in):
+            w = min(chunk or d_in, d_in - s)
+            least += min(option_bits(d_out, w, group, o, sym, mbits) for o in options)
             total += d_out * w
     if least > cfg.budget * total:
         raise BadInput(f"allocate budget {cfg.budget} is below the cheapest plan ({least / total:.4f} effective "
                        "bits with every unit at its cheapest option, scales, zero points and plan metadata "
                        "included); raise `budget`, use a larger `group_size`, or add a cheaper option")
+
+
+def gguf_layers(adapter, names, file_type: str) -> tuple[dict, list[str]]:
+    """The planned linears a llama.cpp type is chosen for when the next quantize stage rounds on llama.cpp's grids
+    (`planned_linears`), and those left at the type the stage's mix gives them: the routed experts, which the file
+    stacks into one tensor per layer (one type for all of them)."""
+    from compress.export.gguf import tensor_plan
+
+    entries, _ = tensor_plan(adapter.model, file_type)
+    sources: dict[str, set] = {}
+    for hf, tensor, _ in entries:
+        sources.setdefault(tensor, set()).add(hf.removesuffix(".weight"))
+    stacked = {s for group in sources.values() if len(group) > 1 for s in group}
+    layers = planned_linears(adapter, names)
+    return {n: v for n, v in layers.items() if n not in stacked}, sorted(n for n in layers if n in stacked)
+
+
+def _check_gguf(adapter, cfg, facts):
+    """Plan time, the next quantize stage rounding on llama.cpp's grids (`gguf`): one llama.cpp type per tensor
+    (docs/gguf.md#mixed-precision-plans)."""
+    key = f"stage {facts.index} (`allocate`)"
+    layers, stacked = gguf_layers(adapter, facts.layers, facts.grid)
+    if cfg.method == "file":
+        check_plan_file(read_plan(cfg.path), layers, None, None, cfg.path, gguf=True)
+        return cfg
+    given = sorted(f for f in ("group_size", "sym", "chunk_size") if getattr(cfg, f) is not None)
+    if given:
+        raise BadInput(f"{key} plans one llama.cpp type per tensor for the next quantize stage (`gguf: "
+                       f"{facts.grid}`): {', '.join(f'`{f}`' for f in given)} does not apply; remove it")
+    if "options" not in cfg.model_fields_set:
+        cfg = type(cfg).model_validate({**cfg.model_dump(exclude={"options"}),
+                                        "options": [{"gguf": t} for t in GGUF_OPTIONS]})
+    elif not cfg.gguf:
+        raise BadInput(f"{key}: the next quantize stage rounds on llama.cpp's grids (`gguf: {facts.grid}`), so the "
+                       f"options are llama.cpp types (`options: [{{gguf: Q3_K}}, {{gguf: Q4_K}}, ...]`), not bit "
+                       "widths; or leave `options` out for " + ", ".join(GGUF_OPTIONS))
+    if not layers:
+        raise BadInput(f"{key}: no layer of this model is a tensor of its own in the GGUF file; nothing to plan")
+    facts.notes.append(f"one llama.cpp type per tensor ({', '.join(o.gguf for o in cfg.options)}) for {len(layers)} "
+                       f"block linears within {cfg.budget} bits per weight; the token embeddings and output keep "
+                       f"{facts.grid}'s types (the export's type counts are {facts.grid}'s before the allocation)")
+    if stacked:
+        facts.notes.append(f"{key}: {len(stacked)} routed expert layers (e.g. `{stacked[0]}`) keep the type "
+                           f"{facts.grid} gives them: the file stacks a layer's experts into one tensor of one type")
+    _check_budget(cfg, layers, None, 0, True, 0)
     return cfg
 
 
 def apply(ctx, cfg) -> dict:
     """Every allocate method: statistics, the search, the plan handed to the next quantize stage."""
-    layers = planned_linears(ctx.adapter, ctx.facts.layers)
+    grid = ctx.facts.grid
+    if grid is None:
+        layers = planned_linears(ctx.adapter, ctx.facts.layers)
+    else:
+        layers, stacked = gguf_layers(ctx.adapter, ctx.facts.layers, grid)
+        if stacked:
+            log.info("allocate: %d routed expert layers keep the type %s gives them (one stacked tensor per layer "
+                     "in the file)", len(stacked), grid)
     shapes = {n: tuple(lin.weight.shape) for n, (lin, _) in layers.items()}
     t0 = time.time()
     energy = collect_stats(ctx, layers)
     if cfg.method == "file":
         plan = read_plan(cfg.path)
-        check_plan_file(plan, layers, *ctx.facts.rounding[1:], cfg.path)
-        plan.energy = energy
+        check_plan_file(plan, layers, *(ctx.facts.rounding[1:] if grid is None else (None, None)), cfg.path,
+                        gguf=grid is not None)
+        plan.energy = None if plan.per_layer else energy
         return _finish(ctx, plan, None, time.time() - t0)
     data = {n: (lin.weight.data, energy[n], i) for n, (lin, i) in layers.items()}
     needs_hats = ((cfg.method == "rl" and cfg.terminal != "none") or getattr(cfg, "sensitivity", "none") != "none"
                   or getattr(cfg, "refine", 0) > 0)
-    p, hats = build_problem(data, len(ctx.adapter.blocks), cfg.option_list(), cfg.chunk_size, cfg.group_size,
-                            cfg.sym, cfg.budget, keep_hats=needs_hats)
+    # llama.cpp types: one unit per tensor (a chunk as wide as the widest layer), fitted as llama.cpp fits the type
+    chunk = cfg.chunk_size if grid is None else max(w for _, w in shapes.values())
+    p, hats = build_problem(data, len(ctx.adapter.blocks), cfg.option_list(), chunk,
+                            cfg.group_size or chunk, bool(cfg.sym), cfg.budget, keep_hats=needs_hats)
     stats_s = time.time() - t0
     curve, info, select = None, {}, None
     if cfg.method == "rl":
@@ -180,7 +249,7 @@ def apply(ctx, cfg) -> dict:
         bar.close()
     info.update(proxy_error=p.err_of(choice), statistics_seconds=round(stats_s, 3),
                 search_seconds=round(time.time() - t0 - stats_s, 3), units=p.n_units)
-    plan = plan_from_choice(p, choice, shapes, cfg, cfg.method, energy, info)
+    plan = plan_from_choice(p, choice, shapes, cfg, cfg.method, None if grid else energy, info)
     return _finish(ctx, plan, curve, time.time() - t0)
 
 
@@ -191,9 +260,9 @@ def _search_rl(ctx, cfg: RLConfig, layers, hats, p: Problem):
     info = {}
     if cfg.terminal != "none":
         terminal = Terminal(ctx.model, layers, hats, p, _slice(ctx, cfg.reward_samples, cfg.reward_seqlen),
-                            cfg.terminal, cfg.kappa, cfg.chunk_size)
+                            cfg.terminal, cfg.kappa, p.chunk)
         select = Terminal(ctx.model, layers, hats, p, _slice(ctx, cfg.select_samples, cfg.select_seqlen),
-                          cfg.terminal, cfg.kappa, cfg.chunk_size)
+                          cfg.terminal, cfg.kappa, p.chunk)
         if cfg.sensitivity != "none":
             p, info = _weighted(select, p, cfg.sensitivity)
     s = PPOSettings(updates=cfg.updates, episodes=cfg.episodes, epochs=cfg.epochs, minibatch=cfg.minibatch,
@@ -211,7 +280,7 @@ def _search_rl(ctx, cfg: RLConfig, layers, hats, p: Problem):
 def _ppl_terminal(ctx, cfg, layers, hats, p: Problem) -> Terminal:
     """Perplexity on the selection slice: the layer sensitivities of the knapsack solvers, and `refine`."""
     return Terminal(ctx.model, layers, hats, p, _slice(ctx, cfg.select_samples, cfg.select_seqlen), "ppl", 1.0,
-                    cfg.chunk_size)
+                    p.chunk)
 
 
 def _slice(ctx, samples: int, seqlen: int) -> torch.Tensor:

@@ -49,6 +49,13 @@ def sym(t) -> bool:
     return zero(t) != 0
 
 
+def layer_spec(t):
+    """The `LayerSpec` of a layer rounded on type `t`'s blocks."""
+    from compress.driver import LayerSpec
+
+    return LayerSpec(code_bits(t), sub_block(t), sym(t), ggml=ggml.ggml_type(t).name)
+
+
 def to_qweight(params: ggml.GGMLParams, codes: np.ndarray) -> QuantizedWeight:
     """The QuantizedWeight of blocks `params` with ggml codes `codes` (int, the kernels.ggml convention)."""
     t = params.type

@@ -194,10 +194,11 @@ def _spec(layers: dict, name: str, linear: nn.Linear, cfg: QuantizeConfig) -> La
 
 def planned_spec(plan, name: str, spec: LayerSpec | None) -> LayerSpec | None:
     """`spec` with the allocation plan's width for this layer, when a plan covers it: a per-layer plan (`moe`) sets
-    the bits and keeps the group fitted to the layer; a per-chunk plan uses its own group on every layer."""
+    the bits and keeps the group fitted to the layer; a per-chunk plan uses its own group on every layer; a plan of
+    llama.cpp types sets the layer's type (docs/gguf.md#mixed-precision-plans)."""
     if spec is None or plan is None or name not in plan.layers:
         return spec
-    if plan.per_layer:
+    if plan.per_layer and not plan.gguf:
         return dataclasses.replace(spec, bits=plan.layer_spec(name).bits)
     return plan.layer_spec(name)
 
@@ -260,7 +261,7 @@ def grid_layers(adapter, cfg: QuantizeConfig, layers: dict[str, LayerSpec]) -> d
         if t is None or t in FLOAT:
             kept.append(name)
             continue
-        out[name] = LayerSpec(ggml_grid.code_bits(t), ggml_grid.sub_block(t), ggml_grid.sym(t), ggml=t)
+        out[name] = ggml_grid.layer_spec(t)
     if kept:
         log.info("gguf %s: %d layers stay in floating point in the file (no block divides their width), "
                  "e.g. `%s`; they are not quantized", cfg.gguf, len(kept), kept[0])

@@ -262,7 +262,7 @@ def test_plan_refuses_what_a_grid_stage_cannot_give(tmp_path):
              ([{"stage": "quantize", "method": "rtn", "overrides": [{"pattern": "q_proj", "gguf": "Q8_0"}]}],
               ["gguf"], "the stage has no `gguf` file type"),
              ([stage], [{"format": "gguf", "type": "Q4_K_M"}], "but export gguf type is Q4_K_M"),
-             ([{"stage": "allocate", "method": "rl", "budget": 3.5}, stage], ["gguf"], "plans widths")]
+             ([{"stage": "allocate", "method": "moe", "budget": 3.5}, stage], ["gguf"], "plans expert bit widths")]
     for stages, export, msg in cases:
         rc, _, err = invoke("run", _recipe(tmp_path, model, stages, export), "--dry-run")
         assert rc == 1 and msg in err, (msg, err)

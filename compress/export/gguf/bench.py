@@ -4,7 +4,9 @@ For `model` (a local directory): compress writes an F16 GGUF (a conversion run);
 matrix on the calibration text (`llama-imatrix`) and quantizes that F16 file to each type with and without it
 (`llama_model_quantize`, `compress/serve/engines/llamacpp.py`); compress writes each type from its own runs
 (`methods`: GPTQ on each type's own blocks, `gguf: TYPE`, one run per seed; `--methods gptq,autoround` adds
-AutoRound on the same blocks; and at Q4_0 GPTQ on compress's own W4 sym group 32 grid, which Q4_0 holds exactly). Every file is read by compress (`compress eval FILE
+AutoRound on the same blocks; and at Q4_0 GPTQ on compress's own W4 sym group 32 grid, which Q4_0 holds exactly;
+`allocate` adds each method after an allocation of llama.cpp types per tensor at the bits per weight the type's own
+mix gives the same tensors, `mix_budget`). Every file is read by compress (`compress eval FILE
 --reference MODEL`: the file's tensors dequantized by gguf) on the same first `max_tokens` tokens of `data`: KL to the
 full-precision model, top-1 agreement, perplexity ratio, and the file's size.
 """
@@ -27,11 +29,41 @@ OWN_GRID = {"Q4_0": ("compress gptq (W4 sym g32)",
                      {"stage": "quantize", "method": "gptq", "bits": 4, "group_size": 32, "sym": True})}
 
 
-def stages(file_type: str, methods=METHODS) -> list[tuple[str, dict]]:
-    """(row label, quantize stage) of compress's rows at `file_type`."""
-    out = [(f"compress {m} (gguf: {file_type})", {"stage": "quantize", "method": m, "gguf": file_type})
+def stages(file_type: str, methods=METHODS, allocate: str | None = None,
+           budget: float | None = None) -> list[tuple[str, list[dict]]]:
+    """(row label, stages) of compress's rows at `file_type`; with `allocate` (a method), also each method after that
+    allocation of llama.cpp types at `budget` bits per weight (docs/gguf.md#mixed-precision-plans)."""
+    out = [(f"compress {m} (gguf: {file_type})", [{"stage": "quantize", "method": m, "gguf": file_type}])
            for m in methods]
-    return out + ([OWN_GRID[file_type]] if file_type in OWN_GRID else [])
+    if allocate:
+        out += [(f"compress {m} + allocate {allocate} (gguf: {file_type})",
+                 [{"stage": "allocate", "method": allocate, "budget": budget},
+                  {"stage": "quantize", "method": m, "gguf": file_type}]) for m in methods]
+    return out + ([(OWN_GRID[file_type][0], [OWN_GRID[file_type][1]])] if file_type in OWN_GRID else [])
+
+
+def mix_budget(model: str, file_type: str) -> float:
+    """The bits per weight llama.cpp's `file_type` gives the tensors an allocation plans (the block linears that are
+    tensors of their own), rounded up to 6 decimals: an allocation at this budget writes the same bytes, give or
+    take a few bits."""
+    import math
+
+    import transformers
+    from accelerate import init_empty_weights
+
+    from compress.allocate.problem import gguf_option, option_bits
+    from compress.allocate.stage import gguf_layers
+    from compress.export.gguf import layer_types
+    from compress.models.adapters import ModelAdapter
+
+    config = transformers.AutoConfig.from_pretrained(model)
+    with init_empty_weights():
+        adapter = ModelAdapter(transformers.AutoModelForCausalLM.from_config(config))
+    names = {n for i in range(len(adapter.blocks)) for n in adapter.block_linears(i)}
+    layers, _ = gguf_layers(adapter, names, file_type)
+    types = layer_types(adapter.model, file_type)
+    bits = sum(option_bits(*lin.weight.shape, 0, gguf_option(types[n]), True, 0) for n, (lin, _) in layers.items())
+    return math.ceil(bits / sum(lin.weight.numel() for lin, _ in layers.values()) * 1e6) / 1e6
 
 
 def _run(tmp: Path, model: str, stages: list, file_type: str, calibration: str, seed: int) -> Path:
@@ -58,7 +90,7 @@ def _score(file: Path, model: str, data: str, max_tokens: int) -> dict:
 
 
 def run(model: str, data: str, calibration: str, *, types=TYPES, methods=METHODS, seeds: int = 3,
-        max_tokens: int = 8192, imatrix_chunks: int = 64) -> dict:
+        max_tokens: int = 8192, imatrix_chunks: int = 64, allocate: str | None = None, baselines: bool = True) -> dict:
     from compress.serve.engines import llamacpp
 
     t0, rows = time.time(), []
@@ -72,12 +104,15 @@ def run(model: str, data: str, calibration: str, *, types=TYPES, methods=METHODS
                 dst = tmp / f"llama-{t}-{'im' if im else 'plain'}.gguf"
                 llamacpp.quantize(f16, dst, t, imatrix=im)
                 rows.append({"type": t, "method": label, "seed": None, **_score(dst, model, data, max_tokens)})
-            for label, stage in stages(t, methods):
+            budget = mix_budget(model, t) if allocate else None
+            for label, recipe_stages in stages(t, methods, allocate, budget)[(0 if baselines else len(methods)):]:
                 for seed in range(seeds):
-                    file = _run(tmp, model, [stage], t, calibration, seed)
-                    rows.append({"type": t, "method": label, "seed": seed, **_score(file, model, data, max_tokens)})
+                    file = _run(tmp, model, recipe_stages, t, calibration, seed)
+                    rows.append({"type": t, "method": label, "seed": seed, "budget": budget if "allocate" in label
+                                 else None, **_score(file, model, data, max_tokens)})
                     shutil.rmtree(file.parent.parent, ignore_errors=True)
     return {"model": model, "data": data, "calibration": calibration, "max_tokens": max_tokens, "methods": list(methods),
+            "types": list(types), "allocate": allocate, "baselines": baselines,
             "imatrix_chunks": imatrix_chunks, "rows": rows, "seconds": round(time.time() - t0, 1),
             "date": time.strftime("%Y-%m-%d"), "machine": machine()}
 
@@ -85,8 +120,12 @@ def run(model: str, data: str, calibration: str, *, types=TYPES, methods=METHODS
 def markdown(res: dict) -> str:
     import statistics
 
+    flags = "".join([f" --types {','.join(res['types'])}" if tuple(res.get("types", TYPES)) != TYPES else "",
+                     f" --methods {','.join(res['methods'])}" if tuple(res["methods"]) != METHODS else "",
+                     f" --allocate {res['allocate']}" if res.get("allocate") else "",
+                     " --allocated-only" if res.get("baselines") is False else ""])
     lines = [f"`compress bench gguf --model {res['model']} --data {res['data']} --calibration {res['calibration']} "
-             f"--max-tokens {res['max_tokens']}` ({res['date']}, {res['seconds'] / 60:.0f} min): every file read by "
+             f"--max-tokens {res['max_tokens']}{flags}` ({res['date']}, {res['seconds'] / 60:.0f} min): every file read by "
              f"compress against the full-precision model on the same tokens; compress's rows: mean and spread over "
              f"seeds.{machine_text(res.get('machine'))}", "",
              "| type | method | KL | top-1 | ppl ratio | file bytes | seeds |", "|---|---|---|---|---|---|---|"]
@@ -95,6 +134,8 @@ def markdown(res: dict) -> str:
         groups.setdefault((r["type"], r["method"]), []).append(r)
     for (t, method), rs in groups.items():
         kl = [r["kl"] for r in rs]
+        if rs[0].get("budget"):
+            method += f" at {rs[0]['budget']} bpw"
         spread = f" ± {statistics.pstdev(kl):.5f}" if len(kl) > 1 else ""
         lines.append(f"| {t} | {method} | {statistics.mean(kl):.5f}{spread} | "
                      f"{statistics.mean(r['top1'] for r in rs):.4f} | {statistics.mean(r['ppl_ratio'] for r in rs):.4f} "
