@@ -720,6 +720,8 @@ def bench_gguf(
     allocate: Optional[str] = typer.Option(None, "--allocate", help="also each method after this `allocate` method "
                                            "(greedy, lagrangian, rl, uniform) choosing llama.cpp types per tensor at "
                                            "the bits per weight the type's own mix gives the same tensors"),
+    allocate_option: Optional[List[str]] = typer.Option(None, "--allocate-option", help="KEY=VALUE of the allocate "
+                                                        "stage (repeatable), e.g. sensitivity=layer"),
     allocated_only: bool = typer.Option(False, "--allocated-only", help="with --allocate: no compress rows "
                                         "without the allocation"),
     json_out: Optional[Path] = JSON_OUT,
@@ -735,8 +737,24 @@ def bench_gguf(
 
     result = bench.run(model, data, calibration, types=tuple(t.strip() for t in types.split(",") if t.strip()),
                        methods=tuple(m.strip() for m in methods.split(",") if m.strip()), seeds=seeds,
-                       max_tokens=max_tokens, allocate=allocate, baselines=not allocated_only)
+                       max_tokens=max_tokens, allocate=allocate, baselines=not allocated_only,
+                       allocate_options=_key_values(allocate_option or [], "--allocate-option"))
     emit_bench(result, bench.markdown(result), json_out, md_out)
+
+
+def _key_values(items: list[str], flag: str) -> dict:
+    """KEY=VALUE strings as a dict, each value read as YAML (numbers, booleans, strings)."""
+    import yaml
+
+    from compress.errors import BadInput
+
+    out = {}
+    for item in items:
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise BadInput(f"{flag} `{item}`: write KEY=VALUE")
+        out[key] = yaml.safe_load(value)
+    return out
 
 
 @bench_app.command("serve")

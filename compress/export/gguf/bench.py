@@ -29,15 +29,18 @@ OWN_GRID = {"Q4_0": ("compress gptq (W4 sym g32)",
                      {"stage": "quantize", "method": "gptq", "bits": 4, "group_size": 32, "sym": True})}
 
 
-def stages(file_type: str, methods=METHODS, allocate: str | None = None,
-           budget: float | None = None) -> list[tuple[str, list[dict]]]:
-    """(row label, stages) of compress's rows at `file_type`; with `allocate` (a method), also each method after that
-    allocation of llama.cpp types at `budget` bits per weight (docs/gguf.md#mixed-precision-plans)."""
+def stages(file_type: str, methods=METHODS, allocate: str | None = None, budget: float | None = None,
+           allocate_options: dict | None = None) -> list[tuple[str, list[dict]]]:
+    """(row label, stages) of compress's rows at `file_type`; with `allocate` (a method, with `allocate_options`),
+    also each method after that allocation of llama.cpp types at `budget` bits per weight
+    (docs/gguf.md#mixed-precision-plans)."""
     out = [(f"compress {m} (gguf: {file_type})", [{"stage": "quantize", "method": m, "gguf": file_type}])
            for m in methods]
     if allocate:
-        out += [(f"compress {m} + allocate {allocate} (gguf: {file_type})",
-                 [{"stage": "allocate", "method": allocate, "budget": budget},
+        opts = allocate_options or {}
+        named = "".join(f", {k}: {v}" for k, v in opts.items())
+        out += [(f"compress {m} + allocate {allocate}{named} (gguf: {file_type})",
+                 [{"stage": "allocate", "method": allocate, "budget": budget, **opts},
                   {"stage": "quantize", "method": m, "gguf": file_type}]) for m in methods]
     return out + ([(OWN_GRID[file_type][0], [OWN_GRID[file_type][1]])] if file_type in OWN_GRID else [])
 
@@ -90,7 +93,8 @@ def _score(file: Path, model: str, data: str, max_tokens: int) -> dict:
 
 
 def run(model: str, data: str, calibration: str, *, types=TYPES, methods=METHODS, seeds: int = 3,
-        max_tokens: int = 8192, imatrix_chunks: int = 64, allocate: str | None = None, baselines: bool = True) -> dict:
+        max_tokens: int = 8192, imatrix_chunks: int = 64, allocate: str | None = None,
+        allocate_options: dict | None = None, baselines: bool = True) -> dict:
     from compress.serve.engines import llamacpp
 
     t0, rows = time.time(), []
@@ -105,14 +109,16 @@ def run(model: str, data: str, calibration: str, *, types=TYPES, methods=METHODS
                 llamacpp.quantize(f16, dst, t, imatrix=im)
                 rows.append({"type": t, "method": label, "seed": None, **_score(dst, model, data, max_tokens)})
             budget = mix_budget(model, t) if allocate else None
-            for label, recipe_stages in stages(t, methods, allocate, budget)[(0 if baselines else len(methods)):]:
+            rows_of = stages(t, methods, allocate, budget, allocate_options)
+            for label, recipe_stages in rows_of[(0 if baselines else len(methods)):]:
                 for seed in range(seeds):
                     file = _run(tmp, model, recipe_stages, t, calibration, seed)
                     rows.append({"type": t, "method": label, "seed": seed, "budget": budget if "allocate" in label
                                  else None, **_score(file, model, data, max_tokens)})
                     shutil.rmtree(file.parent.parent, ignore_errors=True)
     return {"model": model, "data": data, "calibration": calibration, "max_tokens": max_tokens, "methods": list(methods),
-            "types": list(types), "allocate": allocate, "baselines": baselines,
+            "types": list(types), "allocate": allocate, "allocate_options": allocate_options or {},
+            "baselines": baselines,
             "imatrix_chunks": imatrix_chunks, "rows": rows, "seconds": round(time.time() - t0, 1),
             "date": time.strftime("%Y-%m-%d"), "machine": machine()}
 
@@ -123,6 +129,7 @@ def markdown(res: dict) -> str:
     flags = "".join([f" --types {','.join(res['types'])}" if tuple(res.get("types", TYPES)) != TYPES else "",
                      f" --methods {','.join(res['methods'])}" if tuple(res["methods"]) != METHODS else "",
                      f" --allocate {res['allocate']}" if res.get("allocate") else "",
+                     "".join(f" --allocate-option {k}={v}" for k, v in res.get("allocate_options", {}).items()),
                      " --allocated-only" if res.get("baselines") is False else ""])
     lines = [f"`compress bench gguf --model {res['model']} --data {res['data']} --calibration {res['calibration']} "
              f"--max-tokens {res['max_tokens']}{flags}` ({res['date']}, {res['seconds'] / 60:.0f} min): every file read by "
