@@ -142,3 +142,18 @@ def test_routed_experts_keep_the_mix_type(tmp_path):
     rc, out, err = invoke("run", path, "--dry-run")
     assert rc == 0 and "routed expert layers (e.g. `model.layers.0.mlp.experts" in out, out + err
     assert "for 8 block linears" in out, out
+
+
+def test_measured_sensitivities_and_refine_score_the_types_on_the_real_model(tmp_path):
+    """lagrangian with layer sensitivities and refine moves: the real-model loss is measured with each tensor on its
+    type's llama.cpp rounding (one unit per tensor), and the plan stays within the budget."""
+    src = save_tiny("llama", tmp_path / "m", hidden_size=256, intermediate_size=512, num_hidden_layers=2)
+    path = _recipe(tmp_path, src, [{"stage": "allocate", "method": "lagrangian", "budget": 4.0,
+                                    "sensitivity": "layer", "refine": 6, "select_samples": 2, "select_seqlen": 32},
+                                   {"stage": "quantize", "method": "rtn", "gguf": "Q4_K_M"}])
+    rc, _, err = invoke("run", path, "--output", tmp_path / "o")
+    assert rc == 0, err
+    plan = json.loads(plan_path(tmp_path / "o").read_text())
+    assert plan["effective_bits"] <= 4.0 and len(plan["info"]["layer_sensitivity"]) == 14
+    assert plan["info"]["refine"]["loss_end"] <= plan["info"]["refine"]["loss_start"]
+    assert {v["type"] for v in plan["layers"].values()} <= {"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_0"}
