@@ -223,21 +223,38 @@ def eval_(
     task: Optional[List[str]] = typer.Option(None, "--task", help="task probe (repeatable): `sst2`, `ag_news` "
                                              "(files under --task-data) or NAME=TRAIN,TEST (labelled .tsv/.jsonl): "
                                              "test accuracy of a logistic probe on the pooled output"),
-    task_data: str = typer.Option("../shared/data/text", "--task-data", help="directory of the named tasks' files"),
+    task_data: str = typer.Option("../shared/data/text", "--task-data", help="directory of the named tasks' files "
+                                  "(--task sst2/ag_news; --mc-task sst2_mc/ag_news_mc)"),
     pooling: str = typer.Option("mean", "--pooling", help="--task features: mean over tokens, or the last token"),
+    mc_task: Optional[List[str]] = typer.Option(None, "--mc-task", help="log-likelihood multiple-choice task "
+                                                "(repeatable), scored as lm-eval scores it (acc, acc_norm; with "
+                                                "--reference, its accuracy and the delta): `sst2_mc`, `ag_news_mc` "
+                                                "(bundled zero-shot YAMLs, data under --task-data), an lm-eval task "
+                                                "YAML with local data_files, or NAME=FILE.jsonl (query/choices/gold "
+                                                "rows)"),
+    limit: Optional[int] = typer.Option(None, "--limit", min=1, help="--mc-task: score the first N documents "
+                                        "of each task (lm-eval's --limit)"),
+    lm_eval_check: bool = typer.Option(False, "--lm-eval-check", help="--mc-task: also run the lm-eval harness "
+                                       "(HF backend, CPU, batch 1, same --limit) on MODEL and each task YAML; exit 3 "
+                                       "unless both accuracies agree to 1e-6 (needs the lmeval extra)"),
     as_json: bool = typer.Option(False, "--json", help="print JSON on stdout"),
 ):
     """Perplexity and logit fidelity (KL, top-1 vs --reference) of any checkpoint, and how long its
-    greedy continuations stay with the reference's; task probes (`--task`) for encoders and decoders.
+    greedy continuations stay with the reference's; task probes (`--task`) for encoders and decoders;
+    task accuracy by log-likelihood multiple choice (`--mc-task`, lm-eval's scoring and task YAML) for decoders.
 
     Example: compress eval out/hf --reference ../shared/data/models/ref-llama-7m --data ../shared/data/text/wikitext-2-raw/wiki.test.raw
     Example: compress eval out/hf --task sst2 --task ag_news
+    Example: compress eval out/hf --reference MODEL --mc-task sst2_mc --mc-task ag_news_mc --limit 200
     """
-    from compress.eval.cli import evaluate_checkpoint, task_probes
+    from compress.errors import BadInput
+    from compress.eval.cli import evaluate_checkpoint, mc_task_accuracy, task_probes
 
     _setup_logging(as_json)
+    if (limit or lm_eval_check) and not mc_task:
+        raise BadInput("--limit and --lm-eval-check apply to --mc-task")
     res = {}
-    if data or not task:
+    if data or not (task or mc_task):
         cut = f" of the [{text_slice[0]}, {text_slice[1]}) slice" if text_slice else ""
         scope = (f"evaluating {f'at most {max_tokens} tokens' if max_tokens else 'every token'}{cut} of each file in "
                  f"{window}-token windows" + (" (--max-tokens 0: the whole file)" if max_tokens else ""))
@@ -249,12 +266,20 @@ def eval_(
     if task:
         res.update({f"task {k}": v for k, v in task_probes(model, task, data_dir=task_data, pooling=pooling,
                                                             backend=backend).items()})
+    if mc_task:
+        res.update({f"mc-task {k}": v for k, v in mc_task_accuracy(
+            model, mc_task, reference=reference, data_dir=task_data, limit=limit, backend=backend,
+            lm_eval_check=lm_eval_check, progress=not as_json).items()})
     if as_json:
         _emit_json(res)
     else:
         for name, r in res.items():
             typer.echo(f"{name}: " + ", ".join(f"{k} {v:.5g}" if isinstance(v, float) else f"{k} {v}"
                                                for k, v in r.items()))
+    disagree = [k for k, r in res.items() if r.get("agree") is False]
+    if disagree:
+        typer.echo(f"lm-eval disagrees on {', '.join(disagree)} (see lm_eval_acc, max_ll_diff)", err=True)
+        raise typer.Exit(3)
 
 
 def _backend_line(used: dict) -> str:

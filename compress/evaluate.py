@@ -67,6 +67,24 @@ def evaluate_causal(ctx, r, fp_model) -> dict:
     return out
 
 
+def evaluate_tasks(ctx, r) -> dict:
+    """`eval.tasks`: each log-likelihood multiple-choice task (compress/eval/mc_tasks.py) on the FP reference and the
+    compressed in-memory model, same documents: accuracy, normalised accuracy and their deltas."""
+    from compress.eval import mc_tasks
+
+    fp_model = ctx.reference().model
+    out = {}
+    for spec in r.eval.tasks:
+        task = mc_tasks.resolve_task(spec, r.eval.task_data)
+        fp = mc_tasks.score(fp_model, ctx.tokenizer, task, limit=r.eval.task_limit, progress=not ctx.quiet)
+        q = mc_tasks.score(ctx.model, ctx.tokenizer, task, limit=r.eval.task_limit, progress=not ctx.quiet)
+        out[task.name] = {"fp_acc": round(fp["acc"], 6), "acc": round(q["acc"], 6),
+                          "acc_delta": round(q["acc"] - fp["acc"], 6), "fp_acc_norm": round(fp["acc_norm"], 6),
+                          "acc_norm": round(q["acc_norm"], 6), "acc_norm_delta": round(q["acc_norm"] - fp["acc_norm"], 6),
+                          "docs": q["docs"]}
+    return out
+
+
 def size_report(ctx, qweights: dict, exports: dict) -> dict:
     """Sizes against the model as loaded: an untied LM head (fused rotation) is a real cost of the result."""
     model = ctx.model

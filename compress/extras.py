@@ -20,6 +20,7 @@ EXTRAS = {
     "onnxscript": ("onnxscript", "export"),
     "openvino": ("openvino", "export"),
     "sklearn": ("scikit-learn", "select"),
+    "lm_eval": ("lm-eval", "lmeval"),
     "triton": ("triton", "gpu"),
 }
 

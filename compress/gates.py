@@ -1,6 +1,7 @@
 """Quality gates: `gates:` in a recipe, checked against the run's report.
 
-A gate is `PATH OP NUMBER`, e.g. `eval.tinystories.ppl_ratio <= 1.05` or `size.effective_bits <= 4.3`. PATH
+A gate is `PATH OP NUMBER`, e.g. `eval.tinystories.ppl_ratio <= 1.05`, `size.effective_bits <= 4.3` or
+`tasks.sst2_mc.acc_delta >= -0.02` (a log-likelihood task of `eval.tasks`, by its name). PATH
 names a number of report.json: dotted keys, where an evaluation file may be named by its file name
 (`tinystories_val.txt`), its stem (`tinystories_val`), its directory (`tinystories`) or `*` (every file: the
 worst one decides). Every PATH is checked at plan time against the keys the report will have (`report_paths`),
@@ -28,6 +29,7 @@ GENERATION_METRICS = ("gen_prefix", "gen_agree", "gen_kl", "gen_top1")
 SIZE_METRICS = ("fp_bytes", "bytes", "packed_bytes", "effective_bits", "quantized_params", "quantized_layers")
 STORED_METRICS = ("bytes", "packed_layers", "dense_layers")
 RUN_METRICS = ("seconds", "peak_rss_mb")
+TASK_METRICS = ("fp_acc", "acc", "acc_delta", "fp_acc_norm", "acc_norm", "acc_norm_delta", "docs")
 
 
 class GateFailure(CompressError):
@@ -68,6 +70,11 @@ def report_paths(recipe, kind: str, exports: list[str]) -> dict[str, list[str]]:
             metrics = ["cosine"] + (["fp_probe_acc", "probe_acc"] if ev.probe_train else [])
         for path in ev.data:
             out[f"eval.{Path(path).name}"] = metrics
+    if ev.enabled and ev.tasks and not recipe.model.stream and kind == "causal":  # `tasks.sst2_mc.acc_delta >= -0.02`
+        from compress.eval.mc_tasks import task_name
+
+        for spec in ev.tasks:
+            out[f"tasks.{task_name(spec)}"] = list(TASK_METRICS)
     for fmt in exports:
         if fmt in ("hf", "onnx", "openvino"):  # the exports that store quantized layers packed or dense
             out[f"size.stored.{fmt}"] = list(STORED_METRICS)

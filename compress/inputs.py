@@ -40,6 +40,8 @@ def local_paths(loaded) -> list[tuple[str, Path]]:
     out += [("eval file", Path(s)) for s in r.eval.data]
     if r.eval.probe_train:
         out.append(("probe file", Path(r.eval.probe_train)))
+    out += [("eval task file", Path(t.partition("=")[2] or t)) for t in r.eval.tasks
+            if "=" in t or t.endswith((".yaml", ".yml"))]
     out += [(f"stage {i} file", Path(p)) for i, cfg in enumerate(r.stage_configs) for p in _stage_paths(cfg)]
     return out
 
@@ -81,10 +83,20 @@ def check_data(loaded, kind: str) -> None:
                 attempt(("eval", "data", i), lambda p=path: _eval_text(p, r.eval.text_slice, read_text, text_slice))
         if r.eval.probe_train:
             attempt(("eval", "probe_train"), lambda: read_labeled_tsv(r.eval.probe_train))
+        for i, spec in enumerate(r.eval.tasks):
+            attempt(("eval", "tasks", i), lambda s=spec: _task(s, r.eval.task_data, kind))
     if problems:
         from compress.recipe_yaml import with_where
 
         raise BadInput("\n".join(with_where(loc, msg, loaded.locator) for loc, msg in problems))
+
+
+def _task(spec: str, data_dir, kind: str) -> None:
+    from compress.eval.mc_tasks import resolve_task
+
+    if kind == "encoder":
+        raise BadInput("eval.tasks scores a causal language model's log-likelihoods; this model is an encoder")
+    resolve_task(spec, data_dir)
 
 
 def _eval_text(path, span, read_text, text_slice) -> None:

@@ -25,7 +25,7 @@ from compress import inputs, registry, rss
 from compress.bind import Binding, Bound, Facts, bind
 from compress.calibration import calibration_tokens, tokens_hash
 from compress.errors import BadInput, RunFailure
-from compress.evaluate import bos_id, evaluate, param_bytes, size_report
+from compress.evaluate import bos_id, evaluate, evaluate_tasks, param_bytes, size_report
 from compress.files import non_finite
 from compress.handoff import QuantizedWeights
 from compress.models.adapters import ModelAdapter
@@ -257,7 +257,7 @@ def _run(loaded, binding: Binding, ws: Workspace, quiet: bool) -> dict:
         ctx.streamer = BlockStreamer(model, adapter, source, r.model.dtype)
     handoffs: dict[type, list] = {}
     prefix: list = [ws.manifest["inputs"]["sha256"]]  # model and calibration, by path and by content
-    evaluates = r.eval.enabled and bool(r.eval.data) and not r.model.stream
+    evaluates = r.eval.enabled and bool(r.eval.data or r.eval.tasks) and not r.model.stream
     for k, b in enumerate(binding.stages):
         files = inputs.stage_files(b.cfg)
         prefix.append({**b.cfg.model_dump(), "_files": files} if files else b.cfg.model_dump())
@@ -273,13 +273,17 @@ def _run(loaded, binding: Binding, ws: Workspace, quiet: bool) -> dict:
     report.update(_sections(ws.manifest["stages"].values()))
     if ctx.calibration_info:
         report["calibration"] = ctx.calibration_info
-    if r.eval.enabled and r.eval.data and r.model.stream:
+    if r.eval.enabled and (r.eval.data or r.eval.tasks) and r.model.stream:
         log.warning("model.stream: the in-run evaluation needs the whole model in memory and is skipped; "
                     "run `compress eval OUTPUT/hf --reference MODEL --data FILE` where memory allows")
     elif evaluates:
-        log.info("evaluation: %s against the full-precision model", ", ".join(Path(p).name for p in r.eval.data))
+        log.info("evaluation: %s against the full-precision model", ", ".join(
+            [Path(p).name for p in r.eval.data] + [f"task {t}" for t in r.eval.tasks]))
         with _timed(timings, "eval", adapter.kind):
-            report["eval"] = evaluate(ctx, r)
+            if r.eval.data:
+                report["eval"] = evaluate(ctx, r)
+            if r.eval.tasks:
+                report["tasks"] = evaluate_tasks(ctx, r)
         ctx._reference = None
     exports = ctx.exports
     for b in binding.exports:

@@ -137,6 +137,13 @@ class EvalSpec(StrictModel):
         None, description="encoders: labeled TSV to train the linear probe on (each `data` file is a labeled test TSV)")
     generation: GenerationSpec = Field(default_factory=GenerationSpec,
                                        description="causal models: greedy continuation agreement FP vs compressed")
+    tasks: list[str] = Field(default_factory=list, description="causal models: log-likelihood multiple-choice tasks "
+                             "scored as lm-eval scores them, FP vs compressed (acc, acc_norm, deltas): a bundled task "
+                             "(sst2_mc, ag_news_mc), an lm-eval task YAML with local data_files, or NAME=FILE.jsonl "
+                             "(query/choices/gold rows)")
+    task_limit: Optional[int] = Field(None, gt=0, description="score the first N documents of each task (lm-eval's "
+                                      "--limit; null: all)")
+    task_data: Optional[str] = Field(None, description="directory replacing the bundled tasks' ../shared/data/text")
     enabled: bool = True
 
     @field_validator("text_slice")

@@ -211,3 +211,45 @@ def _backends(model) -> dict[str, int]:
     from compress.kernels.backends import QuantLinear
 
     return dict(Counter(m.backend.name for m in model.modules() if isinstance(m, QuantLinear)))
+
+
+def mc_task_accuracy(model_path: str, specs: list[str], *, reference: str | None = None,
+                     data_dir: str | None = None, limit: int | None = None, backend: str = "auto",
+                     lm_eval_check: bool = False, progress: bool = False) -> dict:
+    """Per log-likelihood multiple-choice task (compress/eval/mc_tasks.py, scored as lm-eval scores it): acc and
+    acc_norm of `model_path` on the first `limit` documents; with `reference`, the reference's beside them
+    (fp_acc, fp_acc_norm) and the deltas; with `lm_eval_check`, lm-eval's own scores of `model_path` (HF backend,
+    batch 1, CPU) and whether both accuracies agree to 1e-6 (`agree`)."""
+    import tempfile
+
+    from compress.eval import mc_tasks
+
+    if limit is not None and limit < 1:
+        raise BadInput("--limit must be at least 1")
+    if lm_eval_check:
+        extras.require(("lm_eval",), "--lm-eval-check")
+    tasks = [mc_tasks.resolve_task(s, data_dir) for s in specs]  # every task file read before any model loads
+    names = [t.name for t in tasks]
+    if len(set(names)) != len(names):
+        raise BadInput(f"--mc-task names a task twice ({', '.join(names)})")
+    model, tok = _load(model_path, backend)
+    ref = _load(reference) if reference else None
+    tok = tok or (ref[1] if ref else None)
+    if tok is None:
+        raise BadInput(f"no tokenizer found in `{model_path}`")
+    if getattr(model, "get_output_embeddings", lambda: None)() is None:
+        raise BadInput("--mc-task scores a causal language model's log-likelihoods; this checkpoint has no LM head")
+    out = {}
+    for t in tasks:
+        res = mc_tasks.score(model, tok, t, limit=limit, progress=progress)
+        row = {"acc": res["acc"], "acc_norm": res["acc_norm"], "docs": res["docs"]}
+        if ref:
+            fp = mc_tasks.score(ref[0], tok, t, limit=limit, progress=progress)
+            row = {"fp_acc": fp["acc"], "acc": res["acc"], "acc_delta": res["acc"] - fp["acc"],
+                   "fp_acc_norm": fp["acc_norm"], "acc_norm": res["acc_norm"],
+                   "acc_norm_delta": res["acc_norm"] - fp["acc_norm"], "docs": res["docs"]}
+        if lm_eval_check:
+            with tempfile.TemporaryDirectory() as d:
+                row.update(mc_tasks.agreement(res, mc_tasks.lm_eval_score(model_path, t, limit=limit, workdir=d)))
+        out[t.name] = row
+    return out

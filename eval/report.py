@@ -50,6 +50,12 @@ def render_markdown(report: dict) -> str:
                             "gen_agree", "gen_kl", "gen_top1", "cosine", "fp_probe_acc", "probe_acc")
                 if any(c in r for r in rows)]
         out.append("\n## Evaluation (full precision vs compressed, same tokens)\n\n" + table(rows, cols))
+    tasks = report.get("tasks") or {}
+    if tasks:
+        out.append("\n## Task accuracy (log-likelihood multiple choice, lm-eval's scoring; full precision vs "
+                   "compressed, same documents)\n\n" + table(
+                       [{"task": k, **v} for k, v in tasks.items()],
+                       ["task", "fp_acc", "acc", "acc_delta", "fp_acc_norm", "acc_norm", "acc_norm_delta", "docs"]))
     if report.get("gates"):
         from compress.gates import markdown
 
@@ -94,6 +100,9 @@ def summary_lines(report: dict) -> list[str]:
                              f"KL {e['gen_kl']:.4g}, top-1 {e['gen_top1']:.4f}")
         elif "cosine" in e:
             lines.append(f"{name}: cosine {e['cosine']:.4f}, probe {e.get('fp_probe_acc')} -> {e.get('probe_acc')}")
+    for name, t in (report.get("tasks") or {}).items():
+        lines.append(f"task {name}: accuracy {t['fp_acc']:.4f} (FP) -> {t['acc']:.4f} ({t['acc_delta']:+.4f}), "
+                     f"normalised {t['fp_acc_norm']:.4f} -> {t['acc_norm']:.4f} over {t['docs']} documents")
     s = report.get("size") or {}
     if s:
         eb = s.get("effective_bits")
