@@ -199,9 +199,17 @@ def test_recipe_eval_tasks_report_and_gates(tmp_path, data_dir):
 def test_lm_eval_agrees(tmp_path, data_dir):
     """The harness itself (HF backend, CPU, batch 1) on the same checkpoint, task YAML and limit."""
     model = MODELS / "stories-llama-1m"
+    _jsonl(tmp_path / "pets.jsonl", [{"q": "Tom had a pet. The pet was a ", "opts": "['dog', 'big red ball', 'cat']",
+                                      "ans": a} for a in ("dog", "cat", "big red ball")])
+    (tmp_path / "pets.yaml").write_text(yaml.safe_dump({
+        "task": "pets", "dataset_path": "json", "dataset_kwargs": {"data_files": {"test": str(tmp_path / "pets.jsonl")}},
+        "test_split": "test", "output_type": "multiple_choice", "description": "A story.\n",
+        "doc_to_text": "{{q | regex_replace('Tom', 'Lily')}}", "doc_to_choice": "{{opts}}", "doc_to_target": "ans",
+        "metric_list": [{"metric": "acc"}, {"metric": "acc_norm"}]}))
     rc, out, err = invoke("eval", model, "--mc-task", f"mini={_jsonl(tmp_path / 'mini.jsonl')}", "--mc-task",
-                          "sst2_mc", "--limit", 4, "--lm-eval-check", "--json")
+                          "sst2_mc", "--mc-task", tmp_path / "pets.yaml", "--limit", 4, "--lm-eval-check", "--json")
     assert rc == 0, err
+    assert set(json.loads(out)) == {"mc-task mini", "mc-task sst2_mc", "mc-task pets"}
     for name, r in json.loads(out).items():
         assert r["agree"] and r["lm_eval_docs"] == r["docs"], (name, r)
         assert abs(r["lm_eval_acc"] - r["acc"]) <= 1e-6 and abs(r["lm_eval_acc_norm"] - r["acc_norm"]) <= 1e-6
