@@ -44,8 +44,12 @@ class Task:
     # lm-eval's ConfigurableTask.doc_to_text / doc_to_choice / doc_to_target, for the forms a local YAML can hold
     def text(self, doc: dict) -> str:
         t = self.doc_to_text
-        out = doc[t] if isinstance(t, str) and t in self.features else render(t, doc) if isinstance(t, str) else t
-        if isinstance(out, str) and out.isdigit() or not isinstance(out, str):
+        if isinstance(t, str) and t in self.features:
+            out = doc[t]
+        else:
+            out = render(t, doc) if isinstance(t, str) else t
+            out = int(out) if isinstance(out, str) and out.isdigit() else out  # lm-eval: an index
+        if not isinstance(out, str):
             raise BadInput(f"task {self.name}: doc_to_text gives {out!r}, an index (lm-eval's multiple-input tasks, "
                            "e.g. Winogrande): not supported")
         desc = render(self.description, doc) if self.description else ""
@@ -73,9 +77,12 @@ class Task:
             g = render(t, doc)
             if g.isdigit():
                 g = ast.literal_eval(g)
+            elif len(g) >= 2 and g[0] == "[" and g[-1] == "]":
+                raise BadInput(f"task {self.name}: the target {g!r} is a list (several gold answers per document): "
+                               "not supported")
         else:
             raise BadInput(f"task {self.name}: doc_to_target {t!r} is not supported (a field, a template or an index)")
-        if isinstance(g, bool) or not isinstance(g, (int, str)):
+        if not isinstance(g, (int, str)):
             raise BadInput(f"task {self.name}: the target {g!r} is neither a choice index nor a choice (several "
                            "targets per document are not supported)")
         if isinstance(g, str):

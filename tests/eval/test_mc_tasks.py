@@ -135,6 +135,9 @@ def test_the_yaml_reader(tmp_path, monkeypatch):
     y.write_text(yaml.safe_dump({**cfg, "doc_to_text": "{{missing}}"}))
     with pytest.raises(BadInput, match="missing"):
         M.load_task(y).text(d)
+    y.write_text(yaml.safe_dump({**cfg, "doc_to_target": "[0, 1]"}))
+    with pytest.raises(BadInput, match="several gold answers"):
+        M.load_task(y).gold(d, ["yes", "no"])
 
 
 def test_the_bundled_tasks_read_the_shared_data(data_dir):
