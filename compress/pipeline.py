@@ -208,8 +208,13 @@ def _data_files(loaded) -> dict:
     """{"calibration": {source as written: what is read}, "eval": {...}}: a `bundled:NAME` reference and the
     shipped file it names, every other source itself."""
     r, written = loaded.recipe, loaded.resolved
-    return {"calibration": dict(zip(written["calibration"]["sources"], r.calibration.sources)),
-            "eval": dict(zip(written["eval"]["data"], r.eval.data)) if r.eval.enabled else {}}
+    out = {"calibration": dict(zip(written["calibration"]["sources"], r.calibration.sources)),
+           "eval": dict(zip(written["eval"]["data"], r.eval.data)) if r.eval.enabled else {}}
+    if r.eval.enabled and r.eval.tasks:  # a bundled task: the YAML shipped with compress (docs/tasks.md)
+        from compress.eval.mc_tasks import bundled
+
+        out["eval task"] = {t: str(bundled().get(t, t)) for t in r.eval.tasks}
+    return out
 
 
 # -- running ----------------------------------------------------------------------------------------

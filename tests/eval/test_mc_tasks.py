@@ -185,6 +185,8 @@ def test_recipe_eval_tasks_report_and_gates(tmp_path, data_dir):
     rc, _, err = invoke("run", _recipe(tmp_path, model, [f"mini={tmp_path / 'absent.jsonl'}"], []), "--dry-run")
     assert rc == 1 and "absent.jsonl" in err
     r = _recipe(tmp_path, model, [f"mini={task}", "sst2_mc"], ["tasks.mini.acc_delta >= -1", "tasks.sst2_mc.acc >= 0"])
+    rc, out, err = invoke("run", r, "--dry-run")
+    assert rc == 0 and f"eval task: sst2_mc -> {M.bundled()['sst2_mc']}" in out, err
     rc, out, err = invoke("run", r, "--output", tmp_path / "o", "--json")
     assert rc == 0, err
     report = json.loads((tmp_path / "o" / "report.json").read_text())
