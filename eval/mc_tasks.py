@@ -156,8 +156,10 @@ def _data_file(cfg: dict, split: str, yaml_path: Path, data_dir: str | None) -> 
     if not p.is_absolute():  # relative to the working directory, as `datasets.load_dataset` reads it
         p = Path.cwd() / p
     if not p.is_file():
+        hint = ("; the bundled tasks read ../shared/data/text: point --task-data (eval.task_data) at the directory "
+                "holding sst2/ and ag_news/" if yaml_path.parent == TASK_DIR else "")
         raise BadInput(f"task {cfg.get('task')}: data file {files} not found (from {yaml_path}; a relative path is "
-                       "read from the working directory, as lm-eval does)")
+                       f"read from the working directory, as lm-eval does){hint}")
     return p.resolve()
 
 
