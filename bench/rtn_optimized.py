@@ -153,6 +153,7 @@ def main(argv=None) -> None:
     p.add_argument("--methods", default=",".join(METHODS), help="comma-separated compress rows: rtn, rtn-opt, gptq")
     p.add_argument("--autoround", default="ref-llama-7m", help="models on which auto-round's iters=0 runs too "
                    "(comma-separated; empty: none)")
+    p.add_argument("--setting", action="append", help="run only these settings (repeatable), e.g. W3g64asym")
     p.add_argument("--max-tokens", type=int, default=8192)
     p.add_argument("--speed", action="store_true", help="also time rtn vs optimized_rtn on 100M random weights")
     p.add_argument("--json", type=Path)
@@ -172,6 +173,8 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for name in a.only or list(SETTINGS):
             for bits, group, sym in SETTINGS[name]:
+                if a.setting and f"W{bits}g{group}{'sym' if sym else 'asym'}" not in a.setting:
+                    continue
                 for method in methods:
                     rows.append(compress_cell(name, method, bits, group, sym, a.max_tokens, Path(tmp)))
                     log.info("%s", json.dumps(rows[-1]))
