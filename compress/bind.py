@@ -97,6 +97,8 @@ def bind(recipe, adapter) -> Binding:
             facts.capabilities = entries[q].capabilities
             facts.group_of = _group_of(cfgs, entries, i, q)
             layers.setdefault(q, planned_layers(adapter, cfgs[q]))
+            if cfg.stage == "smooth":  # it searches against the layers' rounding (nominal widths under a plan)
+                facts.layers = layers[q]
             if cfg.stage == "allocate":
                 if not (entry.per_layer or cfgs[q].gguf):  # a per-chunk plan rounds every layer with one group
                     layers[q] = {n: dataclasses.replace(s, group_size=cfgs[q].group_size, asked=None)
@@ -215,6 +217,12 @@ def _check_order(cfgs, recipe) -> None:
         if cfg.stage == "rotate" and any(c.stage == "quantize" for c in cfgs[:i]):
             raise BadInput(f"stage {i} (`rotate`) comes after a `quantize` stage; rotations must run before "
                            "quantization (they rewrite the weights the quantizer rounds)")
+        if cfg.stage == "smooth" and any(c.stage == "quantize" for c in cfgs[:i]):
+            raise BadInput(f"stage {i} (`smooth`) comes after a `quantize` stage; smoothing must run before "
+                           "quantization (it rescales the weights the quantizer rounds)")
+        if cfg.stage == "rotate" and any(c.stage == "smooth" for c in cfgs[:i]):
+            raise BadInput(f"stage {i} (`rotate`) comes after a `smooth` stage; rotate first (a rotation of the "
+                           "residual stream would mix the per-channel scales the smoothing chose)")
     if recipe.model.stream:
         if len(cfgs) != 1 or cfgs[0].stage != "quantize":
             raise BadInput("model.stream supports exactly one `quantize` stage")

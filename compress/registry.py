@@ -37,6 +37,7 @@ METHOD_MODULES = (
     "compress.prune.prunepath",
     "compress.rotation.walsh",
     "compress.rotation.autoround_hadamard",
+    "compress.smooth.awq",
     "compress.export.stage",
 )
 

@@ -133,7 +133,7 @@ def test_wrong_value(tmp_path):
 
 def test_unknown_stage_and_method(tmp_path):
     p = write(tmp_path, edit(12, "  - stage: quantise"))
-    assert error_of(p) == f"unknown stage `quantise` at {p}:12, did you mean `quantize`? (known: allocate, finetune, heal, prune, quantize, rotate, select)"
+    assert error_of(p) == f"unknown stage `quantise` at {p}:12, did you mean `quantize`? (known: allocate, finetune, heal, prune, quantize, rotate, select, smooth)"
     p = write(tmp_path, edit(13, "    method: autorund"))
     msg = error_of(p)
     assert msg.startswith(f"unknown method `autorund` for stage `quantize` at {p}:13, did you mean `autoround`?")

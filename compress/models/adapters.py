@@ -46,6 +46,7 @@ class ArchMap:
     not_quantized: tuple[str, ...] = ()  # roles never quantized (routers, scalar gates)
     optional: tuple[str, ...] = ()  # roles some blocks lack (DeepSeek's dense first blocks vs MoE ones)
     limits: dict = field(default_factory=dict)  # feature ("rotate", "prune") -> why this architecture cannot have it
+    norm_offset: float = 0.0  # the norms scale by (norm_offset + weight): Gemma's RMSNorm multiplies by 1 + weight
 
 
 _CAUSAL = dict(kind="causal", blocks=("model.layers",), embeddings=("model.embed_tokens",),
@@ -75,9 +76,10 @@ ARCHS: dict[str, ArchMap] = {
     "qwen3_moe": ArchMap(**_CAUSAL, roles={**{k: v for k, v in LLAMA_ROLES.items() if not k.startswith("mlp_")},
                                            "q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm"},
                          experts="mlp.experts", router="mlp.gate"),
-    "gemma2": ArchMap(**_CAUSAL, roles=GEMMA_ROLES, limits={"rotate": POST_NORMS.format("Gemma 2") + "; it also "
+    "gemma2": ArchMap(**_CAUSAL, roles=GEMMA_ROLES, norm_offset=1.0, limits={"rotate": POST_NORMS.format("Gemma 2") + "; it also "
                                                                "soft-caps attention and final logits"}),
     "gemma3_text": ArchMap(**_CAUSAL, roles={**GEMMA_ROLES, "q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm"},
+                           norm_offset=1.0,
                            limits={"rotate": POST_NORMS.format("Gemma 3")}),
     "olmo2": ArchMap(**_CAUSAL, roles={**{k: v for k, v in LLAMA_ROLES.items() if not k.endswith("_norm")},
                                        "q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm",
@@ -277,6 +279,7 @@ class ModelAdapter:
     def up_down_pairs(self, i: int) -> list[tuple[nn.Linear, nn.Linear]]:
         """(up, down) of every gated MLP in block i: `down(act(gate(x)) * up(x))` is linear in up's rows."""
         pairs = [tuple(self._roles(i, pair)) for pair in UP_DOWN if pair[0] in self.arch.roles]
+        pairs = [p for p in pairs if len(p) == 2]  # optional roles a block lacks (DeepSeek's MoE vs dense blocks)
         return pairs + [(e.up_proj, e.down_proj) for e in self.experts(i) or ()]
 
     def block_linears(self, i: int) -> dict[str, nn.Linear]:
