@@ -20,7 +20,7 @@ Block by block, the inputs of block i being the outputs of block i - 1 after its
    `sum tr(dW H dW^T)` with `dW = W - Q(W diag(s)) diag(s)^-1` and Q the next quantize stage's round-to-nearest at each
    layer's bits, group and symmetry (llama.cpp's own fit on its grids). s = 1 is a candidate, so the proxy error
    never grows. Row scalings commute with per-row group rounding, so the four groups are searched independently.
-3. `clip: true` (AWQ's clipping; q/k are skipped as AutoAWQ skips them): per row and quantization group, the ratio p
+3. `clip: true` (AWQ's clipping; q/k are skipped as AutoAWQ skips them; `auto`, the default: before `rtn` only): per row and quantization group, the ratio p
    of 1.0, 0.95, ..., 0.5 whose `Q(clamp(W, -p max|W|, p max|W|))` has the least output error on the group's own
    columns (`d^T H_gg d`), and W is clamped there. Clipping changes the full-precision weights (by design: the
    outliers the grid would pay for); the scaling alone does not (checked per block on the first calibration batch:
@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Union
 
 import torch
 from pydantic import Field
@@ -61,7 +61,9 @@ class AWQConfig(StrictModel):
                                                     "(AutoAWQ: 20)")
     duo_scaling: bool = Field(True, description="candidates x^r / w^(1-r) (activation and weight magnitudes, AutoAWQ's "
                                                 "default); false: x^r (the paper's)")
-    clip: bool = Field(True, description="AWQ's weight clipping search after the scaling (not q/k)")
+    clip: Union[bool, Literal["auto"]] = Field(
+        "auto", description="AWQ's weight clipping search after the scaling (not q/k); auto: before `rtn` only (GPTQ "
+                            "and AutoRound fit the weights they are given: clipping them first moves their target)")
     groups: list[Literal["attn_in", "mlp_in", "up_down", "v_o"]] = Field(
         list(GROUPS), min_length=1, description="which groups to scale: attn_in (input norm -> q/k/v), mlp_in (MLP "
                                                 "norm -> gate/up), up_down (up -> down), v_o (v -> o)")
@@ -103,8 +105,9 @@ def available(adapter) -> set[str]:
     return have
 
 
-def check(adapter, cfg: AWQConfig, facts=None) -> None:
-    """Refuse at plan time what AWQ cannot do exactly on this model, and say which groups it will scale."""
+def check(adapter, cfg: AWQConfig, facts=None) -> AWQConfig:
+    """Refuse at plan time what AWQ cannot do exactly on this model, say which groups it will scale, and resolve
+    `clip: auto` from the next quantize stage's method."""
     if adapter.kind != "causal":
         raise BadInput(f"smooth/awq folds scales into the pre-norms of a decoder; `{adapter.model_type}` is a "
                        "post-LayerNorm encoder (its norms' outputs are the residual stream)")
@@ -116,13 +119,19 @@ def check(adapter, cfg: AWQConfig, facts=None) -> None:
         raise BadInput("smooth/awq searches its scales against the rounding of the next `quantize` stage; add one "
                        "after it")
     skipped = [g for g in cfg.groups if g not in have]
+    if cfg.clip == "auto":
+        consumer = getattr(facts, "consumer", None) if facts is not None else None
+        cfg = cfg.model_copy(update={"clip": consumer == "rtn"})
+        if facts is not None:
+            facts.notes.append(f"smooth/awq: clip: auto -> {str(cfg.clip).lower()} (before `{consumer}`)")
     if facts is not None:
         if skipped:
             facts.notes.append(f"smooth/awq: `{adapter.model_type}` has no {', '.join(skipped)} pair (fused or absent "
                                f"projections); it scales {', '.join(g for g in cfg.groups if g in have)}")
-        if facts.grid and cfg.clip:
+        if facts.grid and cfg.clip is True:
             facts.notes.append("smooth/awq: no clipping search on llama.cpp's grids (`gguf`): their fit searches its "
                                "own scales; the scaling is searched against that fit")
+    return cfg
 
 
 # -- statistics --------------------------------------------------------------------------------------------------
@@ -333,7 +342,7 @@ def _load(ctx, i: int) -> tuple[dict, dict] | None:
           "linear, and AWQ's clipping search, against the next quantize stage's rounding", check=check, replay=True)
 def apply(ctx, cfg: AWQConfig) -> dict:
     adapter = ctx.adapter
-    check(adapter, cfg)
+    cfg = check(adapter, cfg, getattr(ctx, "facts", None)) if cfg.clip == "auto" else check(adapter, cfg)
     specs = dict(getattr(ctx.facts, "layers", None) or {})
     n = len(adapter.blocks)
     saved = [_load(ctx, i) for i in range(n)]
@@ -409,7 +418,7 @@ def _block(adapter, i, cfg, groups, linears, specs, acts, kwargs, metrics, clip_
         out = block_forward(block, acts[0], kwargs[0])
     metrics["fold_error"] = max(metrics["fold_error"], float((out - ref).norm() / ref.norm().clamp(min=1e-30)))
     clips = {}
-    if cfg.clip:
+    if cfg.clip is True:
         skip = {id(adapter.role(i, r)) for r in NO_CLIP if r in adapter.arch.roles}
         hess = {}
         for g in groups:

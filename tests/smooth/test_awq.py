@@ -93,6 +93,13 @@ def test_architectures_without_pre_norms_are_refused(model_type):
         smooth(model)
 
 
+@pytest.mark.parametrize("consumer, clip", [("rtn", True), ("gptq", False), ("autoround", False)])
+def test_clip_auto_follows_the_quantizer(consumer, clip):
+    facts = SimpleNamespace(consumer=consumer, rounding=(4, 32, True), grid=None, notes=[])
+    cfg = registry.get("smooth", "awq").check(ModelAdapter(tiny_causal("llama")), AWQConfig(), facts)
+    assert cfg.clip is clip and f"clip: auto -> {str(clip).lower()}" in facts.notes[-1]
+
+
 def test_fused_projections_are_said_at_plan_time():
     """phi3 fuses q/k/v and gate/up: only the norm groups exist, and the plan says so."""
     model = tiny_causal("phi3")

@@ -39,7 +39,8 @@ def test_awq_composes_with_each_quantizer(method, tmp_path):
     assert rc == 0, err
     assert tensor_hashes(tmp_path / "a") != tensor_hashes(tmp_path / "b")  # the smoothing reached the export
     metrics = json.loads((tmp_path / "a" / "manifest.json").read_text())["stages"]["00-smooth-awq"]["metrics"]
-    assert metrics["fold_error"] < 1e-5 and metrics["clipped_layers"] == 4 * 5
+    # clip: auto clips before rtn only (GPTQ and AutoRound fit what they are given: bench/awq-ref-llama-7m.md)
+    assert metrics["fold_error"] < 1e-5 and metrics["clipped_layers"] == (4 * 5 if method == "rtn" else 0)
 
 
 @pytest.mark.e2e
