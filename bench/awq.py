@@ -28,10 +28,10 @@ log = logging.getLogger(__name__)
 # cell -> (smooth stage options or None, quantize method)
 CELLS = {
     "rtn": (None, "rtn"),
-    "awq+rtn": ({}, "rtn"),
+    "awq(clip)+rtn": ({"clip": True}, "rtn"),
     "awq(no clip)+rtn": ({"clip": False}, "rtn"),
     "gptq": (None, "gptq"),
-    "awq+gptq": ({}, "gptq"),
+    "awq(clip)+gptq": ({"clip": True}, "gptq"),
     "awq(no clip)+gptq": ({"clip": False}, "gptq"),
 }
 
