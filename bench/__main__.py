@@ -227,6 +227,55 @@ def bench_scale(
     emit_bench(result, markdown(result), json_out, md_out)
 
 
+@bench_app.command("peers")
+def bench_peers(
+    json_out: Optional[Path] = JSON_OUT,
+    md_out: Optional[Path] = MARKDOWN_OUT,
+    model: str = typer.Option("ref-llama-7m", "--model", help="a model directory, smollm2-135m-instruct or a model "
+                              "under ../shared/data/models"),
+    bits: int = typer.Option(4, "--bits", help="weight bits"),
+    group: int = typer.Option(128, "--group", help="group size"),
+    sym: bool = typer.Option(True, "--sym/--asym", help="symmetric or asymmetric weights"),
+    nsamples: int = typer.Option(128, "--nsamples", help="calibration windows (WikiText-2 valid), every cell"),
+    seqlen: int = typer.Option(512, "--seqlen", help="tokens per calibration window"),
+    seeds: str = typer.Option("0,1,2", "--seeds", help="comma-separated seeds of the calibration windows (and of "
+                              "AutoRound); data-free cells run once"),
+    max_tokens: int = typer.Option(8192, "--max-tokens", help="evaluation tokens (WikiText-2 raw test)"),
+    peer_iters: int = typer.Option(200, "--peer-iters", help="AutoRound iterations, auto-round's and compress's "
+                                   "(auto-round's own default: 200)"),
+    cells: Optional[str] = typer.Option(None, "--cells", help="comma-separated cells to run (the others are rows "
+                                        "marked not run): rtn, rtn-opt, gptq, autoround, awq+gptq, awq+autoround, "
+                                        "autoround+lfq, ar, ar-rtn, llmc-gptq, llmc-awq, nncf-awq"),
+    build_env: Optional[List[str]] = typer.Option(None, "--build-env", help="first build (or reuse) a peer's own "
+                                                  "environment: llmcompressor (repeatable)"),
+):
+    """compress's PTQ cells side by side with auto-round, llm-compressor and NNCF on one model and weight
+    setting: the same calibration windows and evaluation tokens, scored by compress's evaluator (KL, top-1,
+    perplexity ratio, stored bytes of the quantized linear layers). A peer that cannot run is a row with the reason.
+
+    Example: python -m bench peers --model ref-llama-7m --bits 4 --group 128 --sym --nsamples 8 --seqlen 128
+    --max-tokens 2048 --peer-iters 10 --seeds 0
+    """
+    from bench.peers import build_env as build, markdown, run_peers
+    from compress.errors import BadInput
+
+    setup_logging(False)
+    for name in build_env or ():
+        info = build(name, echo=lambda line: typer.echo(line, err=True))
+        typer.echo(f"{name}: {info['path']} ({info['versions'].splitlines()[-1]})", err=True)
+    try:
+        seed_list = tuple(int(x) for x in seeds.split(",") if x.strip())
+    except ValueError:
+        raise BadInput(f"--seeds `{seeds}`: give comma-separated integers, e.g. 0,1,2") from None
+    if not seed_list:
+        raise BadInput("--seeds: give at least one seed")
+    result = run_peers(model, bits, group, sym, nsamples=nsamples, seqlen=seqlen, seeds=seed_list,
+                       max_tokens=max_tokens, peer_iters=peer_iters,
+                       cells=[c.strip() for c in cells.split(",") if c.strip()] if cells else None,
+                       command="python -m bench peers " + " ".join(sys.argv[2:]))
+    emit_bench(result, markdown(result), json_out, md_out)
+
+
 def main(argv=None) -> int:
     """`python -m bench ARGS`, with `compress`'s exit codes."""
     return run_app(bench_app, argv)

@@ -1,0 +1,603 @@
+"""`python -m bench peers`: compress side by side with the other weight-only PTQ tools, one command (issue #49 item 5).
+
+One model, one weight setting (`--bits`, `--group`, `--sym/--asym`), the same calibration windows for every cell
+(WikiText-2 valid, `--nsamples` x `--seqlen` tokens drawn with each seed by compress's own sampler,
+`compress.calibration.calibration_tokens`, BOS first as the pipeline does) and the same evaluation tokens (WikiText-2
+raw test, the first `--max-tokens` tokens in 256-token windows), scored by compress's evaluator against the
+full-precision model: KL(FP || Q), top-1 agreement, the perplexity ratio, and the stored bytes of the quantized linear
+layers (codes + scales + zero points, as each tool stores them, read from its own checkpoint) with the effective bits
+per weight they make. Cells:
+
+compress (each a recipe run by `pipeline.run`, exported `hf`; bytes: qweight + qzeros + scales of that export)
+    rtn, rtn-opt (`optimize: true`), gptq, autoround (plain: `final_block: same`), awq+gptq and awq+autoround
+    (`{stage: smooth, method: awq}` before the quantize stage), autoround+lfq (`final_block: lfq`, as
+    compress/recipes/w2-autoround-lfq.yaml). AutoRound cells run `--peer-iters` iterations.
+auto-round (its own API, in this environment)
+    ar: `AutoRound(model, tok, bits, group_size, sym, iters=--peer-iters, dataset=<the windows>, nsamples, seqlen,
+    seed)`, its default algorithm otherwise; ar-rtn: the same with `iters=0` (its RTN, opt-RTN on). Saved in its own
+    `auto_round` format, loaded by compress's loader (`compress eval`), bytes from that checkpoint.
+llm-compressor (its own environment: `--build-env llmcompressor`, ~/.cache/compress/engines/llmcompressor-<version>)
+    llmc-gptq: `GPTQModifier` (its defaults); llmc-awq: `AWQModifier` then `QuantizationModifier` (RTN), both with a
+    W4A16-style group scheme at the setting, every Linear but lm_head (bench/peer_llmcompressor.py). It saves a
+    compressed-tensors checkpoint (bytes: weight_packed + weight_scale + weight_zero_point); compress cannot load
+    that format, so the venv reads it back dequantized through compressed-tensors and hands the weights over.
+NNCF (in this environment: `pip install nncf==3.4.0`, OpenVINO backend)
+    nncf-awq: `nncf.compress_weights(fp_ir, mode=INT{bits}_SYM/ASYM, group_size, ratio=1.0, awq=True,
+    scale_estimation=True, dataset=<the windows>, subset_size=N, backup_mode=NONE)` on the FP OpenVINO IR that
+    compress's openvino exporter writes (embeddings and lm_head stay FP, as in every other cell); its dequantized
+    weights (the IR's own decompression subgraph, run by OpenVINO) go back into the torch model, matched to the torch
+    layers by shape and nearest weights; bytes: the IR's low-bit code, zero-point and scale constants.
+
+A cell that cannot run (a tool missing, a stage not written yet, a mode the tool lacks) is a row with the reason.
+Data-free cells (rtn, rtn-opt) run once; the others run once per `--seeds` seed (the windows' seed; auto-round's
+and compress's AutoRound seed too) and report mean and standard deviation.
+
+Reference commands (SmolLM2-135M-Instruct, `~/.cache/compress-data/smollm2-135m-instruct`; never W4 asym g32 on it:
+its FP weights are a dequantized Q4_1 GGUF grid):
+
+    python -m bench peers --model smollm2-135m-instruct --bits 4 --group 128 --sym --seeds 0,1,2 \
+        --json bench/peers-smollm2-w4g128sym.json --markdown bench/peers-smollm2-w4g128sym.md
+    python -m bench peers --model smollm2-135m-instruct --bits 4 --group 64 --sym --seeds 0,1,2 \
+        --json bench/peers-smollm2-w4g64sym.json --markdown bench/peers-smollm2-w4g64sym.md
+    python -m bench peers --model smollm2-135m-instruct --bits 3 --group 64 --asym --seeds 0,1,2 \
+        --json bench/peers-smollm2-w3g64asym.json --markdown bench/peers-smollm2-w3g64asym.md
+    python -m bench peers --model smollm2-135m-instruct --bits 2 --group 64 --asym --seeds 0,1,2 \
+        --json bench/peers-smollm2-w2g64asym.json --markdown bench/peers-smollm2-w2g64asym.md
+
+(defaults: 128 x 512 calibration tokens, 8192 evaluation tokens, `--peer-iters 200`; build llm-compressor's
+environment first with `python -m bench peers --build-env llmcompressor --cells rtn`, about 1.5 minutes.)
+Tiny end-to-end check (tests/bench/test_bench_peers.py runs a smaller one):
+
+    python -m bench peers --model ref-llama-7m --bits 4 --group 128 --sym --nsamples 8 --seqlen 128 \
+        --max-tokens 2048 --peer-iters 10 --seeds 0
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import math
+import shlex
+import shutil
+import statistics
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+from bench.quality import MODELS, TEXT
+
+log = logging.getLogger(__name__)
+SMOLLM2 = Path.home() / ".cache" / "compress-data" / "smollm2-135m-instruct"
+TEST = TEXT / "wikitext-2-raw" / "wiki.test.raw"
+VALID = TEXT / "wikitext-2" / "valid.txt"
+WINDOW = 256
+
+# cell -> (tool, what it runs)
+CELLS = {
+    "rtn": ("compress", "rtn"),
+    "rtn-opt": ("compress", "rtn, optimize: true"),
+    "gptq": ("compress", "gptq"),
+    "autoround": ("compress", "autoround (final_block: same)"),
+    "awq+gptq": ("compress", "smooth awq -> gptq"),
+    "awq+autoround": ("compress", "smooth awq -> autoround (final_block: same)"),
+    "autoround+lfq": ("compress", "autoround, final_block: lfq"),
+    "ar": ("auto-round", "AutoRound (its default algorithm)"),
+    "ar-rtn": ("auto-round", "AutoRound iters=0 (its RTN, opt-RTN)"),
+    "llmc-gptq": ("llm-compressor", "GPTQModifier"),
+    "llmc-awq": ("llm-compressor", "AWQModifier -> QuantizationModifier (RTN)"),
+    "nncf-awq": ("nncf", "compress_weights awq + scale_estimation (OpenVINO)"),
+}
+DATA_FREE = {"rtn", "rtn-opt"}
+METRICS = ("kl", "top1", "ppl_ratio", "ppl", "linear_bytes", "effective_bits", "quantize_seconds")
+
+
+class NotAvailable(Exception):
+    """A peer that cannot run here; the message is the reason the table shows."""
+
+
+# -- peers' own environments --------------------------------------------------------------------------------------
+# llm-compressor pins transformers <= 5.17 and auto-round <= 0.15.1 (ours: 5.25, 0.16.1): it lives in a virtual
+# environment built once and cached beside the serving engines' (compress/serve/envs.py's mechanism: built in a
+# `.partial` sibling, renamed into place with a ready.json once its check imports work). torch first, pinned to the
+# CPU build this machine has (any other pulls the CUDA wheels).
+LLMCOMPRESSOR = "0.14.0.1"
+PEER_ENVS = {
+    "llmcompressor": {
+        "dir": f"llmcompressor-{LLMCOMPRESSOR}",
+        "install": [["torch==2.13.0"], [f"llmcompressor=={LLMCOMPRESSOR}"]],
+        "remove": [],
+        "check": "import llmcompressor, compressed_tensors, transformers, torch; print('llmcompressor', "
+                 "llmcompressor.__version__, 'compressed-tensors', compressed_tensors.__version__, 'transformers', "
+                 "transformers.__version__, 'torch', torch.__version__)",
+    },
+}
+
+
+def _register() -> None:
+    from compress.serve import envs
+
+    for name, spec in PEER_ENVS.items():
+        envs.ENVS.setdefault(name, spec)
+
+
+def build_env(name: str, force: bool = False, echo=print) -> dict:
+    """Build (or reuse) a peer's environment under ~/.cache/compress/engines (COMPRESS_ENGINES)."""
+    from compress.errors import BadInput
+    from compress.serve import envs
+
+    if name not in PEER_ENVS:
+        raise BadInput(f"unknown peer environment `{name}` (known: {', '.join(PEER_ENVS)})")
+    _register()
+    return envs.build(name, force=force, echo=echo)
+
+
+def env_python(name: str) -> Path:
+    """The environment's python, or NotAvailable naming the command that builds it."""
+    from compress.serve import envs
+
+    _register()
+    d = envs.path_of(name)
+    if not (d / "ready.json").is_file():
+        raise NotAvailable(f"its environment is not built (looked in {d}); build it once with "
+                           f"`python -m bench peers --build-env {name}`")
+    return d / "bin" / "python"
+
+
+# -- inputs ---------------------------------------------------------------------------------------------------------
+
+def model_path(name: str) -> str:
+    if Path(name).expanduser().is_dir():
+        return str(Path(name).expanduser())
+    if name == "smollm2-135m-instruct":
+        return str(SMOLLM2)
+    if (MODELS / name).is_dir():
+        return str(MODELS / name)
+    from compress.errors import BadInput
+
+    raise BadInput(f"--model `{name}`: not a directory, smollm2-135m-instruct or a model under {MODELS}")
+
+
+def windows(path: str, nsamples: int, seqlen: int, seed: int):
+    """The (nsamples, seqlen) calibration windows a compress recipe with these settings draws (BOS first)."""
+    from transformers import AutoTokenizer
+
+    from compress.calibration import calibration_tokens
+
+    tok = AutoTokenizer.from_pretrained(path)
+    tokens, _ = calibration_tokens(tok, [str(VALID)], nsamples=nsamples, seqlen=seqlen, seed=seed,
+                                   bos_id=getattr(tok, "bos_token_id", None))
+    return tokens
+
+
+def fp_linears(path: str) -> dict[str, int]:
+    """{module name: weight count} of the model's nn.Linear layers."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return {n: m.weight.numel() for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+
+
+def safetensors_bytes(ckpt: Path, suffixes: tuple[str, ...]) -> dict[str, int]:
+    """{layer: bytes of its tensors named layer.<suffix>} in a checkpoint's safetensors (headers only)."""
+    out: dict[str, int] = {}
+    for f in sorted(Path(ckpt).glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            header = json.loads(fh.read(struct.unpack("<Q", fh.read(8))[0]))
+        for name, meta in header.items():
+            layer, _, suffix = name.rpartition(".")
+            if name != "__metadata__" and suffix in suffixes:
+                out[layer] = out.get(layer, 0) + meta["data_offsets"][1] - meta["data_offsets"][0]
+    return out
+
+
+def size_of(per_layer: dict[str, int], linears: dict[str, int], rename=lambda n: n) -> dict:
+    names = {rename(n) for n in per_layer}
+    missing = sorted(names - set(linears))
+    if missing:
+        raise RuntimeError(f"stored layers not among the model's Linear layers: {missing[:3]}")
+    weights = sum(linears[n] for n in names)
+    nbytes = sum(per_layer.values())
+    return {"linear_bytes": nbytes, "quantized_weights": weights, "quantized_layers": len(names),
+            "effective_bits": round(nbytes * 8 / weights, 4) if weights else None}
+
+
+def score(ckpt: str, path: str, max_tokens: int) -> dict:
+    """compress's evaluator (`compress eval`) on a checkpoint, against the FP model on the evaluation tokens."""
+    from compress.eval.cli import evaluate_checkpoint
+
+    ev = next(iter(evaluate_checkpoint(str(ckpt), reference=path, data=[str(TEST)], window=WINDOW,
+                                       max_tokens=max_tokens, gen_prompts=0).values()))
+    return {k: ev[k] for k in ("kl", "top1", "ppl_ratio", "ppl", "fp_ppl", "tokens")}
+
+
+def score_weights(weights: dict, path: str, max_tokens: int, tmp: Path) -> dict:
+    """Put the dequantized weights {module.weight: tensor} into the FP model, save it, score it."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    params = dict(model.named_parameters())
+    for name, w in weights.items():
+        p = params[name]
+        if tuple(w.shape) != tuple(p.shape):
+            raise RuntimeError(f"{name}: dequantized shape {tuple(w.shape)} != the model's {tuple(p.shape)}")
+        with torch.no_grad():
+            p.copy_(w.to(p.dtype))
+    out = tmp / "dequantized"
+    shutil.rmtree(out, ignore_errors=True)
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(path).save_pretrained(out)
+    try:
+        return score(str(out), path, max_tokens)
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+
+
+# -- compress cells -------------------------------------------------------------------------------------------------
+
+def compress_recipe(path: str, cell: str, s: dict, seed: int) -> dict:
+    method = {"rtn": "rtn", "rtn-opt": "rtn", "gptq": "gptq", "autoround": "autoround", "awq+gptq": "gptq",
+              "awq+autoround": "autoround", "autoround+lfq": "autoround"}[cell]
+    q = {"stage": "quantize", "method": method, "bits": s["bits"], "group_size": s["group_size"], "sym": s["sym"]}
+    if cell == "rtn-opt":
+        q["optimize"] = True
+    if method == "autoround":
+        q.update(iters=s["peer_iters"], final_block="lfq" if cell == "autoround+lfq" else "same")
+    stages = ([{"stage": "smooth", "method": "awq"}] if cell.startswith("awq+") else []) + [q]
+    return {"version": 1, "description": f"bench peers: {cell} W{s['bits']} g{s['group_size']}",
+            "model": {"path": path, "dtype": "float32"},
+            "calibration": {"sources": [str(VALID)], "nsamples": s["nsamples"], "seqlen": s["seqlen"], "seed": seed},
+            "stages": stages,
+            "eval": {"data": [str(TEST)], "window": WINDOW, "max_tokens": s["max_tokens"], "generation": {"prompts": 0}},
+            "export": {"formats": ["hf"]}}
+
+
+def compress_cell(cell: str, path: str, s: dict, seed: int, linears: dict, tmp: Path) -> dict:
+    from compress import pipeline
+    from compress.errors import CompressError
+    from compress.export.hf import module_names
+    from compress.recipe import load_recipe
+
+    rec = compress_recipe(path, cell, s, seed)
+    name = f"compress-{cell.replace('+', '-')}-{seed}"
+    (tmp / f"{name}.yaml").write_text(yaml.safe_dump(rec, sort_keys=False))
+    out = tmp / name
+    try:
+        try:
+            rep = pipeline.run(load_recipe(tmp / f"{name}.yaml"), out, force=True, quiet=True)
+        except CompressError as e:
+            if cell.startswith("awq+"):  # the smooth stage may not exist yet: say so, do not stop the bench
+                raise NotAvailable(f"{type(e).__name__}: {e}") from e
+            raise
+        ev = next(iter(rep["eval"].values()))
+        row = {k: ev[k] for k in ("kl", "top1", "ppl_ratio", "ppl", "fp_ppl", "tokens")}
+        row["quantize_seconds"] = round(sum(st["seconds"] for st in rep["stages"]
+                                            if st["name"] in ("quantize", "smooth")), 2)
+        ckpt = next((p.parent for p in out.rglob("config.json")
+                     if "quantization_config" in json.loads(p.read_text())), None)
+        dense = (rep["size"].get("stored", {}).get("hf") or {}).get("dense_layers", 0)
+        if ckpt is not None and not dense:
+            config = json.loads((ckpt / "config.json").read_text())
+            row.update(size_of(safetensors_bytes(ckpt, ("qweight", "qzeros", "scales")), linears,
+                               module_names(config.get("model_type"))))
+            row["bytes_from"] = "hf export: qweight + qzeros + scales"
+        else:  # layers the hf export writes dense: compress's own accounting (codes, fp16 scales, zeros)
+            size = rep["size"]
+            row.update(linear_bytes=round(size["effective_bits"] * size["quantized_params"] / 8),
+                       quantized_weights=size["quantized_params"], quantized_layers=size["quantized_layers"],
+                       effective_bits=size["effective_bits"],
+                       bytes_from=f"compress's storage bits ({dense} layers the hf export writes dense)")
+        return row
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+
+
+# -- auto-round -----------------------------------------------------------------------------------------------------
+
+def autoround_cell(iters: int, path: str, s: dict, seed: int, calib, linears: dict, tmp: Path) -> dict:
+    import torch
+    from auto_round import AutoRound
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from compress.export.hf import module_names
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(path)
+    out = tmp / f"auto-round-{iters}-{seed}"
+    n, seqlen = calib.shape
+    t = time.time()
+    ar = AutoRound(model, tok, bits=s["bits"], group_size=s["group_size"], sym=s["sym"], iters=iters,
+                   dataset=[calib[i:i + 1] for i in range(n)], nsamples=n, seqlen=seqlen, device_map="cpu", seed=seed)
+    ar.quantize_and_save(str(out), format="auto_round")
+    seconds = time.time() - t
+    try:
+        ckpt = next(out.rglob("config.json")).parent
+        row = score(str(ckpt), path, s["max_tokens"])
+        config = json.loads((ckpt / "config.json").read_text())
+        row.update(size_of(safetensors_bytes(ckpt, ("qweight", "qzeros", "scales")), linears,
+                           module_names(config.get("model_type"))))
+        row.update(quantize_seconds=round(seconds, 2), bytes_from="auto_round checkpoint: qweight + qzeros + scales")
+        return row
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+
+
+# -- llm-compressor -------------------------------------------------------------------------------------------------
+
+def llmc_cell(method: str, path: str, s: dict, seed: int, calib, linears: dict, tmp: Path) -> dict:
+    import torch
+    from safetensors.torch import load_file
+
+    python = env_python("llmcompressor")
+    work = tmp / f"llmc-{method}-{seed}"
+    work.mkdir(parents=True, exist_ok=True)
+    torch.save(calib, work / "windows.pt")
+    job = {"model": path, "windows": str(work / "windows.pt"), "out": str(work / "out"), "method": method,
+           "bits": s["bits"], "group_size": s["group_size"], "sym": s["sym"]}
+    (work / "job.json").write_text(json.dumps(job))
+    script = Path(__file__).with_name("peer_llmcompressor.py")
+    try:
+        proc = subprocess.run([str(python), str(script), str(work / "job.json")], capture_output=True, text=True)
+        if proc.returncode:
+            tail = [ln for ln in (proc.stdout + proc.stderr).strip().splitlines() if ln.strip()][-3:]
+            raise RuntimeError(f"llm-compressor run failed (exit {proc.returncode}): {' | '.join(tail)}")
+        res = json.loads((work / "out" / "result.json").read_text())
+        row = score_weights(load_file(str(work / "out" / "dequantized.safetensors")), path, s["max_tokens"], work)
+        row.update(size_of(res["stored_bytes"], linears))
+        row.update(quantize_seconds=res["seconds"], versions=res["versions"], patched=res["patched"],
+                   bytes_from=f"compressed-tensors {res['format']}: weight_packed + weight_scale + weight_zero_point",
+                   recipe=res["recipe"])
+        return row
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+# -- NNCF -----------------------------------------------------------------------------------------------------------
+
+def fp_ir(path: str, tmp: Path) -> Path:
+    """The FP OpenVINO IR of the model (compress's openvino exporter, no quantized layers), made once per run."""
+    out = tmp / "fp-openvino"
+    if not (out / "openvino_model.xml").is_file():
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from compress.export.openvino import export_openvino
+
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        export_openvino(model, {}, out)
+    return out / "openvino_model.xml"
+
+
+def _weight_inputs(node) -> list:
+    """Every node of the constant subgraph feeding `node` (a MatMul's weight input), `node` included."""
+    seen, todo, out = set(), [node], []
+    while todo:
+        n = todo.pop()
+        if id(n) in seen:
+            continue
+        seen.add(id(n))
+        out.append(n)
+        todo += [i.get_source_output().get_node() for i in n.inputs()]
+    return out
+
+
+def nncf_cell(path: str, s: dict, seed: int, calib, linears: dict, tmp: Path) -> dict:
+    try:
+        import nncf
+        import openvino as ov
+    except ImportError as e:
+        raise NotAvailable(f"{e} (pip install nncf==3.4.0; openvino is compress's `openvino` extra)") from e
+    import numpy as np
+    import openvino.opset13 as opset
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    mode_name = f"INT{s['bits']}_{'SYM' if s['sym'] else 'ASYM'}"
+    mode = getattr(nncf.CompressWeightsMode, mode_name, None)
+    if mode is None:
+        raise NotAvailable(f"NNCF {nncf.__version__} has no {mode_name} weight mode (int modes: "
+                           f"{', '.join(m.name for m in nncf.CompressWeightsMode if m.name.startswith('INT'))})")
+    core = ov.Core()
+    fp = core.read_model(str(fp_ir(path, tmp)))
+    data = nncf.Dataset([{"input_ids": calib[i:i + 1].numpy().astype(np.int64)} for i in range(calib.shape[0])])
+    t = time.time()
+    q = nncf.compress_weights(fp, mode=mode, group_size=s["group_size"], ratio=1.0, awq=True, scale_estimation=True,
+                              dataset=data, subset_size=calib.shape[0], backup_mode=nncf.BackupMode.NONE)
+    seconds = time.time() - t
+    # every MatMul whose weight is a decompression subgraph: its dequantized weight and stored constants
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    torch_w = {n: m.weight.detach() for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    found = []
+    for op in q.get_ops():
+        if op.get_type_name() != "MatMul" or op.input(1).get_source_output().get_node().get_type_name() == "Constant":
+            continue
+        sub = _weight_inputs(op.input(1).get_source_output().get_node())
+        if any(n.get_type_name() == "Parameter" for n in sub):
+            continue  # activations x activations (attention)
+        consts = [n for n in sub if n.get_type_name() == "Constant"
+                  and n.get_output_element_type(0).get_type_name() not in ("i32", "i64")]  # not reshape targets
+        if not any(n.get_output_element_type(0).get_type_name() in ("u4", "i4", "u8", "i8", "u3", "u2", "i2", "i3")
+                   for n in consts):
+            continue
+        weight_model = ov.Model([opset.result(op.input(1).get_source_output())], [], "w")
+        w = core.compile_model(weight_model, "CPU", {"INFERENCE_PRECISION_HINT": "f32"})({})
+        w = torch.from_numpy(np.array(next(iter(w.values())), dtype=np.float32))
+        if not op.get_attributes().get("transpose_b", False):
+            w = w.T
+        found.append((op.get_friendly_name(), w, sum(n.get_byte_size() for n in consts)))
+    # match each dequantized weight to the torch layer of its shape whose FP weight is nearest
+    weights, per_layer, free = {}, {}, dict(torch_w)
+    for name, w, nbytes in found:
+        cands = [(float((w - fw).norm() / fw.norm()), n) for n, fw in free.items() if fw.shape == w.shape]
+        if not cands:
+            raise RuntimeError(f"OpenVINO MatMul {name}: no torch Linear of shape {tuple(w.shape)} left")
+        err, n = min(cands)
+        if err > 0.9:
+            raise RuntimeError(f"OpenVINO MatMul {name}: nearest torch layer {n} is {err:.2f} away")
+        del free[n]
+        weights[f"{n}.weight"], per_layer[n] = w, nbytes
+    row = score_weights(weights, path, s["max_tokens"], tmp)
+    row.update(size_of(per_layer, linears))
+    row.update(quantize_seconds=round(seconds, 2), versions={"nncf": nncf.__version__, "openvino": ov.__version__},
+               bytes_from="OpenVINO IR: low-bit code and zero-point constants + scale constants")
+    return row
+
+
+# -- the run --------------------------------------------------------------------------------------------------------
+
+def version_of(tool: str) -> str:
+    import importlib.metadata as md
+
+    try:
+        if tool == "compress":
+            return md.version("compress-llm")
+        if tool == "auto-round":
+            return md.version("auto-round")
+        if tool == "nncf":
+            return f"{md.version('nncf')} (openvino {md.version('openvino')})"
+    except md.PackageNotFoundError:
+        return "not installed"
+    return LLMCOMPRESSOR
+
+
+def summarize(runs: list[dict]) -> tuple[dict, dict]:
+    mean, std = {}, {}
+    for k in METRICS:
+        vals = [r[k] for r in runs if isinstance(r.get(k), (int, float))]
+        if vals:
+            mean[k] = statistics.fmean(vals)
+            std[k] = statistics.stdev(vals) if len(vals) > 1 else 0.0
+    return mean, std
+
+
+def run_peers(model: str, bits: int, group: int, sym: bool, *, nsamples: int = 128, seqlen: int = 512,
+              seeds: tuple[int, ...] = (0, 1, 2), max_tokens: int = 8192, peer_iters: int = 200,
+              cells: list[str] | None = None, tmp: Path | None = None, command: str | None = None) -> dict:
+    """Every cell of CELLS (or `cells`) on one model and setting; returns {"meta", "cells"}."""
+    import tempfile
+
+    from compress.errors import BadInput
+    from compress.eval.machine import machine
+
+    unknown = [c for c in cells or () if c not in CELLS]
+    if unknown:
+        raise BadInput(f"unknown --cells {', '.join(unknown)} (known: {', '.join(CELLS)})")
+    path = model_path(model)
+    s = {"bits": bits, "group_size": group, "sym": sym, "nsamples": nsamples, "seqlen": seqlen,
+         "max_tokens": max_tokens, "peer_iters": peer_iters}
+    t0 = time.time()
+    meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "machine": machine(),
+            "command": command or "python -m bench peers " + shlex.join(sys.argv[2:] if sys.argv[1:2] == ["peers"]
+                                                                          else sys.argv[1:]),
+            "model": model, "model_path": path, **s, "seeds": list(seeds), "window": WINDOW,
+            "calibration": f"{VALID.relative_to(TEXT.parent)}: {nsamples} x {seqlen} tokens per seed "
+                           "(compress.calibration.calibration_tokens, BOS first)",
+            "evaluation": f"{TEST.relative_to(TEXT.parent)}: the first {max_tokens} tokens in {WINDOW}-token windows"}
+    linears = fp_linears(path)
+    out = []
+    with tempfile.TemporaryDirectory(dir=tmp) as d:
+        d = Path(d)
+        calib = {seed: windows(path, nsamples, seqlen, seed) for seed in seeds}
+        for cell, (tool, what) in CELLS.items():
+            entry = {"cell": cell, "tool": tool, "version": version_of(tool), "method": what,
+                     "seeds": [] if cell in DATA_FREE else list(seeds), "runs": []}
+            out.append(entry)
+            if cells and cell not in cells:
+                entry.update(status="not run", reason="not among --cells")
+                continue
+            try:
+                for seed in ([seeds[0]] if cell in DATA_FREE else seeds):
+                    log.info("peers: %s seed %s", cell, seed)
+                    t = time.time()
+                    if tool == "compress":
+                        row = compress_cell(cell, path, s, seed, linears, d)
+                    elif cell == "ar":
+                        row = autoround_cell(peer_iters, path, s, seed, calib[seed], linears, d)
+                    elif cell == "ar-rtn":
+                        row = autoround_cell(0, path, s, seed, calib[seed], linears, d)
+                    elif tool == "llm-compressor":
+                        row = llmc_cell("gptq" if cell == "llmc-gptq" else "awq+rtn", path, s, seed, calib[seed],
+                                        linears, d)
+                    else:
+                        row = nncf_cell(path, s, seed, calib[seed], linears, d)
+                    row.update(seed=None if cell in DATA_FREE else seed, cell_seconds=round(time.time() - t, 1))
+                    entry["runs"].append(row)
+                    log.info("peers: %s", json.dumps({"cell": cell, **{k: row.get(k) for k in METRICS}}))
+                entry["mean"], entry["std"] = summarize(entry["runs"])
+                entry["status"] = "ok"
+            except NotAvailable as e:
+                entry.update(status="not available", reason=str(e))
+            except Exception as e:  # a peer that fails is a row with the reason, never a dropped one
+                log.exception("peers: %s failed", cell)
+                entry.update(status="failed", reason=f"{type(e).__name__}: {e}".strip()[:600])
+            if entry["status"] != "ok":
+                log.warning("peers: %s %s: %s", cell, entry["status"], entry["reason"])
+    meta["wall_seconds"] = round(time.time() - t0, 1)
+    return {"meta": meta, "cells": out}
+
+
+def _fmt(entry: dict, key: str, digits: int) -> str:
+    m, sd = entry["mean"].get(key), entry["std"].get(key)
+    if m is None:
+        return "-"
+    if key == "linear_bytes":
+        return f"{m:,.0f}" + (f" +- {sd:,.0f}" if len(entry["runs"]) > 1 and sd else "")
+    return f"{m:.{digits}f}" + (f" +- {sd:.{digits}f}" if len(entry["runs"]) > 1 else "")
+
+
+NOTES = {
+    "compress": "a recipe run by compress's pipeline on the windows (calibration.seed = the seed), evaluated in the "
+                "run; bytes from its `hf` export",
+    "auto-round": "auto-round's own AutoRound API on the same windows (a list of (1, L) token tensors), "
+                  "device_map cpu, seed = the seed, saved with format auto_round and read by compress's loader",
+    "llm-compressor": "llm-compressor's oneshot in its own environment (bench/peer_llmcompressor.py) on the same "
+                      "windows (shuffle off), a W4A16-style int group scheme on every Linear but lm_head, saved "
+                      "compressed (pack-quantized), dequantized back by compressed-tensors and scored here; scales "
+                      "and zero points are stored as the model's dtype makes them (float32 scales for this float32 "
+                      "model); its AWQ's memory pinning is skipped on CPU (torch refuses to pin without an "
+                      "accelerator)",
+    "nncf": "NNCF on compress's FP OpenVINO IR of the model, the same windows as `input_ids`; embeddings and "
+            "lm_head kept FP (backup_mode NONE); the IR's dequantized weights are put back into the torch model "
+            "and scored here",
+}
+
+
+def markdown(res: dict) -> str:
+    m = res["meta"]
+    mach = m["machine"]
+    setting = f"W{m['bits']} g{m['group_size']} {'sym' if m['sym'] else 'asym'}"
+    lines = [f"# Peers: {m['model']} {setting}", "", f"`{m['command']}`", "",
+             f"{m['date']}, {m['wall_seconds']} s. Machine: {mach['nproc']} CPUs, {mach['cpu']} (torch threads "
+             f"{mach['torch_threads']}, load average at the start {mach['load_average']}). Calibration: "
+             f"{m['calibration']}, seeds {', '.join(map(str, m['seeds']))}. Evaluation: {m['evaluation']}, "
+             "against the full-precision model on the same tokens (compress's evaluator). AutoRound iterations: "
+             f"{m['peer_iters']}. Data-free cells run once; the others give mean +- standard deviation over the "
+             "seeds. `linear bytes`: the quantized linear layers' codes + scales + zero points as each tool "
+             "stores them; `eff. bits`: those bits per quantized weight; `quantize s`: the tool's quantization "
+             "(compress: its smooth and quantize stages).", "",
+             *[f"{note}\n" for note in m.get("notes", ())],
+             "| cell | tool | method | KL | top-1 | ppl ratio | linear bytes | eff. bits | quantize s |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for e in res["cells"]:
+        head = f"| {e['cell']} | {e['tool']} {e['version']} | {e['method']} |"
+        if e["status"] != "ok":
+            lines.append(f"{head} {e['status']}: {e['reason'].replace('|', '/')} | | | | | |")
+            continue
+        lines.append(f"{head} {_fmt(e, 'kl', 5)} | {_fmt(e, 'top1', 4)} | {_fmt(e, 'ppl_ratio', 4)} | "
+                     f"{_fmt(e, 'linear_bytes', 0)} | {_fmt(e, 'effective_bits', 3)} | {_fmt(e, 'quantize_seconds', 1)} |")
+    ok = [e for e in res["cells"] if e["status"] == "ok"]
+    weights = {e["runs"][0].get("quantized_weights") for e in ok}
+    if len(weights) > 1:
+        lines += ["", "Quantized weights differ between cells: " + ", ".join(
+            f"{e['cell']} {e['runs'][0].get('quantized_weights')}" for e in ok)]
+    elif weights:
+        lines += ["", f"Every cell quantized the same {weights.pop():,} weights "
+                      f"({ok[0]['runs'][0].get('quantized_layers')} linear layers)."]
+    lines += ["", "What each peer did:", ""] + [f"- {tool}: {note}." for tool, note in NOTES.items()]
+    return "\n".join(lines) + "\n"
