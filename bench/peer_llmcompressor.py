@@ -2,7 +2,8 @@
 bench/peers.py: quantize one model with llm-compressor's `oneshot` on the given calibration windows, save its
 compressed-tensors checkpoint, and write what compress scores: the model's weights as that checkpoint holds
 them, the quantized layers dequantized by compressed-tensors' own decompressor (AWQ's rescaled norms
-included), and the stored bytes of each layer's codes, scales and zero points. It imports nothing from compress (a different transformers lives here).
+included), and the stored bytes of each layer's codes, scales and zero points. It imports nothing
+from compress (a different transformers lives here).
 
     python bench/peer_llmcompressor.py JOB.json
 
