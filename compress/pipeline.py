@@ -156,6 +156,7 @@ def _plan(loaded) -> tuple[dict, Binding]:
     cls = AutoModelForCausalLM if kind == "causal" else AutoModel
     with init_empty_weights():
         skeleton = cls.from_config(config)
+    skeleton.tie_weights()  # from_config leaves a tied head its own (meta) tensor: counted twice otherwise
     adapter = ModelAdapter(skeleton)
     n_params = sum(p.numel() for p in skeleton.parameters())
     bytes_per = torch.finfo(getattr(torch, r.model.dtype)).bits // 8

@@ -89,6 +89,18 @@ def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path):
     assert not out_dir.exists()
 
 
+def test_dry_run_counts_a_tied_head_once(tmp_path):
+    """stories260K ties its LM head to the embeddings: the plan's count is the loaded model's."""
+    from transformers import AutoModelForCausalLM
+
+    rc, out, err = invoke("run", QUICKSTART, "--model", STORIES260K, "--output", tmp_path / "o", "--dry-run",
+                          "--json")
+    assert rc == 0, err
+    loaded = AutoModelForCausalLM.from_pretrained(STORIES260K)
+    assert loaded.config.tie_word_embeddings
+    assert json.loads(out)["parameters"] == sum(p.numel() for p in loaded.parameters())
+
+
 @pytest.mark.parametrize("final_block,rc", [("lfq", 1), ("hard_ce", 1), ("auto", 0), ("same", 0)])
 def test_dry_run_refuses_a_final_block_objective_on_an_encoder(tmp_path, final_block, rc):
     """Checked at plan time, before any weight is loaded; `auto` is plain AutoRound on an encoder."""
