@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from bench.quality import run_cell
-from bench.rtn_optimized import SETTINGS, TEST, VALID, model_path, setting
+from bench.rtn_optimized import SETTINGS, TEST, VALID, model_path, setting, settings_of, write
 
 log = logging.getLogger(__name__)
 # cell -> (smooth stage options or None, quantize method)
@@ -71,7 +71,8 @@ def markdown(res: dict) -> str:
              "|---|---|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
         lines.append(f"| {r['model']} | {setting(r)} | {r['method']} | {r['kl']:.4f} | {r['top1']:.4f} | "
-                     f"{r['ppl_ratio']:.4f} | {r['effective_bits']} | {r['smooth_seconds']} | {r['quantize_seconds']} |")
+                     f"{r['ppl_ratio']:.4f} | {r['effective_bits']} | {r['smooth_seconds']} | "
+                     f"{r['quantize_seconds']} |")
     return "\n".join(lines) + "\n"
 
 
@@ -97,20 +98,13 @@ def main(argv=None) -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in a.only or list(SETTINGS):
-            for bits, group, sym in SETTINGS[name]:
-                if a.setting and f"W{bits}g{group}{'sym' if sym else 'asym'}" not in a.setting:
-                    continue
+            for bits, group, sym in settings_of(name, a.setting):
                 for cell in cells:
                     rows.append(cell_row(name, cell, bits, group, sym, a.max_tokens, Path(tmp)))
                     log.info("%s", json.dumps(rows[-1]))
     meta["wall_seconds"] = round(time.time() - t0, 1)
     res = {"meta": meta, "rows": rows}
-    text = markdown(res)
-    if a.json:
-        a.json.write_text(json.dumps(res, indent=1) + "\n")
-    if a.markdown:
-        a.markdown.write_text(text)
-    print(text)
+    write(res, markdown(res), a.json, a.markdown)
 
 
 if __name__ == "__main__":

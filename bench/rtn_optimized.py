@@ -172,9 +172,7 @@ def main(argv=None) -> None:
     with_ar = {m.strip() for m in a.autoround.split(",") if m.strip()}
     with tempfile.TemporaryDirectory() as tmp:
         for name in a.only or list(SETTINGS):
-            for bits, group, sym in SETTINGS[name]:
-                if a.setting and f"W{bits}g{group}{'sym' if sym else 'asym'}" not in a.setting:
-                    continue
+            for bits, group, sym in settings_of(name, a.setting):
                 for method in methods:
                     rows.append(compress_cell(name, method, bits, group, sym, a.max_tokens, Path(tmp)))
                     log.info("%s", json.dumps(rows[-1]))
@@ -187,11 +185,20 @@ def main(argv=None) -> None:
                         log.warning(errors[-1])
     res = {"meta": meta, "rows": rows, "errors": errors, "speed": speed() if a.speed else []}
     meta["wall_seconds"] = round(time.time() - t0, 1)
-    text = markdown(res)
-    if a.json:
-        a.json.write_text(json.dumps(res, indent=1) + "\n")
-    if a.markdown:
-        a.markdown.write_text(text)
+    write(res, markdown(res), a.json, a.markdown)
+
+
+def settings_of(name: str, only: list | None):
+    """(bits, group, sym) of model `name`, restricted to `--setting` names like W3g64asym."""
+    return [(b, g, s) for b, g, s in SETTINGS[name] if not only or f"W{b}g{g}{'sym' if s else 'asym'}" in only]
+
+
+def write(res: dict, text: str, json_path: Path | None, md_path: Path | None) -> None:
+    """The result as JSON and markdown where asked, the markdown on stdout."""
+    if json_path:
+        json_path.write_text(json.dumps(res, indent=1) + "\n")
+    if md_path:
+        md_path.write_text(text)
     print(text)
 
 

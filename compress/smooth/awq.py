@@ -8,7 +8,8 @@ Block by block, the inputs of block i being the outputs of block i - 1 after its
 1. one pass of the calibration activations through the block collects, at each group's input, the mean |x| per
    channel and the Gram matrix H = mean x x^T of the rows reaching each quantized reader (an expert: its routed rows);
 2. per group, a scale s per input channel of its readers:
-     attn_in   input_norm -> q/k/v (q_a, kv_a, qkv): the norm's weight / s (Gemma's `1 + w` norms: 1 + w' = (1 + w) / s),
+     attn_in   input_norm -> q/k/v (q_a, kv_a, qkv): the norm's weight / s (Gemma's `1 + w` norms:
+               1 + w' = (1 + w) / s),
                the readers' columns * s
      mlp_in    post_attn_norm -> gate/up (every expert, the router, shared experts and their gate): the same
      up_down   up's rows (and bias) / s, down's columns * s, for every gated MLP (every expert)
@@ -20,7 +21,8 @@ Block by block, the inputs of block i being the outputs of block i - 1 after its
    `sum tr(dW H dW^T)` with `dW = W - Q(W diag(s)) diag(s)^-1` and Q the next quantize stage's round-to-nearest at each
    layer's bits, group and symmetry (llama.cpp's own fit on its grids). s = 1 is a candidate, so the proxy error
    never grows. Row scalings commute with per-row group rounding, so the four groups are searched independently.
-3. `clip: true` (AWQ's clipping; q/k are skipped as AutoAWQ skips them; `auto`, the default: before `rtn` only): per row and quantization group, the ratio p
+3. `clip: true` (AWQ's clipping; q/k are skipped as AutoAWQ skips them; `auto`, the default: before `rtn` only): per
+   row and quantization group, the ratio p
    of 1.0, 0.95, ..., 0.5 whose `Q(clamp(W, -p max|W|, p max|W|))` has the least output error on the group's own
    columns (`d^T H_gg d`), and W is clamped there. Clipping changes the full-precision weights (by design: the
    outliers the grid would pay for); the scaling alone does not (checked per block on the first calibration batch:
