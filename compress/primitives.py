@@ -121,9 +121,8 @@ def clip_search(W: torch.Tensor, bits: int, group_size: int, sym: bool, energy: 
     a = torch.ones_like(Wg[:1]) if energy is None else group_view(energy.float().view(1, -1), group)
     best_s = best_z = best_err = None
     for p in ratios:
-        s, z = _group_qparams(Wg, bits, sym, p)
-        q = torch.clamp(torch.round(Wg / s.unsqueeze(-1)) + z.unsqueeze(-1), 0, 2**bits - 1)
-        err = ((Wg - s.unsqueeze(-1) * (q - z.unsqueeze(-1))) ** 2 * a).sum(-1)
+        s, z, Wq = group_round(Wg, bits, sym, p)
+        err = ((Wg - Wq) ** 2 * a).sum(-1)
         if best_err is None:
             best_s, best_z, best_err = s, z, err
             continue
@@ -133,6 +132,13 @@ def clip_search(W: torch.Tensor, bits: int, group_size: int, sym: bool, energy: 
     codes = quantize_codes(W, best_s, best_z, bits, group_size)
     return QuantizedWeight(codes=codes, scales=best_s, zeros=best_z.to(torch.uint8), bits=bits,
                            group_size=group_size, sym=sym)
+
+
+def group_round(Wg: torch.Tensor, bits: int, sym: bool, ratio: float = 1.0):
+    """RTN of an already grouped (d_out, n_groups, g) weight: its scales, zero points and the dequantized groups."""
+    s, z = _group_qparams(Wg, bits, sym, ratio)
+    q = torch.clamp(torch.round(Wg / s.unsqueeze(-1)) + z.unsqueeze(-1), 0, 2**bits - 1)
+    return s, z, s.unsqueeze(-1) * (q - z.unsqueeze(-1))
 
 
 def _group_qparams(Wg: torch.Tensor, bits: int, sym: bool, ratio: float):

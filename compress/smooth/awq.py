@@ -46,7 +46,7 @@ from torch import nn
 from compress.config import StrictModel
 from compress.driver import advance, block_forward, capture_block0_inputs
 from compress.errors import BadInput
-from compress.primitives import CLIP_RATIOS, _group_qparams, fake_quantize, group_view, resolve_group
+from compress.primitives import CLIP_RATIOS, fake_quantize, group_round, group_view, resolve_group
 from compress.registry import register
 from compress.rotation.surgery import map_columns, map_rows, set_param
 
@@ -143,6 +143,7 @@ class _Stat:
     def __init__(self):
         self.gram = self.abs = None
         self.rows = 0
+        self.mean = False  # gram holds the mean (H) once H() was asked for
 
     def add(self, x: torch.Tensor, gram: bool, absolute: bool) -> None:
         x = x.detach().reshape(-1, x.shape[-1]).float()
@@ -156,7 +157,11 @@ class _Stat:
         self.rows += x.shape[0]
 
     def H(self) -> torch.Tensor | None:
-        return None if self.gram is None else self.gram / self.rows
+        """The mean Gram matrix, divided in place once (the readers of one tap share it)."""
+        if self.gram is not None and not self.mean:
+            self.gram.div_(self.rows)
+            self.mean = True
+        return self.gram
 
     def mean_abs(self) -> torch.Tensor | None:
         return None if self.abs is None else self.abs / self.rows
@@ -203,9 +208,7 @@ def _rounded(W: torch.Tensor, spec) -> torch.Tensor:
         return fake_quantize(W, spec.bits, spec.group_size, spec.sym)
     d_out, d_in = W.shape
     Wg = group_view(W, resolve_group(d_in, spec.group_size))  # primitives.rtn's arithmetic, without its codes
-    s, z = _group_qparams(Wg, spec.bits, spec.sym, 1.0)
-    q = torch.clamp(torch.round(Wg / s.unsqueeze(-1)) + z.unsqueeze(-1), 0, 2**spec.bits - 1)
-    return (s.unsqueeze(-1) * (q - z.unsqueeze(-1))).reshape(d_out, -1)[:, :d_in]
+    return group_round(Wg, spec.bits, spec.sym)[2].reshape(d_out, -1)[:, :d_in]
 
 
 def _output_error(W: torch.Tensor, cols: torch.Tensor, H: torch.Tensor, spec) -> float:
@@ -273,9 +276,7 @@ def _clip_bounds(W: torch.Tensor, H: torch.Tensor, spec) -> torch.Tensor:
     for p in CLIP_RATIOS:
         m = (top * p).unsqueeze(-1)
         Wc = torch.maximum(torch.minimum(Wg, m), -m)
-        s, z = _group_qparams(Wc, spec.bits, spec.sym, 1.0)
-        q = torch.clamp(torch.round(Wc / s.unsqueeze(-1)) + z.unsqueeze(-1), 0, 2**spec.bits - 1)
-        d = Wg - s.unsqueeze(-1) * (q - z.unsqueeze(-1))
+        d = Wg - group_round(Wc, spec.bits, spec.sym)[2]
         err = torch.einsum("rgi,gij,rgj->rg", d, Hb, d)
         if best is None:
             best_err, best = err, top * p
