@@ -212,14 +212,17 @@ def holds(fmt: str, spec: ModelSpec, base: ModelSpec) -> list[str]:
     return out
 
 
+# stages that rewrite the full-precision weights the quantizer rounds, and why they must come first
+BEFORE_QUANTIZE = {
+    "rotate": "rotations must run before quantization (they rewrite the weights the quantizer rounds)",
+    "smooth": "smoothing must run before quantization (it rescales the weights the quantizer rounds)",
+}
+
+
 def _check_order(cfgs, recipe) -> None:
     for i, cfg in enumerate(cfgs):
-        if cfg.stage == "rotate" and any(c.stage == "quantize" for c in cfgs[:i]):
-            raise BadInput(f"stage {i} (`rotate`) comes after a `quantize` stage; rotations must run before "
-                           "quantization (they rewrite the weights the quantizer rounds)")
-        if cfg.stage == "smooth" and any(c.stage == "quantize" for c in cfgs[:i]):
-            raise BadInput(f"stage {i} (`smooth`) comes after a `quantize` stage; smoothing must run before "
-                           "quantization (it rescales the weights the quantizer rounds)")
+        if cfg.stage in BEFORE_QUANTIZE and any(c.stage == "quantize" for c in cfgs[:i]):
+            raise BadInput(f"stage {i} (`{cfg.stage}`) comes after a `quantize` stage; {BEFORE_QUANTIZE[cfg.stage]}")
         if cfg.stage == "rotate" and any(c.stage == "smooth" for c in cfgs[:i]):
             raise BadInput(f"stage {i} (`rotate`) comes after a `smooth` stage; rotate first (a rotation of the "
                            "residual stream would mix the per-channel scales the smoothing chose)")

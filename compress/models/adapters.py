@@ -76,8 +76,9 @@ ARCHS: dict[str, ArchMap] = {
     "qwen3_moe": ArchMap(**_CAUSAL, roles={**{k: v for k, v in LLAMA_ROLES.items() if not k.startswith("mlp_")},
                                            "q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm"},
                          experts="mlp.experts", router="mlp.gate"),
-    "gemma2": ArchMap(**_CAUSAL, roles=GEMMA_ROLES, norm_offset=1.0, limits={"rotate": POST_NORMS.format("Gemma 2") + "; it also "
-                                                               "soft-caps attention and final logits"}),
+    "gemma2": ArchMap(**_CAUSAL, roles=GEMMA_ROLES, norm_offset=1.0,
+                      limits={"rotate": POST_NORMS.format("Gemma 2") + "; it also soft-caps attention and final "
+                                                                     "logits"}),
     "gemma3_text": ArchMap(**_CAUSAL, roles={**GEMMA_ROLES, "q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm"},
                            norm_offset=1.0,
                            limits={"rotate": POST_NORMS.format("Gemma 3")}),
