@@ -26,7 +26,7 @@ NNCF (in this environment: `pip install nncf==3.4.0`, OpenVINO backend)
     scale_estimation=True, dataset=<the windows>, subset_size=N, backup_mode=NONE)` on the FP OpenVINO IR that
     compress's openvino exporter writes (embeddings and lm_head stay FP, as in every other cell); its dequantized
     weights (the IR's own decompression subgraph, run by OpenVINO) go back into the torch model, matched to the torch
-    layers by shape and nearest weights; bytes: the IR's low-bit code, zero-point and scale constants.
+    layers through the FP IR (MatMul names kept by NNCF; the FP weights equal the layers' exactly); bytes: the IR's low-bit code, zero-point and scale constants.
 
 A cell that cannot run (a tool missing, a stage not written yet, a mode the tool lacks) is a row with the reason.
 Data-free cells (rtn, rtn-opt) run once; the others run once per `--seeds` seed (the windows' seed; auto-round's
@@ -57,7 +57,6 @@ from __future__ import annotations
 import datetime
 import json
 import logging
-import math
 import shlex
 import shutil
 import statistics
@@ -387,6 +386,37 @@ def _weight_inputs(node) -> list:
     return out
 
 
+LOW_BIT = ("u4", "i4", "u8", "i8", "u3", "u2", "i2", "i3")
+
+
+def _matmul_weights(model, core, *, quantized: bool):
+    """(MatMul name, its weight as a torch (out, in) tensor, the bytes of its weight constants, the names of its weight
+    subgraph's nodes) for each MatMul whose
+    weight input is constant: all of them in an FP IR, those with low-bit constants (decompression subgraphs) in a
+    compressed one."""
+    import numpy as np
+    import openvino as ov
+    import openvino.opset13 as opset
+    import torch
+
+    for op in model.get_ordered_ops():
+        if op.get_type_name() != "MatMul":
+            continue
+        sub = _weight_inputs(op.input(1).get_source_output().get_node())
+        if any(n.get_type_name() == "Parameter" for n in sub):
+            continue  # activations x activations (attention)
+        consts = [n for n in sub if n.get_type_name() == "Constant"
+                  and n.get_output_element_type(0).get_type_name() not in ("i32", "i64")]  # not reshape targets
+        if quantized and not any(n.get_output_element_type(0).get_type_name() in LOW_BIT for n in consts):
+            continue
+        weight_model = ov.Model([opset.result(op.input(1).get_source_output())], [], "w")
+        w = core.compile_model(weight_model, "CPU", {"INFERENCE_PRECISION_HINT": "f32"})({})
+        w = torch.from_numpy(np.array(next(iter(w.values())), dtype=np.float32))
+        if not op.get_attributes().get("transpose_b", False):
+            w = w.T
+        yield op.get_friendly_name(), w, sum(n.get_byte_size() for n in consts), {n.get_friendly_name() for n in sub}
+
+
 def nncf_cell(path: str, s: dict, seed: int, calib, linears: dict, tmp: Path) -> dict:
     try:
         import nncf
@@ -394,7 +424,6 @@ def nncf_cell(path: str, s: dict, seed: int, calib, linears: dict, tmp: Path) ->
     except ImportError as e:
         raise NotAvailable(f"{e} (pip install nncf==3.4.0; openvino is compress's `openvino` extra)") from e
     import numpy as np
-    import openvino.opset13 as opset
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -404,44 +433,36 @@ def nncf_cell(path: str, s: dict, seed: int, calib, linears: dict, tmp: Path) ->
         raise NotAvailable(f"NNCF {nncf.__version__} has no {mode_name} weight mode (int modes: "
                            f"{', '.join(m.name for m in nncf.CompressWeightsMode if m.name.startswith('INT'))})")
     core = ov.Core()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    torch_w = {n: m.weight.detach() for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    # NNCF keeps the MatMuls' names; its AWQ rescales pairs of weights (up by 1/s, down by s), so the quantized
+    # weights are matched to torch layers through the FP IR, where each MatMul's weight equals its layer's exactly
+    names = {}
+    fp = core.read_model(str(fp_ir(path, tmp)))
+    fp_ops = {op.get_friendly_name() for op in fp.get_ordered_ops()}
+    for name, w, _, _ in _matmul_weights(fp, core, quantized=False):
+        cands = [(float((w - fw).norm() / fw.norm()), n) for n, fw in torch_w.items() if fw.shape == w.shape]
+        err, n = min(cands, default=(float("inf"), None))
+        if err < 1e-5:
+            names[name] = n
     fp = core.read_model(str(fp_ir(path, tmp)))
     data = nncf.Dataset([{"input_ids": calib[i:i + 1].numpy().astype(np.int64)} for i in range(calib.shape[0])])
     t = time.time()
     q = nncf.compress_weights(fp, mode=mode, group_size=s["group_size"], ratio=1.0, awq=True, scale_estimation=True,
                               dataset=data, subset_size=calib.shape[0], backup_mode=nncf.BackupMode.NONE)
     seconds = time.time() - t
-    # every MatMul whose weight is a decompression subgraph: its dequantized weight and stored constants
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    torch_w = {n: m.weight.detach() for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
-    found = []
-    for op in q.get_ops():
-        if op.get_type_name() != "MatMul" or op.input(1).get_source_output().get_node().get_type_name() == "Constant":
-            continue
-        sub = _weight_inputs(op.input(1).get_source_output().get_node())
-        if any(n.get_type_name() == "Parameter" for n in sub):
-            continue  # activations x activations (attention)
-        consts = [n for n in sub if n.get_type_name() == "Constant"
-                  and n.get_output_element_type(0).get_type_name() not in ("i32", "i64")]  # not reshape targets
-        if not any(n.get_output_element_type(0).get_type_name() in ("u4", "i4", "u8", "i8", "u3", "u2", "i2", "i3")
-                   for n in consts):
-            continue
-        weight_model = ov.Model([opset.result(op.input(1).get_source_output())], [], "w")
-        w = core.compile_model(weight_model, "CPU", {"INFERENCE_PRECISION_HINT": "f32"})({})
-        w = torch.from_numpy(np.array(next(iter(w.values())), dtype=np.float32))
-        if not op.get_attributes().get("transpose_b", False):
-            w = w.T
-        found.append((op.get_friendly_name(), w, sum(n.get_byte_size() for n in consts)))
-    # match each dequantized weight to the torch layer of its shape whose FP weight is nearest
-    weights, per_layer, free = {}, {}, dict(torch_w)
-    for name, w, nbytes in found:
-        cands = [(float((w - fw).norm() / fw.norm()), n) for n, fw in free.items() if fw.shape == w.shape]
-        if not cands:
-            raise RuntimeError(f"OpenVINO MatMul {name}: no torch Linear of shape {tuple(w.shape)} left")
-        err, n = min(cands)
-        if err > 0.9:
-            raise RuntimeError(f"OpenVINO MatMul {name}: nearest torch layer {n} is {err:.2f} away")
-        del free[n]
-        weights[f"{n}.weight"], per_layer[n] = w, nbytes
+    weights, per_layer, decompression = {}, {}, set()
+    for name, w, nbytes, sub in _matmul_weights(q, core, quantized=True):
+        if name not in names:
+            raise RuntimeError(f"OpenVINO MatMul {name} of the quantized IR has no FP twin named so")
+        weights[f"{names[name]}.weight"], per_layer[names[name]] = w, nbytes
+        decompression |= sub
+    # AWQ's scales must all be inside the weights handed over (MatMul -> Multiply -> MatMul: merged into the first);
+    # a scale node NNCF inserts on activations (its Act -> MatMul patterns) would be lost in the torch model
+    extra = sorted({op.get_friendly_name() for op in q.get_ordered_ops()} - fp_ops - decompression)
+    if extra:
+        raise RuntimeError(f"NNCF added {len(extra)} nodes outside the weights' decompression ({', '.join(extra[:3])}"
+                           "...): the hand-over to torch would drop them")
     row = score_weights(weights, path, s["max_tokens"], tmp)
     row.update(size_of(per_layer, linears))
     row.update(quantize_seconds=round(seconds, 2), versions={"nncf": nncf.__version__, "openvino": ov.__version__},

