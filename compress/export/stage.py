@@ -8,6 +8,7 @@ from typing import Literal, Optional
 from pydantic import Field, field_validator
 
 from compress.config import StrictModel
+from compress.errors import BadInput
 from compress.handoff import QuantizedWeights
 from compress.registry import register
 
@@ -38,7 +39,9 @@ def export_directory(v: str) -> str:
 
 
 Dtype = Literal["float16", "bfloat16", "float32"]
-DTYPE_HELP = "the tensors that stay unquantized (embeddings, norms, a float LM head), as every peer writes them"
+DTYPE_HELP = ("the tensors that stay unquantized (embeddings, norms, a float LM head), as every peer writes them; "
+              "default float16, bfloat16 for architectures whose activations leave float16's range (Gemma 2/3), "
+              "where an explicit float16 is refused")
 
 
 class HFExportConfig(ExportConfig):
@@ -49,7 +52,7 @@ class HFExportConfig(ExportConfig):
                             "the asymmetric ones are 4 or 8 bits (both served by vLLM), else auto_round; `auto_round`: "
                             "GPTQ v2 for every layer (transformers only); `awq`; `gptq`: a plain GPTQ checkpoint "
                             "(symmetric) for engines without auto-round support (docs/serving.md#layouts)")
-    dtype: Dtype = Field("float16", description=DTYPE_HELP)
+    dtype: Optional[Dtype] = Field(None, description=DTYPE_HELP)
     container: Optional[int] = Field(None, ge=2, le=8, description="store every packed layer at least at this width "
                                      "(weights unchanged): e.g. 4 puts a 3/4-bit plan in 4-bit containers, which "
                                      "vLLM CPU serves")
@@ -58,13 +61,30 @@ class HFExportConfig(ExportConfig):
 class FakeExportConfig(ExportConfig):
     format: Literal["fake"] = "fake"
     directory: str = "hf-fake"
-    dtype: Dtype = Field("float16", description=DTYPE_HELP)
+    dtype: Optional[Dtype] = Field(None, description=DTYPE_HELP)
 
 
 def _qweights(ctx) -> dict:
     """Every layer the run's quantize stages rounded (none: a run without one exports the FP model)."""
     q = ctx.inputs.get(QuantizedWeights)
     return q.weights if q is not None else {}
+
+
+def export_dtype(arch, cfg) -> str:
+    """The unquantized tensors' dtype: the recipe's, else float16 unless the architecture overflows it (bfloat16)."""
+    if cfg.dtype == "float16" and arch.float16:
+        raise BadInput(f"export {cfg.format}: dtype float16 would make this model's logits non-finite: "
+                       f"{arch.float16}; use `dtype: bfloat16` (or float32)")
+    return cfg.dtype or ("bfloat16" if arch.float16 else "float16")
+
+
+def check_dtype(adapter, cfg, facts):
+    """At plan time: refuse float16 where it overflows, say when the default becomes bfloat16; the config with its
+    dtype resolved."""
+    dtype = export_dtype(adapter.arch, cfg)
+    if cfg.dtype is None and dtype != "float16":
+        facts.notes.append(f"export {cfg.format}: unquantized tensors in {dtype}, not float16: {adapter.arch.float16}")
+    return cfg.model_copy(update={"dtype": dtype})
 
 
 def _export(ctx, cfg, fmt: str) -> dict:
@@ -89,10 +109,12 @@ def _export(ctx, cfg, fmt: str) -> dict:
 EXPORT = {"uses": (QuantizedWeights,)}  # exports run last; their results go into the report
 
 
-def check_hf(adapter, cfg: HFExportConfig, facts) -> None:
-    """At plan time: the quantized layers no auto-round loader reads packed, which the export writes dense."""
+def check_hf(adapter, cfg: HFExportConfig, facts) -> HFExportConfig:
+    """At plan time: the dtype (check_dtype); the quantized layers no auto-round loader reads packed, which the
+    export writes dense."""
     from compress.export.hf import planned_dense
 
+    cfg = check_dtype(adapter, cfg, facts)
     dense = planned_dense(adapter, facts.quantized)
     if dense:
         name, why = next(iter(dense.items()))
@@ -100,6 +122,7 @@ def check_hf(adapter, cfg: HFExportConfig, facts) -> None:
     if 1 in facts.widths:
         facts.notes.append("export hf: experts the allocation rounds to 1 bit (the sign rule) will be stored dense: "
                            "no auto-round loader reads a 1-bit layer packed")
+    return cfg
 
 
 @register("export", "hf", HFExportConfig, "packed auto-round checkpoint loadable by transformers", check=check_hf,
@@ -108,7 +131,8 @@ def export_hf_stage(ctx, cfg: HFExportConfig) -> dict:
     return _export(ctx, cfg, "auto_round")
 
 
-@register("export", "fake", FakeExportConfig, "dequantized floating-point checkpoint for FP-only tools", **EXPORT)
+@register("export", "fake", FakeExportConfig, "dequantized floating-point checkpoint for FP-only tools",
+          check=check_dtype, **EXPORT)
 def export_fake_stage(ctx, cfg: FakeExportConfig) -> dict:
     return _export(ctx, cfg, "fake")
 

@@ -47,6 +47,7 @@ class ArchMap:
     optional: tuple[str, ...] = ()  # roles some blocks lack (DeepSeek's dense first blocks vs MoE ones)
     limits: dict = field(default_factory=dict)  # feature ("rotate", "prune") -> why this architecture cannot have it
     norm_offset: float = 0.0  # the norms scale by (norm_offset + weight): Gemma's RMSNorm multiplies by 1 + weight
+    float16: str = ""  # why this architecture's activations leave float16's range ("": float16 is safe)
 
 
 _CAUSAL = dict(kind="causal", blocks=("model.layers",), embeddings=("model.embed_tokens",),
@@ -58,6 +59,8 @@ GEMMA_ROLES = {**LLAMA_ROLES, "post_attn_norm": "pre_feedforward_layernorm", "at
 POST_NORMS = ("{} normalises each branch's output before the residual add (post-norms) and its RMSNorm scales by "
               "1 + weight: a rotation of the residual stream does not commute with those norms")
 NO_RESIDUAL_ROTATION = {"rotate": POST_NORMS}
+GEMMA_FLOAT16 = ("{}'s residual stream leaves float16's range (Gemma-3-270M: about 1e5 on the BOS token after block "
+                 "8, every logit non-finite in float16); Google ships it in bfloat16")
 
 ARCHS: dict[str, ArchMap] = {
     "llama": ArchMap(**_CAUSAL, roles=LLAMA_ROLES),
@@ -76,11 +79,11 @@ ARCHS: dict[str, ArchMap] = {
     "qwen3_moe": ArchMap(**_CAUSAL, roles={**{k: v for k, v in LLAMA_ROLES.items() if not k.startswith("mlp_")},
                                            "q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm"},
                          experts="mlp.experts", router="mlp.gate"),
-    "gemma2": ArchMap(**_CAUSAL, roles=GEMMA_ROLES, norm_offset=1.0,
+    "gemma2": ArchMap(**_CAUSAL, roles=GEMMA_ROLES, norm_offset=1.0, float16=GEMMA_FLOAT16.format("Gemma 2"),
                       limits={"rotate": POST_NORMS.format("Gemma 2") + "; it also soft-caps attention and final "
                                                                      "logits"}),
     "gemma3_text": ArchMap(**_CAUSAL, roles={**GEMMA_ROLES, "q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm"},
-                           norm_offset=1.0,
+                           norm_offset=1.0, float16=GEMMA_FLOAT16.format("Gemma 3"),
                            limits={"rotate": POST_NORMS.format("Gemma 3")}),
     "olmo2": ArchMap(**_CAUSAL, roles={**{k: v for k, v in LLAMA_ROLES.items() if not k.endswith("_norm")},
                                        "q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm",

@@ -19,6 +19,7 @@ def planned(adapter, export_spec, quantized, widths: set, mixed: bool) -> rules.
     per-chunk widths: `_stored_width`)."""
     from compress.export.hf import why_dense
     from compress.export.layouts import choose, containers
+    from compress.export.stage import export_dtype
 
     names = export_spec.names()
     hf = export_spec.config("hf") if "hf" in names else None
@@ -43,7 +44,8 @@ def planned(adapter, export_spec, quantized, widths: set, mixed: bool) -> rules.
     return rules.Checkpoint(
         layers=[rules.Layer(n, q.out_features, q.in_features, wide.get(n, q.bits), q.group_size, q.sym)
                 for n, q in layers.items()],
-        packing=packing if hf is not None else None, dtype=hf.dtype if hf is not None else "float16",
+        packing=packing if hf is not None else None,
+        dtype=export_dtype(adapter.arch, hf) if hf is not None else "float16",
         model_type=adapter.model_type, experts=any(".experts." in n for n in layers), graphs=_graphs(export_spec),
         gguf=export_spec.config("gguf").type if "gguf" in names else None)
 

@@ -234,3 +234,26 @@ def test_a_run_exports_onnx_through_the_builder(tmp_path):
     assert report["size"]["stored"]["onnx"]["dense_layers"] == 0
     meta = json.loads((tmp_path / "o" / "onnx" / "compress.json").read_text())["meta"]
     assert meta["recipe_sha256"] == report["recipe_sha256"]
+
+
+def test_gemma_exports_bfloat16_and_refuses_float16(tmp_path):
+    """Gemma's residual stream leaves float16's range (Gemma-3-270M: every logit non-finite in float16): the hf and
+    fake exports default to bfloat16 there, say so in the plan, write it, and refuse an explicit float16."""
+    path = save_tiny("gemma3_text", tmp_path / "gemma3", max_position_embeddings=512)
+    recipe = _recipe(tmp_path, path, QUANTIZE, "hf, fake")
+    rc, out, err = invoke("run", recipe, "--output", tmp_path / "o", "--dry-run")
+    assert rc == 0, err
+    assert out.count("unquantized tensors in bfloat16, not float16") == 2 and "Gemma 3's residual stream" in out
+    rc, _, err = invoke("run", recipe, "--output", tmp_path / "o")
+    assert rc == 0, err
+    for d in ("hf", "hf-fake"):
+        assert json.loads((tmp_path / "o" / d / "config.json").read_text())["dtype"] == "bfloat16"
+    rc, _, err = invoke("run", _recipe(tmp_path, path, QUANTIZE, "{format: hf, dtype: float16}"), "--output",
+                        tmp_path / "o2", "--dry-run")
+    assert rc == 1 and "dtype float16 would make this model's logits non-finite" in err and "bfloat16" in err, err
+    llama = save_tiny("llama", tmp_path / "llama")  # elsewhere float16 stays the default, said nowhere
+    rc, out, err = invoke("run", _recipe(tmp_path, llama, QUANTIZE), "--output", tmp_path / "o3", "--dry-run")
+    assert rc == 0 and "not float16" not in out, err
+    rc, _, err = invoke("run", _recipe(tmp_path, llama, QUANTIZE), "--output", tmp_path / "o3")
+    assert rc == 0, err
+    assert json.loads((tmp_path / "o3" / "hf" / "config.json").read_text())["dtype"] == "float16"
