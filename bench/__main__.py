@@ -246,6 +246,9 @@ def bench_peers(
     cells: Optional[str] = typer.Option(None, "--cells", help="comma-separated cells to run (the others are rows "
                                         "marked not run): rtn, rtn-opt, gptq, autoround, awq+gptq, awq+autoround, "
                                         "autoround+lfq, ar, ar-rtn, llmc-gptq, llmc-awq, nncf-awq"),
+    mc_task: str = typer.Option("sst2_mc", "--mc-task", help="log-likelihood multiple-choice task every cell is "
+                                "also scored on (a bundled name, a task YAML or a JSONL; '' for none)"),
+    mc_limit: Optional[int] = typer.Option(None, "--mc-limit", min=1, help="--mc-task: its first N documents"),
     build_env: Optional[List[str]] = typer.Option(None, "--build-env", help="first build (or reuse) a peer's own "
                                                   "environment: llmcompressor (repeatable)"),
 ):
@@ -272,7 +275,7 @@ def bench_peers(
     result = run_peers(model, bits, group, sym, nsamples=nsamples, seqlen=seqlen, seeds=seed_list,
                        max_tokens=max_tokens, peer_iters=peer_iters,
                        cells=[c.strip() for c in cells.split(",") if c.strip()] if cells else None,
-                       command="python -m bench peers " + " ".join(sys.argv[2:]))
+                       mc_task=mc_task or None, mc_limit=mc_limit, command="python -m bench peers " + " ".join(sys.argv[2:]))
     emit_bench(result, markdown(result), json_out, md_out)
 
 

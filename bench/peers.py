@@ -92,7 +92,7 @@ CELLS = {
     "nncf-awq": ("nncf", "compress_weights awq + scale_estimation (OpenVINO)"),
 }
 DATA_FREE = {"rtn", "rtn-opt"}
-METRICS = ("kl", "top1", "ppl_ratio", "ppl", "linear_bytes", "effective_bits", "quantize_seconds")
+METRICS = ("kl", "top1", "ppl_ratio", "ppl", "acc", "acc_norm", "linear_bytes", "effective_bits", "quantize_seconds")
 
 
 class NotAvailable(Exception):
@@ -206,16 +206,28 @@ def size_of(per_layer: dict[str, int], linears: dict[str, int], rename=lambda n:
             "effective_bits": round(nbytes * 8 / weights, 4) if weights else None}
 
 
-def score(ckpt: str, path: str, max_tokens: int) -> dict:
-    """compress's evaluator (`compress eval`) on a checkpoint, against the FP model on the evaluation tokens."""
+def score(ckpt: str, path: str, s: dict) -> dict:
+    """compress's evaluator (`compress eval`) on a checkpoint, against the FP model on the evaluation tokens; with
+    `s["mc_task"]`, its accuracy on that log-likelihood multiple-choice task too (`task_accuracy`)."""
     from compress.eval.cli import evaluate_checkpoint
 
     ev = next(iter(evaluate_checkpoint(str(ckpt), reference=path, data=[str(TEST)], window=WINDOW,
-                                       max_tokens=max_tokens, gen_prompts=0).values()))
-    return {k: ev[k] for k in ("kl", "top1", "ppl_ratio", "ppl", "fp_ppl", "tokens")}
+                                       max_tokens=s["max_tokens"], gen_prompts=0).values()))
+    return {**{k: ev[k] for k in ("kl", "top1", "ppl_ratio", "ppl", "fp_ppl", "tokens")}, **task_accuracy(ckpt, s)}
 
 
-def score_weights(weights: dict, path: str, max_tokens: int, tmp: Path) -> dict:
+def task_accuracy(ckpt: str, s: dict) -> dict:
+    """{"acc", "acc_norm"} of the checkpoint on `s["mc_task"]` (lm-eval's scoring, compress/eval/mc_tasks.py) over
+    its first `s["mc_limit"]` documents; {} without a task."""
+    if not s.get("mc_task"):
+        return {}
+    from compress.eval.cli import mc_task_accuracy
+
+    res = next(iter(mc_task_accuracy(str(ckpt), [s["mc_task"]], limit=s.get("mc_limit")).values()))
+    return {"acc": res["acc"], "acc_norm": res["acc_norm"]}
+
+
+def score_weights(weights: dict, path: str, s: dict, tmp: Path) -> dict:
     """Put the dequantized weights {module.weight: tensor} into the FP model, save it, score it."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -233,7 +245,7 @@ def score_weights(weights: dict, path: str, max_tokens: int, tmp: Path) -> dict:
     model.save_pretrained(out)
     AutoTokenizer.from_pretrained(path).save_pretrained(out)
     try:
-        return score(str(out), path, max_tokens)
+        return score(str(out), path, s)
     finally:
         shutil.rmtree(out, ignore_errors=True)
 
@@ -276,6 +288,7 @@ def compress_cell(cell: str, path: str, s: dict, seed: int, linears: dict, tmp: 
             raise
         ev = next(iter(rep["eval"].values()))
         row = {k: ev[k] for k in ("kl", "top1", "ppl_ratio", "ppl", "fp_ppl", "tokens")}
+        row.update(task_accuracy(rep["exports"]["hf"], s))
         row["quantize_seconds"] = round(sum(st["seconds"] for st in rep["stages"]
                                             if st["name"] in ("quantize", "smooth")), 2)
         ckpt = next((p.parent for p in out.rglob("config.json")
@@ -317,7 +330,7 @@ def autoround_cell(iters: int, path: str, s: dict, seed: int, calib, linears: di
     seconds = time.time() - t
     try:
         ckpt = next(out.rglob("config.json")).parent
-        row = score(str(ckpt), path, s["max_tokens"])
+        row = score(str(ckpt), path, s)
         config = json.loads((ckpt / "config.json").read_text())
         row.update(size_of(safetensors_bytes(ckpt, ("qweight", "qzeros", "scales")), linears,
                            module_names(config.get("model_type"))))
@@ -347,7 +360,7 @@ def llmc_cell(method: str, path: str, s: dict, seed: int, calib, linears: dict, 
             tail = [ln for ln in (proc.stdout + proc.stderr).strip().splitlines() if ln.strip()][-3:]
             raise RuntimeError(f"llm-compressor run failed (exit {proc.returncode}): {' | '.join(tail)}")
         res = json.loads((work / "out" / "result.json").read_text())
-        row = score_weights(load_file(str(work / "out" / "dequantized.safetensors")), path, s["max_tokens"], work)
+        row = score_weights(load_file(str(work / "out" / "dequantized.safetensors")), path, s, work)
         row.update(size_of(res["stored_bytes"], linears))
         row.update(quantize_seconds=res["seconds"], versions=res["versions"], patched=res["patched"],
                    bytes_from=f"compressed-tensors {res['format']}: weight_packed + weight_scale + weight_zero_point",
@@ -463,7 +476,7 @@ def nncf_cell(path: str, s: dict, seed: int, calib, linears: dict, tmp: Path) ->
     if extra:
         raise RuntimeError(f"NNCF added {len(extra)} nodes outside the weights' decompression ({', '.join(extra[:3])}"
                            "...): the hand-over to torch would drop them")
-    row = score_weights(weights, path, s["max_tokens"], tmp)
+    row = score_weights(weights, path, s, tmp)
     row.update(size_of(per_layer, linears))
     row.update(quantize_seconds=round(seconds, 2), versions={"nncf": nncf.__version__, "openvino": ov.__version__},
                bytes_from="OpenVINO IR: low-bit code and zero-point constants + scale constants")
@@ -499,7 +512,8 @@ def summarize(runs: list[dict]) -> tuple[dict, dict]:
 
 def run_peers(model: str, bits: int, group: int, sym: bool, *, nsamples: int = 128, seqlen: int = 512,
               seeds: tuple[int, ...] = (0, 1, 2), max_tokens: int = 8192, peer_iters: int = 200,
-              cells: list[str] | None = None, tmp: Path | None = None, command: str | None = None) -> dict:
+              cells: list[str] | None = None, tmp: Path | None = None, command: str | None = None,
+              mc_task: str | None = "sst2_mc", mc_limit: int | None = None) -> dict:
     """Every cell of CELLS (or `cells`) on one model and setting; returns {"meta", "cells"}."""
     import tempfile
 
@@ -511,7 +525,7 @@ def run_peers(model: str, bits: int, group: int, sym: bool, *, nsamples: int = 1
         raise BadInput(f"unknown --cells {', '.join(unknown)} (known: {', '.join(CELLS)})")
     path = model_path(model)
     s = {"bits": bits, "group_size": group, "sym": sym, "nsamples": nsamples, "seqlen": seqlen,
-         "max_tokens": max_tokens, "peer_iters": peer_iters}
+         "max_tokens": max_tokens, "peer_iters": peer_iters, "mc_task": mc_task, "mc_limit": mc_limit}
     t0 = time.time()
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "machine": machine(),
             "command": command or "python -m bench peers " + shlex.join(sys.argv[2:] if sys.argv[1:2] == ["peers"]
@@ -521,6 +535,9 @@ def run_peers(model: str, bits: int, group: int, sym: bool, *, nsamples: int = 1
                            "(compress.calibration.calibration_tokens, BOS first)",
             "evaluation": f"{TEST.relative_to(TEXT.parent)}: the first {max_tokens} tokens in {WINDOW}-token windows"}
     linears = fp_linears(path)
+    if mc_task:
+        meta["fp_task"] = task_accuracy(path, s)
+        log.info("peers: FP %s %s", mc_task, meta["fp_task"])
     out = []
     with tempfile.TemporaryDirectory(dir=tmp) as d:
         d = Path(d)
@@ -593,6 +610,11 @@ def markdown(res: dict) -> str:
     m = res["meta"]
     mach = m["machine"]
     setting = f"W{m['bits']} g{m['group_size']} {'sym' if m['sym'] else 'asym'}"
+    task = m.get("mc_task") or "task"
+    fp = m.get("fp_task") or {}
+    task_line = (f" `{task} acc`: accuracy on that log-likelihood multiple-choice task (lm-eval's scoring, "
+                 f"{'the first ' + str(m['mc_limit']) if m.get('mc_limit') else 'all'} documents; the FP model: "
+                 f"acc {fp['acc']:.4f}, acc_norm {fp['acc_norm']:.4f})." if fp else "")
     lines = [f"# Peers: {m['model']} {setting}", "", f"`{m['command']}`", "",
              f"{m['date']}, {m['wall_seconds']} s. Machine: {mach['nproc']} CPUs, {mach['cpu']} (torch threads "
              f"{mach['torch_threads']}, load average at the start {mach['load_average']}). Calibration: "
@@ -601,16 +623,16 @@ def markdown(res: dict) -> str:
              f"{m['peer_iters']}. Data-free cells run once; the others give mean +- standard deviation over the "
              "seeds. `linear bytes`: the quantized linear layers' codes + scales + zero points as each tool "
              "stores them; `eff. bits`: those bits per quantized weight; `quantize s`: the tool's quantization "
-             "(compress: its smooth and quantize stages).", "",
+             "(compress: its smooth and quantize stages)." + task_line, "",
              *[f"{note}\n" for note in m.get("notes", ())],
-             "| cell | tool | method | KL | top-1 | ppl ratio | linear bytes | eff. bits | quantize s |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             f"| cell | tool | method | KL | top-1 | ppl ratio | {task} acc | linear bytes | eff. bits | quantize s |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for e in res["cells"]:
         head = f"| {e['cell']} | {e['tool']} {e['version']} | {e['method']} |"
         if e["status"] != "ok":
-            lines.append(f"{head} {e['status']}: {e['reason'].replace('|', '/')} | | | | | |")
+            lines.append(f"{head} {e['status']}: {e['reason'].replace('|', '/')} | | | | | | |")
             continue
-        lines.append(f"{head} {_fmt(e, 'kl', 5)} | {_fmt(e, 'top1', 4)} | {_fmt(e, 'ppl_ratio', 4)} | "
+        lines.append(f"{head} {_fmt(e, 'kl', 5)} | {_fmt(e, 'top1', 4)} | {_fmt(e, 'ppl_ratio', 4)} | {_fmt(e, 'acc', 4)} | "
                      f"{_fmt(e, 'linear_bytes', 0)} | {_fmt(e, 'effective_bits', 3)} | {_fmt(e, 'quantize_seconds', 1)} |")
     ok = [e for e in res["cells"] if e["status"] == "ok"]
     weights = {e["runs"][0].get("quantized_weights") for e in ok}

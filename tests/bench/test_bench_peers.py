@@ -23,7 +23,7 @@ def test_peers_tiny_every_row(tmp_path, monkeypatch):
     docstring's ref-llama-7m command runs them all.)"""
     monkeypatch.setenv("COMPRESS_ENGINES", str(tmp_path / "engines"))
     run = ["rtn", "rtn-opt", "gptq", "autoround", "autoround+lfq", "ar", "llmc-gptq"]
-    rc, out, err = lab("peers", *TINY, "--cells", ",".join(run), "--json", tmp_path / "p.json",
+    rc, out, err = lab("peers", *TINY, "--cells", ",".join(run), "--mc-limit", "16", "--json", tmp_path / "p.json",
                        "--markdown", tmp_path / "p.md")
     assert rc == 0, err
     res = json.loads((tmp_path / "p.json").read_text())
@@ -38,6 +38,8 @@ def test_peers_tiny_every_row(tmp_path, monkeypatch):
         assert r["fp_ppl"] == pytest.approx(first["fp_ppl"], rel=1e-6)  # same tokens, same reference
         assert 4 < r["effective_bits"] < 4.5 and r["linear_bytes"] > 0
         assert r["quantized_weights"] == first["quantized_weights"]  # same layers
+        assert 0 <= r["acc"] <= 1 and 0 <= r["acc_norm"] <= 1  # sst2_mc, the first 16 documents
+    assert set(res["meta"]["fp_task"]) == {"acc", "acc_norm"} and res["meta"]["mc_limit"] == 16
     assert cells["rtn"]["seeds"] == [] and cells["gptq"]["seeds"] == [0]
     assert cells["llmc-gptq"]["status"] == "not available" and "--build-env llmcompressor" in cells["llmc-gptq"]["reason"]
     for name in set(CELLS) - set(run):
@@ -62,9 +64,9 @@ def test_markdown_rows_for_every_status_and_stored_bytes(tmp_path):
     machine = {"nproc": 2, "cpu": "x", "torch_threads": 2, "load_average": [0.0]}
     meta = {"model": "m", "bits": 3, "group_size": 64, "sym": False, "command": "python -m bench peers", "date": "d",
             "wall_seconds": 1.0, "machine": machine, "calibration": "c", "seeds": [0, 1], "evaluation": "e",
-            "peer_iters": 2}
-    runs = [{"kl": 0.1, "top1": 0.9, "ppl_ratio": 1.1, "linear_bytes": 10, "effective_bits": 3.25,
-             "quantize_seconds": 1.0, "quantized_weights": 5, "quantized_layers": 1}, {"kl": 0.3, "top1": 0.7,
+            "peer_iters": 2, "mc_task": "sst2_mc", "mc_limit": None, "fp_task": {"acc": 0.5, "acc_norm": 0.25}}
+    runs = [{"kl": 0.1, "top1": 0.9, "ppl_ratio": 1.1, "acc": 0.5, "linear_bytes": 10, "effective_bits": 3.25,
+             "quantize_seconds": 1.0, "quantized_weights": 5, "quantized_layers": 1}, {"kl": 0.3, "top1": 0.7, "acc": 0.7,
             "ppl_ratio": 1.3, "linear_bytes": 10, "effective_bits": 3.25, "quantize_seconds": 3.0,
             "quantized_weights": 5, "quantized_layers": 1}]
     from bench.peers import summarize
@@ -75,7 +77,8 @@ def test_markdown_rows_for_every_status_and_stored_bytes(tmp_path):
              {"cell": "nncf-awq", "tool": "nncf", "version": "v", "method": "awq", "status": "not available",
               "reason": "NNCF has no INT3_ASYM weight mode", "runs": []}]
     md = markdown({"meta": meta, "cells": cells})
-    assert "| gptq | compress v | gptq | 0.20000 +- 0.14142 | 0.8000 +- 0.1414 |" in md
+    assert "| gptq | compress v | gptq | 0.20000 +- 0.14142 | 0.8000 +- 0.1414 | 1.2000 +- 0.1414 | 0.6000 +- 0.1414 |" in md
+    assert "| sst2_mc acc |" in md and "the FP model: acc 0.5000, acc_norm 0.2500" in md
     assert "| nncf-awq | nncf v | awq | not available: NNCF has no INT3_ASYM weight mode |" in md
     assert "Every cell quantized the same 5 weights (1 linear layers)." in md
     assert all(f"- {tool}:" in md for tool in NOTES)
