@@ -279,6 +279,32 @@ def bench_peers(
     emit_bench(result, markdown(result), json_out, md_out)
 
 
+@bench_app.command("peers-summary")
+def bench_peers_summary(
+    files: List[Path] = typer.Argument(..., help="JSON files `python -m bench peers --json` wrote"),
+    md_out: Optional[Path] = MARKDOWN_OUT,
+):
+    """One row per model and setting of several `peers` runs: compress's best cell beside the best peer's (KL mean
+    +- standard deviation over the seeds, top-1, task accuracy, stored bits), for docs/quantize.md. Files of the same
+    model and setting are merged (extra seeds of a cell in a later file replace its earlier runs).
+
+    Example: python -m bench peers-summary bench/peers-smollm2-*.json
+    """
+    from bench.peers import summary
+    from compress.errors import BadInput
+
+    results = []
+    for f in files:
+        try:
+            results.append((f.name, json.loads(f.read_text())))
+        except (OSError, ValueError) as e:
+            raise BadInput(f"{f}: not a `bench peers --json` file ({e})") from e
+    md = summary(results)
+    typer.echo(md, nl=False)
+    if md_out:
+        md_out.write_text(md)
+
+
 def main(argv=None) -> int:
     """`python -m bench ARGS`, with `compress`'s exit codes."""
     return run_app(bench_app, argv)

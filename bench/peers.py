@@ -644,3 +644,48 @@ def markdown(res: dict) -> str:
                       f"({ok[0]['runs'][0].get('quantized_layers')} linear layers)."]
     lines += ["", "What each peer did:", ""] + [f"- {tool}: {note}." for tool, note in NOTES.items()]
     return "\n".join(lines) + "\n"
+
+
+def _setting(m: dict) -> str:
+    return f"W{m['bits']} g{m['group_size']} {'sym' if m['sym'] else 'asym'}"
+
+
+def best_of(res: dict) -> dict:
+    """{"compress": entry, "peer": entry}: each side's lowest mean KL among the cells that ran (None if none did)."""
+    ok = [e for e in res["cells"] if e["status"] == "ok" and e["mean"].get("kl") is not None]
+    side = lambda e: "compress" if e["tool"] == "compress" else "peer"  # noqa: E731
+    return {k: min((e for e in ok if side(e) == k), key=lambda e: e["mean"]["kl"], default=None)
+            for k in ("compress", "peer")}
+
+
+def summary(results: list[tuple[str, dict]]) -> str:
+    """One row per (model, setting) of several `run_peers` results (their files merged by model and setting: a
+    later file's cells replace an earlier one's of the same name): compress's best cell beside the best peer's,
+    KL (mean +- standard deviation over the seeds), top-1, task accuracy and stored bits, and the ratio of the KLs."""
+    merged: dict[tuple, dict] = {}
+    for name, res in results:
+        m = res["meta"]
+        key = (m["model"], m["bits"], m["group_size"], m["sym"])
+        into = merged.setdefault(key, {"meta": m, "cells": [], "files": []})
+        into["files"].append(name)
+        for e in res["cells"]:
+            if e["status"] == "ok" or all(c["cell"] != e["cell"] for c in into["cells"]):
+                into["cells"] = [c for c in into["cells"] if c["cell"] != e["cell"]] + [e]
+    lines = ["| model | setting | compress's best | KL | top-1 | acc | bits | best peer | KL | top-1 | acc | bits | "
+             "KL ratio | files |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for (model, *_), res in merged.items():
+        best = best_of(res)
+        row = [Path(model).name, _setting(res["meta"])]
+        for e in (best["compress"], best["peer"]):
+            if e is None:
+                row += ["-", "-", "-", "-", "-"]
+                continue
+            seeds = f" ({len(e['runs'])} seeds)" if len(e["runs"]) > 1 else ""
+            row += [f"{e['tool']} {e['cell']}{seeds}", _fmt(e, "kl", 4), _fmt(e, "top1", 3),
+                    _fmt(e, "acc", 3) if "acc" in e["mean"] else "-", _fmt(e, "effective_bits", 3)]
+        ratio = (best["compress"]["mean"]["kl"] / best["peer"]["mean"]["kl"]
+                 if best["compress"] and best["peer"] else None)
+        row += [f"{ratio:.2f}" if ratio is not None else "-", ", ".join(res["files"])]
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines) + "\n"
+

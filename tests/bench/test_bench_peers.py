@@ -91,3 +91,26 @@ def test_peers_help_and_bad_options():
     assert rc == 1 and "--seeds `a,b`" in err
     rc, _, err = lab("peers", "--cells", "rtn,nope")
     assert rc == 1 and "unknown --cells nope" in err
+
+
+def test_summary_merges_files_and_puts_each_sides_best_together(tmp_path):
+    from bench.peers import summary
+
+    def cell(name, tool, kls, bits=4.25):
+        runs = [{"kl": k, "top1": 0.5, "acc": 0.6, "effective_bits": bits} for k in kls]
+        from bench.peers import summarize
+
+        mean, std = summarize(runs)
+        return {"cell": name, "tool": tool, "status": "ok", "runs": runs, "mean": mean, "std": std}
+
+    meta = {"model": "/x/smol", "bits": 4, "group_size": 128, "sym": True}
+    one = {"meta": meta, "cells": [cell("gptq", "compress", [0.3]), cell("awq+gptq", "compress", [0.2]),
+                                   cell("llmc-awq", "llm-compressor", [0.4], 4.5),
+                                   {"cell": "nncf-awq", "tool": "nncf", "status": "failed", "reason": "r", "runs": []}]}
+    seeds = {"meta": meta, "cells": [cell("awq+gptq", "compress", [0.1, 0.3])]}  # more seeds of one cell
+    md = summary([("a.json", one), ("b.json", seeds)])
+    row = next(line for line in md.splitlines() if line.startswith("| smol |"))
+    assert "compress awq+gptq (2 seeds) | 0.2000 +- 0.1414 |" in row and "llm-compressor llmc-awq | 0.4000 |" in row
+    assert "| 0.50 | a.json, b.json |" in row and "W4 g128 sym" in row
+    rc, out, err = lab("peers-summary", tmp_path / "missing.json")
+    assert rc == 1 and "not a `bench peers --json` file" in err
