@@ -7,6 +7,7 @@ a markdown table and, with --json, the raw rows. Exit codes and error messages a
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 from pathlib import Path
 from typing import List, Optional
@@ -275,7 +276,8 @@ def bench_peers(
     result = run_peers(model, bits, group, sym, nsamples=nsamples, seqlen=seqlen, seeds=seed_list,
                        max_tokens=max_tokens, peer_iters=peer_iters,
                        cells=[c.strip() for c in cells.split(",") if c.strip()] if cells else None,
-                       mc_task=mc_task or None, mc_limit=mc_limit, command="python -m bench peers " + " ".join(sys.argv[2:]))
+                       mc_task=mc_task or None, mc_limit=mc_limit,
+                       command="python -m bench peers " + shlex.join(sys.argv[2:]))
     emit_bench(result, markdown(result), json_out, md_out)
 
 
