@@ -26,7 +26,8 @@ NNCF (in this environment: `pip install nncf==3.4.0`, OpenVINO backend)
     scale_estimation=True, dataset=<the windows>, subset_size=N, backup_mode=NONE)` on the FP OpenVINO IR that
     compress's openvino exporter writes (embeddings and lm_head stay FP, as in every other cell); its dequantized
     weights (the IR's own decompression subgraph, run by OpenVINO) go back into the torch model, matched to the torch
-    layers through the FP IR (MatMul names kept by NNCF; the FP weights equal the layers' exactly); bytes: the IR's low-bit code, zero-point and scale constants.
+    layers through the FP IR (MatMul names kept by NNCF; the FP weights equal the layers' exactly); bytes: the IR's
+    low-bit code, zero-point and scale constants.
 
 A cell that cannot run (a tool missing, a stage not written yet, a mode the tool lacks) is a row with the reason.
 Data-free cells (rtn, rtn-opt) run once; the others run once per `--seeds` seed (the windows' seed; auto-round's
@@ -632,8 +633,9 @@ def markdown(res: dict) -> str:
         if e["status"] != "ok":
             lines.append(f"{head} {e['status']}: {e['reason'].replace('|', '/')} | | | | | | |")
             continue
-        lines.append(f"{head} {_fmt(e, 'kl', 5)} | {_fmt(e, 'top1', 4)} | {_fmt(e, 'ppl_ratio', 4)} | {_fmt(e, 'acc', 4)} | "
-                     f"{_fmt(e, 'linear_bytes', 0)} | {_fmt(e, 'effective_bits', 3)} | {_fmt(e, 'quantize_seconds', 1)} |")
+        lines.append(f"{head} {_fmt(e, 'kl', 5)} | {_fmt(e, 'top1', 4)} | {_fmt(e, 'ppl_ratio', 4)} | "
+                     f"{_fmt(e, 'acc', 4)} | {_fmt(e, 'linear_bytes', 0)} | {_fmt(e, 'effective_bits', 3)} | "
+                     f"{_fmt(e, 'quantize_seconds', 1)} |")
     ok = [e for e in res["cells"] if e["status"] == "ok"]
     weights = {e["runs"][0].get("quantized_weights") for e in ok}
     if len(weights) > 1:
