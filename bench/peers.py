@@ -45,6 +45,9 @@ its FP weights are a dequantized Q4_1 GGUF grid):
     python -m bench peers --model smollm2-135m-instruct --bits 2 --group 64 --asym --seeds 0,1,2 \
         --json bench/peers-smollm2-w2g64asym.json --markdown bench/peers-smollm2-w2g64asym.md
 
+The bench/peers-smollm2-*.md files were made with lighter settings for a 2-core machine (`--nsamples 64 --seqlen
+256 --peer-iters 50 --seeds 0` and a subset of `--cells`; each file's header gives its command), and
+`python -m bench peers-summary bench/peers-smollm2-*.json` tabulates them (docs/quantize.md).
 (defaults: 128 x 512 calibration tokens, 8192 evaluation tokens, `--peer-iters 200`; build llm-compressor's
 environment first with `python -m bench peers --build-env llmcompressor --cells rtn`, about 1.5 minutes.)
 Tiny end-to-end check (tests/bench/test_bench_peers.py runs a smaller one):
