@@ -76,6 +76,7 @@ from bench.quality import MODELS, TEXT
 
 log = logging.getLogger(__name__)
 SMOLLM2 = Path.home() / ".cache" / "compress-data" / "smollm2-135m-instruct"
+GEMMA3 = Path.home() / ".cache" / "compress-data" / "gemma-3-270m"  # bench/tools/gemma3.sh makes it
 TEST = TEXT / "wikitext-2-raw" / "wiki.test.raw"
 VALID = TEXT / "wikitext-2" / "valid.txt"
 WINDOW = 256
@@ -158,11 +159,13 @@ def model_path(name: str) -> str:
         return str(Path(name).expanduser())
     if name == "smollm2-135m-instruct":
         return str(SMOLLM2)
+    if name == "gemma-3-270m":
+        return str(GEMMA3)
     if (MODELS / name).is_dir():
         return str(MODELS / name)
     from compress.errors import BadInput
 
-    raise BadInput(f"--model `{name}`: not a directory, smollm2-135m-instruct or a model under {MODELS}")
+    raise BadInput(f"--model `{name}`: not a directory, smollm2-135m-instruct, gemma-3-270m or a model under {MODELS}")
 
 
 def windows(path: str, nsamples: int, seqlen: int, seed: int):
@@ -663,9 +666,22 @@ def best_of(res: dict) -> dict:
             for k in ("compress", "peer")}
 
 
+# settings two files must share for their runs of one cell to be pooled as seeds of one measurement
+_RUN_SETTINGS = ("nsamples", "seqlen", "max_tokens", "peer_iters")
+
+
+def _pool(a: dict, b: dict) -> dict:
+    """Cell `a`'s runs with `b`'s (a later run of a seed replaces the earlier one), mean and spread recomputed."""
+    runs = {r.get("seed"): r for r in a["runs"]} | {r.get("seed"): r for r in b["runs"]}
+    runs = [runs[k] for k in sorted(runs, key=lambda k: (k is None, k))]
+    mean, std = summarize(runs)
+    return {**b, "seeds": [r.get("seed") for r in runs], "runs": runs, "mean": mean, "std": std}
+
+
 def summary(results: list[tuple[str, dict]]) -> str:
-    """One row per (model, setting) of several `run_peers` results (their files merged by model and setting: a
-    later file's cells replace an earlier one's of the same name): compress's best cell beside the best peer's,
+    """One row per (model, setting) of several `run_peers` results (their files merged by model and setting: the
+    runs of a cell that two files both ran with the same calibration, evaluation and iterations are pooled by seed,
+    otherwise a later file's cell replaces an earlier one's): compress's best cell beside the best peer's,
     KL (mean +- standard deviation over the seeds), top-1, task accuracy and stored bits, and the ratio of the KLs."""
     merged: dict[tuple, dict] = {}
     for name, res in results:
@@ -673,8 +689,12 @@ def summary(results: list[tuple[str, dict]]) -> str:
         key = (m["model"], m["bits"], m["group_size"], m["sym"])
         into = merged.setdefault(key, {"meta": m, "cells": [], "files": []})
         into["files"].append(name)
+        same = all(m.get(k) == into["meta"].get(k) for k in _RUN_SETTINGS)
         for e in res["cells"]:
-            if e["status"] == "ok" or all(c["cell"] != e["cell"] for c in into["cells"]):
+            prior = next((c for c in into["cells"] if c["cell"] == e["cell"]), None)
+            if prior is not None and prior["status"] == "ok" and e["status"] == "ok" and same:
+                e = _pool(prior, e)
+            if e["status"] == "ok" or prior is None:
                 into["cells"] = [c for c in into["cells"] if c["cell"] != e["cell"]] + [e]
     lines = ["| model | setting | compress's best | KL | top-1 | acc | bits | best peer | KL | top-1 | acc | bits | "
              "KL ratio | files |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]

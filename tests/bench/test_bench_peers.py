@@ -96,21 +96,31 @@ def test_peers_help_and_bad_options():
 def test_summary_merges_files_and_puts_each_sides_best_together(tmp_path):
     from bench.peers import summary
 
-    def cell(name, tool, kls, bits=4.25):
-        runs = [{"kl": k, "top1": 0.5, "acc": 0.6, "effective_bits": bits} for k in kls]
+    def cell(name, tool, kls, bits=4.25, seeds=None):
+        runs = [{"kl": k, "top1": 0.5, "acc": 0.6, "effective_bits": bits, "seed": s}
+                for k, s in zip(kls, seeds or range(len(kls)))]
         from bench.peers import summarize
 
         mean, std = summarize(runs)
         return {"cell": name, "tool": tool, "status": "ok", "runs": runs, "mean": mean, "std": std}
 
-    meta = {"model": "/x/smol", "bits": 4, "group_size": 128, "sym": True}
+    meta = {"model": "/x/smol", "bits": 4, "group_size": 128, "sym": True, "nsamples": 64, "seqlen": 256}
     one = {"meta": meta, "cells": [cell("gptq", "compress", [0.3]), cell("awq+gptq", "compress", [0.2]),
                                    cell("llmc-awq", "llm-compressor", [0.4], 4.5),
                                    {"cell": "nncf-awq", "tool": "nncf", "status": "failed", "reason": "r", "runs": []}]}
-    seeds = {"meta": meta, "cells": [cell("awq+gptq", "compress", [0.1, 0.3])]}  # more seeds of one cell
+    # seeds 1 and 2 of one cell, run later with the same settings: pooled with seed 0 (a rerun of seed 0 replaces it)
+    seeds = {"meta": meta, "cells": [cell("awq+gptq", "compress", [0.1, 0.3], seeds=[1, 2])]}
     md = summary([("a.json", one), ("b.json", seeds)])
     row = next(line for line in md.splitlines() if line.startswith("| smol |"))
-    assert "compress awq+gptq (2 seeds) | 0.2000 +- 0.1414 |" in row and "llm-compressor llmc-awq | 0.4000 |" in row
+    assert "compress awq+gptq (3 seeds) | 0.2000 +- 0.1000 |" in row and "llm-compressor llmc-awq | 0.4000 |" in row
     assert "| 0.50 | a.json, b.json |" in row and "W4 g128 sym" in row
+    rerun = {"meta": meta, "cells": [cell("awq+gptq", "compress", [0.05])]}  # seed 0 again: replaces the first
+    row = next(line for line in summary([("a.json", one), ("b.json", seeds), ("c.json", rerun)]).splitlines()
+               if line.startswith("| smol |"))
+    assert "compress awq+gptq (3 seeds) | 0.1500 +- 0.1323 |" in row, row
+    other = {"meta": {**meta, "nsamples": 128}, "cells": [cell("awq+gptq", "compress", [0.25])]}  # not poolable
+    row = next(line for line in summary([("a.json", one), ("b.json", seeds), ("d.json", other)]).splitlines()
+               if line.startswith("| smol |"))
+    assert "compress awq+gptq | 0.2500 |" in row, row
     rc, out, err = lab("peers-summary", tmp_path / "missing.json")
     assert rc == 1 and "not a `bench peers --json` file" in err
