@@ -100,6 +100,9 @@ def run(
                                "(a directory that no run wrote is never cleared)"),
     dry_run: bool = typer.Option(False, "--dry-run", help="validate and print the plan; compute nothing"),
     seed: Optional[int] = typer.Option(None, "--seed", help="calibration seed; replaces the recipe's"),
+    device: Optional[str] = typer.Option(None, "--device", help="where the blocks are calibrated and tuned: auto, "
+                                         "cpu, cuda, cuda:N, xpu, mps; replaces the recipe's `device` (an absent "
+                                         "device is refused before anything runs)"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bars, warnings only"),
     as_json: bool = typer.Option(False, "--json", help="print the final report JSON on stdout (logs on stderr)"),
     ci: bool = typer.Option(False, "--ci", help="CI mode (also when CI=true): no progress bars, JSON-lines log, "
@@ -118,8 +121,8 @@ def run(
 
     ci = ci_mode.enabled(ci)
     _setup_logging(quiet or as_json, ci=ci)
-    loaded = load_recipe(recipe, overrides=set_ or [], model=model, calibration=calibration or None,
-                         eval_data=eval_data or None, seed=seed)
+    loaded = load_recipe(recipe, overrides=[*(set_ or []), *([f"device={device}"] if device else [])], model=model,
+                         calibration=calibration or None, eval_data=eval_data or None, seed=seed)
     validate_paths(loaded.recipe)
     if dry_run:
         p = pipeline.plan(loaded)
@@ -177,6 +180,9 @@ def _print_plan(p: dict) -> None:
         for engine, problems in p["serving"].items():
             typer.echo(f"  {engine:<{width}}  " + ("serves it" if not problems else "no: " + "; ".join(problems)))
     typer.echo(f"estimated peak memory: {p['estimated_peak_memory_mb']} MB")
+    if "estimated_device_peak_mb" in p:
+        typer.echo(f"device: {', '.join(p.get('devices') or [p['device']])} (the blocks' work; estimated peak "
+                   f"{p['estimated_device_peak_mb']} MB there: one block, its activations and Hessians)")
 
 
 @app.command()

@@ -26,6 +26,7 @@ from typing import Callable, Protocol
 import torch
 from torch import nn
 
+from compress.errors import RunFailure
 from compress.hessian import gram_store
 from compress.models.adapters import accepts_use_cache
 from compress.qweight import QuantizedWeight
@@ -87,6 +88,19 @@ class _Stop(Exception):
     pass
 
 
+class DeviceMemoryError(RunFailure):
+    """The device ran out of memory on a block: which one, its size, and what to lower (the finished blocks are
+    checkpointed: `--resume` continues from this one)."""
+
+    def __init__(self, i: int, block: nn.Module, device: torch.device, quantizer, e: BaseException):
+        mb = sum(p.numel() * p.element_size() for p in block.parameters()) / 2**20
+        super().__init__(
+            f"{device} ran out of memory on block {i} ({mb:.0f} MB of weights, calibration batches of "
+            f"{getattr(quantizer, 'batch_size', '?')}): lower the stage's `batch_size` or `calibration.nsamples` "
+            f"(or use `device: cpu`), then rerun with --resume to continue from block {i}; torch said: "
+            f"{str(e).splitlines()[0] if str(e) else type(e).__name__}")
+
+
 def capture_block0_inputs(model: nn.Module, block0: nn.Module, tokens: torch.Tensor, batch_size: int):
     """Hidden states and keyword arguments that block 0 receives, one entry per batch of `tokens`."""
     inputs, kwargs = [], []
@@ -136,23 +150,75 @@ def _forward_only(block: nn.Module, inputs: list[torch.Tensor], kwargs: list[dic
 
 
 @torch.no_grad()
-def collect_hessians(block, linears: dict[str, nn.Linear], inputs, kwargs, cover=None) -> dict:
+def collect_hessians(block, linears: dict[str, nn.Linear], inputs, kwargs, cover=None, devices=None) -> dict:
     """H = 2/n * sum x x^T over every calibration row reaching each linear (docs/quantize.md#gptq), accumulated
     in fp32 as the GPTQ reference does, in a `compress.hessian` store (on the CPU: the packed upper triangle).
     Linears fed the same tensor (q/k/v, gate/up) share one Hessian: the returned dict then maps their names to
     the same store object. `cover` (MoE blocks, compress.models.moe.Coverage)
-    adds forced rows for the experts that too few rows reached."""
-    H = _accumulate(block, linears, inputs, kwargs, cover, share=True)
-    if H is None:  # a linear's input was not always its group's: collect again, one Hessian per linear
-        H = _accumulate(block, linears, inputs, kwargs, cover, share=False)
-    return H
+    adds forced rows for the experts that too few rows reached.
+
+    `devices` (several): data parallel. The batches are split into one contiguous shard per device, each device
+    runs a replica of the block on its shard, and the unscaled sums and row counts are added on the first device
+    (what an all-reduce computes) before the one scaling: the same H as one device up to fp32 summation order.
+    MoE blocks (`cover`: forced routing needs every row's counts) collect on the first device alone."""
+    for share in (True, False):  # not shared: a linear's input was not always its group's; collect again
+        if devices is not None and len(devices) > 1 and cover is None and len(inputs) > 1:
+            got = _split(block, linears, inputs, kwargs, devices, share)
+        else:
+            got = _accumulate(block, linears, inputs, kwargs, cover, share=share)
+        if got is not None:
+            break
+    H, count, leader = got
+    for n, h in H.items():
+        h.scale_(1 / max(count[n], 1))
+    return {n: H[leader[n]] if n in leader else gram_store(m.in_features, m.weight.device) for n, m in linears.items()}
 
 
-def _accumulate(block, linears, inputs, kwargs, cover, share: bool) -> dict[str, torch.Tensor] | None:
-    """One propagation with a hook per linear. With `share`, a linear whose input is the very tensor another
-    linear's hook last saw (a weak reference: identity, never a freed tensor's address, at the same version)
-    adds nothing of its own; it must then see its leader's input on every call and as many rows, else None
-    (the caller collects again)."""
+def _split(block, linears, inputs, kwargs, devices, share: bool):
+    """`_accumulate` per device on its shard of the batches (a replica of the block on each other device), the
+    sums and counts added into the first shard's: (H, count, leader) unscaled, or None if a shard's sharing broke."""
+    import copy
+
+    from compress.devices import move
+
+    rel = {id(m): p for p, m in block.named_modules()}
+    shards = [idx for idx in torch.arange(len(inputs)).tensor_split(len(devices)) if len(idx)]
+    parts = []
+    for d, idx in zip(devices, shards):
+        replica = block if d == block_device(block) else copy.deepcopy(block).to(d)
+        lin = {n: replica.get_submodule(rel[id(m)]) for n, m in linears.items()}
+        got = _accumulate(replica, lin, move([inputs[j] for j in idx], d), move([kwargs[j] for j in idx], d),
+                          None, share)
+        if got is None:
+            return None
+        parts.append(got)
+        del replica
+    H, count, leader = parts[0]
+    for h, c, lead in parts[1:]:
+        if lead != leader:  # the same block shares its inputs the same way on every shard
+            return None
+        for n in H:
+            H[n].add_(h[n])
+        for n in count:
+            count[n] += c[n]
+    return H, count, leader
+
+
+def _away(device: torch.device) -> bool:
+    """Whether blocks move to `device` for their work (tests force it on the CPU to run that path)."""
+    return device.type != "cpu"
+
+
+def block_device(block: nn.Module) -> torch.device:
+    return next((p.device for p in block.parameters()), torch.device("cpu"))
+
+
+def _accumulate(block, linears, inputs, kwargs, cover, share: bool):
+    """One propagation with a hook per linear: (H, count, leader), the unscaled sums of the leaders (the linears
+    whose input the others share), the rows each linear saw and each linear's leader. With `share`, a linear
+    whose input is the very tensor another linear's hook last saw (a weak reference: identity, never a freed
+    tensor's address, at the same version) adds nothing of its own; it must then see its leader's input on
+    every call and as many rows, else None (the caller collects again)."""
     H: dict[str, torch.Tensor] = {}
     count = {n: 0 for n in linears}
     leader: dict[str, str] = {}
@@ -195,9 +261,7 @@ def _accumulate(block, linears, inputs, kwargs, cover, share: bool) -> dict[str,
             h.remove()
     if broken or any(count[n] != count[lead] for n, lead in leader.items()):
         return None
-    for n, h in H.items():
-        h.scale_(1 / max(count[n], 1))
-    return {n: H[leader[n]] if n in leader else gram_store(m.in_features, m.weight.device) for n, m in linears.items()}
+    return H, count, leader
 
 
 def set_weight(linear: nn.Linear, qw: QuantizedWeight) -> None:
@@ -227,6 +291,7 @@ def run_blockwise(
     release: Callable[[int], None] | None = None,
     head: Callable[[torch.Tensor], torch.Tensor] | None = None,
     cover: Callable[[int], object] | None = None,
+    devices: list[torch.device] | None = None,
 ) -> dict[str, QuantizedWeight]:
     """Quantize every block in order; returns all QuantizedWeights by module name.
 
@@ -234,36 +299,65 @@ def run_blockwise(
     after its outputs are propagated; the returned QuantizedWeights then keep only their scales and
     zero points (`light`), the codes stay in the block checkpoints. `head` (final norm + LM head) is
     handed to the last block only. `cover(i)`: block i's MoE coverage for the Hessians (or None).
+    `devices` (docs/accelerators.md): the first is where each block, the calibration activations and the head
+    live while the block is worked on (the model stays where it is; the block goes back after); several split
+    the Hessians' batches (`collect_hessians`). The QuantizedWeights come back on the CPU.
     """
+    from compress.devices import move, out_of_memory
+
+    device = devices[0] if devices else torch.device("cpu")
+    away = _away(device)  # on the CPU nothing moves: the run is the one it always was
     result: dict[str, QuantizedWeight] = {}
     q_in = kw = fp_in = None
     if quantizer.needs_data:
         q_in, kw = capture_block0_inputs(model, blocks[0], tokens, quantizer.batch_size)
+        if away:
+            q_in, kw = move(q_in, device), move(kw, device)
         fp_in = list(q_in) if quantizer.needs_fp_targets else None
     n = len(blocks)
     batches = list(tokens.split(quantizer.batch_size)) if tokens is not None else None
+    if away and batches is not None:
+        batches = move(batches, device)
     for i in range(n):
         block = blocks[i]
         if materialize:
             materialize(i)
+        last_head = head if i == n - 1 else None
+        if away:
+            block.to(device)
+            if last_head is not None:
+                last_head.to(device)
         linears = {name: m for name, m in block_linears(i).items() if specs(name, m) is not None}
-        fp_out = propagate(block, fp_in, kw) if fp_in is not None else None
-        done = load_block(i)
-        if done is None:
-            data = BlockData(i, block, linears, {nm: specs(nm, m) for nm, m in linears.items()},
-                             q_in or [], kw or [], fp_out, fp_in, seed=seed * 1000 + i,
-                             head=head if i == n - 1 else None, tokens=batches)
-            if quantizer.needs_hessian and data.head is None:  # a block handed the head is tuned through it
-                data.hessians = collect_hessians(block, linears, q_in, kw, cover(i) if cover else None)
-            done = quantizer.quantize_block(data)
-            for name, qw in done.items():
-                set_weight(linears[name], qw)
-            save_block(i, done)
-        else:
-            for name, qw in done.items():
-                set_weight(linears[name], qw)
-        if q_in is not None and i + 1 < n:
-            advance(block, q_in, kw)
+        try:
+            fp_out = propagate(block, fp_in, kw) if fp_in is not None else None
+            done = load_block(i)
+            if done is None:
+                data = BlockData(i, block, linears, {nm: specs(nm, m) for nm, m in linears.items()},
+                                 q_in or [], kw or [], fp_out, fp_in, seed=seed * 1000 + i,
+                                 head=last_head, tokens=batches)
+                if quantizer.needs_hessian and data.head is None:  # a block handed the head is tuned through it
+                    data.hessians = collect_hessians(block, linears, q_in, kw, cover(i) if cover else None,
+                                                     devices=devices)
+                done = quantizer.quantize_block(data)
+                for name, qw in done.items():
+                    set_weight(linears[name], qw)
+                if away:
+                    done = move(done, torch.device("cpu"))
+                save_block(i, done)
+            else:
+                for name, qw in done.items():
+                    set_weight(linears[name], move(qw, device) if away else qw)
+            if q_in is not None and i + 1 < n:
+                advance(block, q_in, kw)
+        except Exception as e:
+            if away and out_of_memory(e):
+                raise DeviceMemoryError(i, block, device, quantizer, e) from e
+            raise
+        finally:
+            if away:
+                block.to("cpu")
+                if last_head is not None:
+                    last_head.to("cpu")
         fp_in = fp_out
         if release:  # the codes are in the block checkpoint: drop them, then the block (its release collects)
             done = {name: light(qw) for name, qw in done.items()}

@@ -1,6 +1,6 @@
 """Storage for GPTQ's Hessians `H = 2/n X^T X`: accumulated during calibration, then factored in place.
 
-Two stores with one interface (`add_gram_`, `scale_`, `diag`, `set_diag_`, `factor_`, `inverse_`, `upper_rows`):
+Two stores with one interface (`add_gram_`, `add_`, `scale_`, `diag`, `set_diag_`, `factor_`, `inverse_`, `upper_rows`):
 
 * `PackedSym` (CPU): the upper triangle in LAPACK's *rectangular full packed* format (RFP, TRANSR='T',
   UPLO='U'): `n (n + 1) / 2` floats, half a dense matrix, with BLAS-3 speed. The rank-k update is `ssfrk`, the
@@ -52,7 +52,7 @@ class PackedSym:
 
     @classmethod
     def zeros(cls, n: int) -> PackedSym:
-        return cls(n, torch.zeros(n * (n + 1) // 2, dtype=torch.float32))
+        return cls(n, torch.zeros(n * (n + 1) // 2, dtype=torch.float32, device="cpu"))
 
     @classmethod
     def from_dense(cls, H: torch.Tensor) -> PackedSym:
@@ -93,8 +93,13 @@ class PackedSym:
     def scale_(self, a: float) -> None:
         self.data.mul_(a)
 
+    def add_(self, other) -> None:
+        """self += other (another store of the same order, on any device: the sum of data-parallel shards)."""
+        o = other if isinstance(other, PackedSym) else PackedSym.from_dense(other.to_dense().cpu())
+        self.data.add_(o.data)
+
     def _diag_index(self) -> torch.Tensor:
-        i = torch.arange(self.n)
+        i = torch.arange(self.n, device="cpu")
         return torch.where(i < self.n1, (self.n1 + 1 + i) * self.n2 + i, i * self.n2 + (i - self.n1))
 
     def diag(self) -> torch.Tensor:
@@ -119,7 +124,7 @@ class PackedSym:
     def upper_rows(self, i1: int, i2: int) -> torch.Tensor:
         """`triu(H)[i1:i2, i1:]` as a new dense (i2 - i1, n - i1) tensor."""
         n, n1, R = self.n, self.n1, self.R
-        out = torch.zeros(i2 - i1, n - i1)
+        out = torch.zeros(i2 - i1, n - i1, device="cpu")
         a = min(i2, n1)
         if i1 < a:  # rows in the first half: columns i1..n1 from R's lower rows (transposed), n1.. from R[i]
             out[: a - i1, n1 - i1:] = R[i1:a]
@@ -161,6 +166,10 @@ class DenseSym:
 
     def scale_(self, a: float) -> None:
         self.H.mul_(a)
+
+    def add_(self, other) -> None:
+        """self += other (another store of the same order, on any device: the sum of data-parallel shards)."""
+        self.H.add_(other.to_dense().to(self.device))
 
     def diag(self) -> torch.Tensor:
         return torch.diag(self.H).clone()

@@ -21,7 +21,7 @@ from typing import Callable
 
 import torch
 
-from compress import inputs, registry, rss
+from compress import devices, inputs, registry, rss
 from compress.bind import Binding, Bound, Facts, bind
 from compress.calibration import calibration_tokens, tokens_hash
 from compress.errors import BadInput, RunFailure
@@ -73,6 +73,7 @@ class StageContext:
     calibration_info: dict = field(default_factory=dict)  # per source: format, tokens, windows drawn from it
     exports: dict = field(default_factory=dict)  # format -> what the run's earlier exports returned
     _reference: ModelAdapter | None = None
+    devices: list = field(default_factory=lambda: [torch.device("cpu")])  # the recipe's `device` first, resolved
 
     def reference(self) -> ModelAdapter:
         """The full-precision model as the recipe names it (its adapter; `.model`), loaded on first use and shared
@@ -172,6 +173,11 @@ def _plan(loaded) -> tuple[dict, Binding]:
             st["changes"] = b.facts.changes
         if b.facts.notes:  # what the stage adapted to honour the recipe on this model
             st["notes"] = b.facts.notes
+    used = devices.resolve_all(r.device, r.devices)  # BadInput (exit 1) for a device torch does not see
+    if used[0].type != "cpu":
+        for st, b in zip(stages, binding.stages):
+            if (why := _stays_on_cpu(b)) is not None:
+                st["notes"] = [*st.get("notes", []), f"runs on the CPU, not on {used[0]}: {why}"]
     inputs.check_data(loaded, kind)  # reads every data file: after the cheap checks
     if r.model.stream:
         per_block = sum(p.numel() for p in adapter.blocks[0].parameters())
@@ -187,7 +193,16 @@ def _plan(loaded) -> tuple[dict, Binding]:
     est += (rss.resident_mb() + _LIBRARIES_MB * (1 + graphs)) * 2**20
     out = {"model": r.model.path, "model_type": config.model_type, "blocks": len(adapter.blocks),
            "parameters": n_params, "stages": stages, "export": r.export.names(),
-           "estimated_peak_memory_mb": round(est / 2**20, 1), "data": _data_files(loaded)}
+           "estimated_peak_memory_mb": round(est / 2**20, 1), "data": _data_files(loaded),
+           "device": str(used[0])}
+    if len(used) > 1:
+        out["devices"] = [str(d) for d in used]
+    if used[0].type != "cpu":  # one block at fp32, the calibration activations (three streams) and its Hessians
+        block = max(adapter.blocks, key=lambda b: sum(p.numel() for p in b.parameters()))
+        hess = sum(m.in_features ** 2 for m in block.modules() if isinstance(m, torch.nn.Linear)) * 4
+        split = act / len(used)
+        out["estimated_device_peak_mb"] = round((sum(p.numel() for p in block.parameters()) * 4 + 3 * split + hess)
+                                                / 2**20, 1)
     if r.gates:
         from compress import gates
 
@@ -203,6 +218,13 @@ def _plan(loaded) -> tuple[dict, Binding]:
     if changed:
         out["structure"] = changed
     return out, binding
+
+
+def _stays_on_cpu(b: Bound) -> str | None:
+    """Why stage `b` does its work on the CPU whatever the recipe's `device` (None: it uses the device)."""
+    if b.entry.on_device is None:
+        return f"`{b.cfg.stage}: {b.cfg.method}` does not use `device` yet"
+    return b.entry.on_device(b.cfg)
 
 
 def _data_files(loaded) -> dict:
@@ -258,11 +280,17 @@ def _run(loaded, binding: Binding, ws: Workspace, quiet: bool) -> dict:
             model, tok = load_model(r.model.path, r.model.dtype, r.model.gguf_file)
         adapter = ModelAdapter(model)
     ctx = StageContext(loaded, model, tok, adapter, ws, r.calibration.seed, progress, quiet,
-                       fp_bytes=param_bytes(model), identity=inputs.identity(loaded, ws.manifest["inputs"]))
+                       fp_bytes=param_bytes(model), identity=inputs.identity(loaded, ws.manifest["inputs"]),
+                       devices=devices.resolve_all(r.device, r.devices))
+    if ctx.devices[0].type != "cpu":
+        log.info("device: %s (the accelerated stages' block work; the model stays on the CPU)",
+                 ", ".join(map(str, ctx.devices)))
     if r.model.stream:
         ctx.streamer = BlockStreamer(model, adapter, source, r.model.dtype)
     handoffs: dict[type, list] = {}
     prefix: list = [ws.manifest["inputs"]["sha256"]]  # model and calibration, by path and by content
+    if ctx.devices[0].type != "cpu":  # another device rounds differently: its stages are not the CPU run's
+        prefix.append({"device": ctx.devices[0].type, "devices": len(ctx.devices)})
     evaluates = r.eval.enabled and bool(r.eval.data or r.eval.tasks) and not r.model.stream
     for k, b in enumerate(binding.stages):
         files = inputs.stage_files(b.cfg)
@@ -408,8 +436,12 @@ def _run_stage(ctx: StageContext, b: Bound, inputs_hash: str, handoffs: dict, ti
         if not resumed:
             ws.stage_begin(b.key, b.cfg.stage, b.cfg.method, inputs_hash)
         log.info("stage %s%s", b.key, " (finished earlier: replayed)" if resumed else "")
+        device = ctx.devices[0] if _stays_on_cpu(b) is None else torch.device("cpu")
+        devices.reset_peak(device)
         with prunepath.dense(ctx.model, not entry.routed):  # calibrate on dense FFNs; eval and heal at tau
             metrics = entry.apply(ctx, b.cfg)
+        if device.type != "cpu":
+            metrics = {**(metrics or {}), "device": str(device), "device_peak_mb": devices.peak_mb(device)}
         produced = ctx.emitted
         kinds = sorted(type(v).__name__ for v in produced)
         if kinds != sorted(k.__name__ for k in entry.produces):
@@ -427,6 +459,8 @@ def _run_stage(ctx: StageContext, b: Bound, inputs_hash: str, handoffs: dict, ti
     st = ws.manifest["stages"][b.key]
     timings.append({"name": b.cfg.stage, "method": b.cfg.method, "seconds": st["seconds"],
                     "peak_rss_mb": st["peak_rss_mb"], "rss_mb": st.get("rss_mb"), "resumed": resumed})
+    if "device" in (st.get("metrics") or {}):  # an accelerated stage on an accelerator: where, and its peak there
+        timings[-1].update(device=st["metrics"]["device"], device_peak_mb=st["metrics"]["device_peak_mb"])
 
 
 def _facts_digest(facts: Facts) -> str:

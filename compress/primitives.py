@@ -177,9 +177,9 @@ def assemble_mixed(W: torch.Tensor, parts: list, chunk_size: int, group_size: in
         s, e = j * chunk_size, min((j + 1) * chunk_size, d_in)
         n_groups = math.ceil((e - s) / group_size)
         if part is None:
-            codes.append(torch.zeros(d_out, e - s, dtype=torch.uint8))
-            scales.append(torch.ones(d_out, n_groups))
-            zeros.append(torch.zeros(d_out, n_groups, dtype=torch.uint8))
+            codes.append(torch.zeros(d_out, e - s, dtype=torch.uint8, device=W.device))
+            scales.append(torch.ones(d_out, n_groups, device=W.device))
+            zeros.append(torch.zeros(d_out, n_groups, dtype=torch.uint8, device=W.device))
             kept.append(W[:, s:e].detach().float().half().float())
             bits.append(KEEP_BITS)
         else:

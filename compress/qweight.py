@@ -149,9 +149,9 @@ class QuantizedWeight:
     def column_bits(self) -> torch.Tensor:
         """Bit width of every input column, shape (d_in,): `bits` everywhere for a uniform weight."""
         if not self.mixed:
-            return torch.full((self.in_features,), self.bits, dtype=torch.int64)
+            return torch.full((self.in_features,), self.bits, dtype=torch.int64, device=self.codes.device)
         return torch.tensor([b for (s, e), b in zip(self.chunk_bounds(), self.chunk_bits) for _ in range(s, e)],
-                            dtype=torch.int64)
+                            dtype=torch.int64, device=self.codes.device)
 
     @property
     def out_features(self) -> int:
@@ -172,7 +172,7 @@ class QuantizedWeight:
 
     def group_index(self) -> torch.Tensor:
         """`g_idx`: the group of each input column, shape (d_in,)."""
-        return torch.arange(self.in_features) // self.group
+        return torch.arange(self.in_features, device=self.codes.device) // self.group
 
     def dequantize(self, dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None) -> torch.Tensor:
         """The weights (d_out, d_in) in `dtype`, or written into `out` (a linear's weight: no copy of its size).

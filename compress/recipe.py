@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Optional, Sequence, Union
@@ -217,6 +218,35 @@ class Recipe(StrictModel):
                              "(compress/gates.py); a failing one exits 3 and skips `push`")
     push: Optional[PushSpec] = Field(None, description="push the exports to the Hugging Face Hub after every gate "
                                      "passed (compress/publish/hub.py)")
+    device: str = Field("auto", description="where each block's calibration, statistics and tuning run: auto (an "
+                        "accelerator when torch sees one, else the CPU), cpu, cuda, cuda:N, xpu, xpu:N, mps; the model "
+                        "itself stays on the CPU (docs/accelerators.md). An absent device is refused at plan time")
+    devices: Union[Literal["all"], list[str], None] = Field(
+        None, description="data parallel: the calibration batches of each block split across these devices for its "
+                          "Hessians, summed on `device` (`all`: every device of its kind); default: `device` alone")
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v):
+        from compress import devices
+
+        if not re.fullmatch(devices.PATTERN, str(v).strip().lower()):
+            raise ValueError(f"`{v}`: choose {devices.CHOICES}")
+        return str(v).strip().lower()
+
+    @field_validator("devices")
+    @classmethod
+    def _devices(cls, v):
+        from compress import devices
+
+        if isinstance(v, list):
+            if not v:
+                raise ValueError("give at least one device (or leave `devices` out)")
+            bad = [d for d in v if not re.fullmatch(devices.PATTERN, str(d).strip().lower()) or d == "auto"]
+            if bad:
+                raise ValueError(f"`{bad[0]}`: each entry is one of cpu, cuda:N, xpu:N")
+            return [str(d).strip().lower() for d in v]
+        return v
 
     @field_validator("gates")
     @classmethod

@@ -74,6 +74,10 @@ class Entry:
     # per_layer: an allocation whose Plan gives each layer one width (the quantize stage keeps fitting each layer's
     # group); otherwise a Plan assigns widths per column chunk, all with the quantize stage's one group
     per_layer: bool = False
+    # on_device(cfg) -> None when the stage's block work runs on the recipe's `device` (compress/driver.py), or why
+    # this configuration stays on the CPU; stages without it run on the CPU. The plan says which stages stay on the
+    # CPU when the recipe names an accelerator
+    on_device: Callable | None = None
     # report: the stage's own sections of report.json / report.md (`Section`); the pipeline and eval/report.py
     # render every registered section the same way and know none by name
     report: tuple[Section, ...] = ()

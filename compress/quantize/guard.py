@@ -78,7 +78,7 @@ def flip(W: torch.Tensor, bits: int, group_size: int, sym: bool, *, d_max: float
     t, d, s, z = boundary_distance(W, bits, group_size, sym)
     Wg = group_view(W.float(), group)
     n_groups = Wg.shape[1]
-    real = torch.arange(n_groups * group).reshape(n_groups, group) < d_in  # the zero padding of a short group
+    real = torch.arange(n_groups * group, device=W.device).reshape(n_groups, group) < d_in  # the zero padding of a short group
     wmin, wmax = Wg.amin(-1, keepdim=True), Wg.amax(-1, keepdim=True)
     r = torch.round(t)
     step = torch.sign(t - r)

@@ -127,7 +127,7 @@ def lowest_ratio(bits: int) -> float:
 
 def coarse_ratios(bits: int) -> torch.Tensor:
     lo = lowest_ratio(bits)
-    return torch.logspace(math.log10(lo), 0.0, COARSE, dtype=torch.float64).float()
+    return torch.logspace(math.log10(lo), 0.0, COARSE, dtype=torch.float64, device="cpu").float()
 
 
 def optimized_rtn(W: torch.Tensor, bits: int, group_size: int, sym: bool) -> QuantizedWeight:
@@ -143,7 +143,7 @@ def optimized_rtn(W: torch.Tensor, bits: int, group_size: int, sym: bool) -> Qua
     n_groups = Wg.shape[1]
     flat, s0f, z0f = Wg.reshape(-1, g), s0.reshape(-1, 1), z0.reshape(-1, 1)
     best_s, best_z = s0f.clone(), z0f.clone()
-    ratios = coarse_ratios(bits)
+    ratios = coarse_ratios(bits).to(W.device)
     rows = max(1, CHUNK_ELEMENTS // g)
 
     def run(a):
@@ -216,7 +216,7 @@ def _search(x, s0, z0, bits, sym, ratios):
         best_i = torch.where(best_e < before, i, best_i)
     # fine: between the neighbours of each group's best coarse ratio
     lo, hi = ratios[(best_i - 1).clamp(min=0)], ratios[(best_i + 1).clamp(max=n - 1)]
-    for t in (torch.arange(1, FINE + 1, dtype=torch.float32) / (FINE + 1)).tolist():
+    for t in (torch.arange(1, FINE + 1, dtype=torch.float32, device="cpu") / (FINE + 1)).tolist():
         r = lo * (1 - t) + hi * t
         s, z = candidate(r)
         consider(s, z)

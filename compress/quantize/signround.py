@@ -54,9 +54,9 @@ class _Tuned:
         self.group = spec.group_size if g <= W.shape[1] else W.shape[1]
         g = min(g, W.shape[1])
         rows = W.shape[0] * group_view(W, g).shape[1]
-        self.V = torch.zeros(rows, g, requires_grad=True)
-        self.alpha = torch.ones(rows, requires_grad=minmax)
-        self.beta = torch.ones(rows, requires_grad=minmax)
+        self.V = torch.zeros(rows, g, device=W.device, requires_grad=True)
+        self.alpha = torch.ones(rows, device=W.device, requires_grad=minmax)
+        self.beta = torch.ones(rows, device=W.device, requires_grad=minmax)
         grouped = group_view(self.W, g).reshape(rows, g)
         self.wmin, self.wmax = grouped.amin(1).clamp(max=0), grouped.amax(1).clamp(min=0)
 
@@ -239,7 +239,7 @@ def _tune(data: BlockData, tuned: dict, inputs, cfg: AutoRoundConfig):
     opt = SignSGD(params, lr=lr, weight_decay=0)
     sched = torch.optim.lr_scheduler.LinearLR(opt, start_factor=1.0, end_factor=0.0, total_iters=cfg.iters)
     g = torch.Generator().manual_seed(data.seed)
-    order = torch.randperm(len(inputs), generator=g).tolist()
+    order = torch.randperm(len(inputs), generator=g, device="cpu").tolist()  # the same order on every device
     best_loss, best = float("inf"), {n: t.snapshot() for n, t in tuned.items()}
     through_head = data.head is not None and cfg.final_block != "same"
     for block_param in data.block.parameters():

@@ -61,7 +61,7 @@ def quantizer(config: type[QuantizeConfig], description: str):
         QUANTIZERS[config] = cls
         registry.register("quantize", config.model_fields["method"].default, config, description, check=check,
                           uses=(Plan,), produces=(QuantizedWeights,), capabilities=cls.capabilities,
-                          report=(ADAPTED_GROUPS,), module=cls.__module__)(apply)
+                          report=(ADAPTED_GROUPS,), module=cls.__module__, on_device=on_device)(apply)
         return cls
 
     return deco
@@ -297,6 +297,15 @@ def _coverage(adapter):
     return lambda i: Coverage(adapter, i) if adapter.experts(i) is not None else None
 
 
+def on_device(cfg: QuantizeConfig) -> str | None:
+    """Why this quantize stage stays on the CPU with an accelerator named (None: its blocks run there)."""
+    return f"`gguf: {cfg.gguf}`: llama.cpp's grid search runs in numpy" if cfg.gguf else None
+
+
+def stage_devices(ctx, cfg: QuantizeConfig) -> list:
+    return [torch.device("cpu")] if on_device(cfg) else ctx.devices
+
+
 def apply(ctx, cfg: QuantizeConfig) -> dict:
     """The `quantize` stage of every registered quantizer."""
     adapter, layers, plan = ctx.adapter, ctx.facts.layers, ctx.inputs.get(Plan)
@@ -322,6 +331,7 @@ def apply(ctx, cfg: QuantizeConfig) -> dict:
         seed=ctx.seed, progress=lambda done, total: bar.update(1),
         materialize=ctx.streamer.materialize if ctx.streamer else None,
         release=ctx.streamer.release if ctx.streamer else None, head=head, cover=_coverage(adapter),
+        devices=stage_devices(ctx, cfg),
     )
     bar.close()
     block_layers = sorted(qweights)
