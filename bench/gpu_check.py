@@ -20,6 +20,11 @@ library's `select`).
        bytes than 4x the 50 MiB L2), divided by R: what decoding a model layer after layer sees.
    `gbps` = weight bytes (codes + scales + zero points, or bf16) / time; `hbm_fraction` = gbps / 4800.
 Targets (issue 5): int4 batch-1 8192x8192 >= 60% of HBM peak and faster than torch's int4.
+5. `--quickstart MODEL` (a local model directory that travels with the tree, or a `--carry`-ed one): the bundled
+   quickstart recipe run twice in fresh processes, `--device cuda` and `--device cpu`, same seed; their KL, top-1,
+   perplexity ratio, quantize seconds and the device's peak memory side by side (docs/accelerators.md). Needs
+   compress's own dependencies there: `bench/gpu_wheels.sh` downloads the ones the GPU image lacks into .whl/
+   (carried; `--wheel-dir .whl` installs them).
 """
 
 from __future__ import annotations
@@ -188,12 +193,62 @@ def bench(n: int, k: int, bits: int, group: int, batch: int, sweep: bool) -> lis
     return rows
 
 
+def ensure_requirements(wheel_dir: str | None) -> None:
+    """compress's own dependencies, from `wheel_dir` (no index) when one is missing (the GPU image has torch,
+    accelerate, safetensors, typer, rich; not pydantic, transformers>=5.20, auto-round or gguf)."""
+    missing = [m for m in ("pydantic", "auto_round", "gguf") if importlib.util.find_spec(m) is None]
+    import transformers
+
+    if missing or tuple(int(x) for x in transformers.__version__.split(".")[:2]) < (5, 20):
+        cmd = [sys.executable, "-m", "pip", "install", "--no-deps", *(sorted(Path(wheel_dir).glob("*.whl"))
+                                                                        if wheel_dir else [])]
+        if not wheel_dir:
+            raise SystemExit(f"missing {missing or ['transformers>=5.20']}: give --wheel-dir (bench/gpu_wheels.sh)")
+        print("installing:", " ".join(map(str, cmd)), flush=True)
+        subprocess.run(list(map(str, cmd)), check=True)
+        importlib.invalidate_caches()
+
+
+def quickstart(model: str, device: str, out: Path, extra: list[str] = ()) -> dict:
+    """The bundled quickstart on `device` in a fresh process: its eval, the quantize stage's seconds, peak RSS and
+    device peak (report.json)."""
+    import time
+
+    cmd = [sys.executable, "-c", "from compress import cli; cli.entry()", "run", str(REPO / "recipes" /
+           "quickstart.yaml"), "--model", model, "--device", device, "--output", str(out), "--force", "--quiet",
+           "--json", *extra]
+    t0 = time.time()
+    p = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+    if p.returncode != 0:
+        return {"device": device, "error": p.stderr.strip().splitlines()[-1] if p.stderr.strip() else p.returncode}
+    report = json.loads(p.stdout)
+    stage = next(s for s in report["stages"] if s["name"] == "quantize")
+    ev = next(iter(report["eval"].values()))
+    return {"device": device, "kl": ev["kl"], "top1": ev["top1"], "ppl_ratio": ev["ppl_ratio"],
+            "quantize_s": stage["seconds"], "peak_rss_mb": stage["peak_rss_mb"],
+            "device_peak_mb": stage.get("device_peak_mb"), "wall_s": round(time.time() - t0, 1)}
+
+
+def quickstart_pair(model: str, devices=("cuda", "cpu"), extra: list[str] = ()) -> dict:
+    """The quickstart on each device, side by side, and the relative KL difference of the first to the second."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        runs = [quickstart(model, dev, Path(d) / dev.replace(":", "_"), extra) for dev in devices]
+    out = {"model": model, "runs": runs}
+    if all("kl" in r for r in runs):
+        out["kl_rel_diff"] = round(runs[0]["kl"] / runs[1]["kl"] - 1, 4)
+    print(json.dumps(out), flush=True)
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--wheel-dir", help="install triton from wheels in this folder (no index)")
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--quick", action="store_true", help="only int4 8192x8192 batch 1, no config sweep")
     ap.add_argument("--no-tests", action="store_true", help="skip the pytest run")
+    ap.add_argument("--quickstart", metavar="MODEL", help="also run the quickstart recipe on cuda and on cpu")
     args = ap.parse_args(argv)
 
     import torch
@@ -220,6 +275,9 @@ def main(argv=None) -> int:
         < min(t4["ms_flush"], t4["ms_graph"]),
     }
     print(json.dumps(info["targets"]), flush=True)
+    if args.quickstart:
+        ensure_requirements(args.wheel_dir)
+        info["quickstart"] = quickstart_pair(args.quickstart)
     if args.json:
         Path(args.json).write_text(json.dumps({**info, "rows": rows}, indent=2) + "\n")
     return 0 if info["pytest_rc"] in (None, 0) else 1

@@ -240,6 +240,8 @@ def eval_(
                                                 "rows)"),
     limit: Optional[int] = typer.Option(None, "--limit", min=1, help="--mc-task: score the first N documents "
                                         "of each task (lm-eval's --limit)"),
+    device: str = typer.Option("auto", "--device", help="where the models run: auto (an accelerator when torch "
+                               "sees one), cpu, cuda, cuda:N, xpu, mps (perplexity and --reference comparisons)"),
     lm_eval_check: bool = typer.Option(False, "--lm-eval-check", help="--mc-task: also run the lm-eval harness "
                                        "(HF backend, CPU, batch 1, same --limit) on MODEL and each task YAML; exit 3 "
                                        "unless both accuracies agree to 1e-6 (needs the lmeval extra)"),
@@ -268,7 +270,7 @@ def eval_(
                                   max_tokens=max_tokens or None, gen_prompts=gen_prompts, prompt_tokens=prompt_tokens,
                                   new_tokens=new_tokens, backend=backend, ffn_mass=ffn_mass, text_slice=text_slice,
                                   progress=True, notify=lambda used: typer.echo(f"{_backend_line(used)}; {scope}",
-                                                                                 err=True))
+                                                                                 err=True), device=device)
     if task:
         res.update({f"task {k}": v for k, v in task_probes(model, task, data_dir=task_data, pooling=pooling,
                                                             backend=backend).items()})
@@ -302,6 +304,8 @@ def generate(
     prompt: str = typer.Option(..., "--prompt", help="text to continue"),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", help="greedy tokens to generate"),
     backend: str = typer.Option("auto", "--backend", help="auto, cpu, cpu-a8, triton, reference, or transformers"),
+    device: str = typer.Option("auto", "--device", help="where the model runs: auto (an accelerator when torch sees "
+                               "one), cpu, cuda, cuda:N, xpu, mps"),
     ffn_mass: Optional[float] = typer.Option(None, "--ffn-mass", help="PrunePath models: cumulative router mass "
                                              "of the active FFN experts per token (1 = dense; the checkpoint's own "
                                              "tau when not given)"),
@@ -315,7 +319,7 @@ def generate(
 
     _setup_logging(as_json)
     res = generate_text(model, prompt, max_new_tokens=max_new_tokens, backend=backend, ffn_mass=ffn_mass,
-                        progress=True, notify=lambda used: typer.echo(_backend_line(used), err=True))
+                        progress=True, notify=lambda used: typer.echo(_backend_line(used), err=True), device=device)
     if as_json:
         _emit_json(res)
         return

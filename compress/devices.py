@@ -97,6 +97,28 @@ def move(obj, device: torch.device):
     return obj
 
 
+DETERMINISM = ("torch.use_deterministic_algorithms(True, warn_only=True), CUBLAS_WORKSPACE_CONFIG=:4096:8: an "
+               "operation without a deterministic kernel warns in run.log (its results may then vary between runs)")
+
+
+def deterministic(device: torch.device) -> None:
+    """Deterministic kernels where torch has them on `device`; the others warn (named in run.log)."""
+    import logging
+    import os
+
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS first starts in this process
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    logging.captureWarnings(True)
+
+
+def name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    if device.type == "xpu":
+        return torch.xpu.get_device_name(device)
+    return device.type
+
+
 def _memory(device: torch.device):
     return getattr(torch, device.type, None) if device.type in ("cuda", "xpu") else None
 

@@ -174,7 +174,11 @@ def _plan(loaded) -> tuple[dict, Binding]:
         if b.facts.notes:  # what the stage adapted to honour the recipe on this model
             st["notes"] = b.facts.notes
     used = devices.resolve_all(r.device, r.devices)  # BadInput (exit 1) for a device torch does not see
+    device_notes = []
     if used[0].type != "cpu":
+        if r.eval.enabled and (r.eval.data or r.eval.tasks):
+            device_notes.append(f"the in-run evaluation runs on the CPU, not on {used[0]} (`compress eval "
+                                f"OUTPUT/hf --device {used[0]}` evaluates the export there)")
         for st, b in zip(stages, binding.stages):
             if (why := _stays_on_cpu(b)) is not None:
                 st["notes"] = [*st.get("notes", []), f"runs on the CPU, not on {used[0]}: {why}"]
@@ -211,7 +215,7 @@ def _plan(loaded) -> tuple[dict, Binding]:
         out["push"] = r.push.model_dump()
     if binding.serving:  # {engine: why it cannot serve the planned checkpoint ([]: it serves it)}
         out["serving"] = rules.as_json(binding.serving)
-    notes = [n for b in binding.exports for n in b.facts.notes]
+    notes = [n for b in binding.exports for n in b.facts.notes] + device_notes
     if notes:
         out["notes"] = notes
     changed = binding.spec.differences(binding.base)
@@ -285,6 +289,7 @@ def _run(loaded, binding: Binding, ws: Workspace, quiet: bool) -> dict:
     if ctx.devices[0].type != "cpu":
         log.info("device: %s (the accelerated stages' block work; the model stays on the CPU)",
                  ", ".join(map(str, ctx.devices)))
+        devices.deterministic(ctx.devices[0])
     if r.model.stream:
         ctx.streamer = BlockStreamer(model, adapter, source, r.model.dtype)
     handoffs: dict[type, list] = {}
@@ -301,6 +306,9 @@ def _run(loaded, binding: Binding, ws: Workspace, quiet: bool) -> dict:
     qweights = QuantizedWeights.merged(handoffs.get(QuantizedWeights, []))
     report = {"model": ctx.identity["model"]["name"], "recipe_sha256": loaded.sha256, "inputs": ctx.identity,
               "stages": timings}
+    if ctx.devices[0].type != "cpu":
+        report["device"] = {"devices": [str(d) for d in ctx.devices], "name": devices.name(ctx.devices[0]),
+                            "deterministic": devices.DETERMINISM}
     figures = {t: p for st in ws.manifest["stages"].values() for t, p in (st.get("metrics") or {}).get("figures", {}).items()}
     if figures:
         report["figures"] = figures

@@ -26,11 +26,14 @@ def _ffn_mass(model, tau: float | None) -> None:
         raise BadInput("--ffn-mass needs a model with PrunePath FFNs (`prune: prunepath`); this one has none")
 
 
-def _load(path: str, backend: str = "auto"):
+def _load(path: str, backend: str = "auto", device: str = "auto"):
     """(model, tokenizer). A packed `hf` export runs on our kernels (`backend`: auto, cpu, cpu-a8, triton,
     reference; compress/export/runtime.py) unless `backend` is `transformers` (auto-round's loader);
-    any other checkpoint loads through transformers."""
+    any other checkpoint loads through transformers. The model is moved to `device` (compress/devices.py:
+    `auto` is an accelerator when torch sees one)."""
     import torch
+
+    from compress import devices
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
 
     from compress.export.runtime import is_packed, load_packed
@@ -41,6 +44,10 @@ def _load(path: str, backend: str = "auto"):
         raise BadInput(f"unknown --backend `{backend}` (known: {', '.join(BACKENDS)})")
     if backend == "triton":
         extras.require(("triton",), "--backend triton")
+    dev = devices.resolve(device)  # an absent device: refused before anything loads
+    if dev.type != "cpu" and backend in ("cpu", "cpu-a8"):
+        raise BadInput(f"--backend {backend} runs on the CPU, not on {dev}: use --backend auto (triton on CUDA), "
+                       "reference or transformers, or --device cpu")
     src, gguf = resolve_source(path)
     verify_artifact(Path(src))
     kw = {"gguf_file": gguf} if gguf else {}
@@ -62,6 +69,8 @@ def _load(path: str, backend: str = "auto"):
     except (OSError, ValueError) as e:
         raise BadInput(f"cannot load `{path}`: {e}") from e
     check_finite(model, path)
+    if dev.type != "cpu":
+        model = model.to(dev)
     try:
         tok = AutoTokenizer.from_pretrained(src, **kw)
     except (OSError, ValueError):
@@ -73,7 +82,7 @@ def evaluate_checkpoint(model_path: str, *, reference: str | None, data: list[st
                         max_tokens: int | None = None, gen_prompts: int = 16, prompt_tokens: int = 32,
                         new_tokens: int = 64, backend: str = "auto", ffn_mass: float | None = None,
                         text_slice: tuple[float, float] | None = None, progress: bool = False,
-                        notify: Callable[[dict], None] | None = None) -> dict:
+                        notify: Callable[[dict], None] | None = None, device: str = "auto") -> dict:
     """Perplexity of `model_path` on each file; with `reference`, also KL/top-1 and greedy-continuation
     agreement (`gen_prompts` prompts, 0 = off) against it on the same tokens. A packed checkpoint runs
     on `backend` (see `_load`); `ffn_mass` sets a PrunePath model's tau; `text_slice` (start, end) evaluates
@@ -86,9 +95,9 @@ def evaluate_checkpoint(model_path: str, *, reference: str | None, data: list[st
 
     if not data:
         raise BadInput("give at least one --data FILE to evaluate on")
-    model, tok = _load(model_path, backend)
+    model, tok = _load(model_path, backend, device)
     _ffn_mass(model, ffn_mass)
-    ref = _load(reference) if reference else None
+    ref = _load(reference, device=device) if reference else None
     tok = tok or (ref[1] if ref else None)
     if tok is None:
         raise BadInput(f"no tokenizer found in `{model_path}`" + (f" or `{reference}`" if reference else ""))
@@ -173,7 +182,7 @@ def task_probes(model_path: str, tasks: list[str], *, data_dir: str | Path, pool
 
 def generate_text(model_path: str, prompt: str, *, max_new_tokens: int = 64, backend: str = "auto",
                   ffn_mass: float | None = None, progress: bool = False,
-                  notify: Callable[[dict], None] | None = None) -> dict:
+                  notify: Callable[[dict], None] | None = None, device: str = "auto") -> dict:
     """Greedy continuation of `prompt` (KV cache, exactly max_new_tokens steps) and its speed: decode
     tokens/s counts the steps after the first token (prefill_s covers the prompt and the first token).
     `progress`: a bar of generated tokens on stderr; `notify(backends)` once the model is loaded."""
@@ -181,7 +190,7 @@ def generate_text(model_path: str, prompt: str, *, max_new_tokens: int = 64, bac
 
     if max_new_tokens < 1:
         raise BadInput("--max-new-tokens must be at least 1")
-    model, tok = _load(model_path, backend)
+    model, tok = _load(model_path, backend, device)
     _ffn_mass(model, ffn_mass)
     if tok is None:
         raise BadInput(f"no tokenizer found in `{model_path}`")

@@ -177,3 +177,13 @@ def test_quantizers_allocate_on_their_inputs_device():
         finally:
             torch.set_default_device("cpu")
         assert out and all(qw.codes.device.type == "cpu" for qw in out.values()), stage
+
+
+@no_accelerator
+def test_eval_and_generate_refuse_an_absent_device():
+    for args in (("eval", MODEL, "--data", "bundled:botchan-eval", "--device", "cuda:0"),
+                 ("generate", MODEL, "--prompt", "Once", "--device", "cuda")):
+        rc, _, err = invoke(*args)
+        assert rc == 1 and "is asked for, but torch" in err, err
+    rc, out, err = invoke("generate", MODEL, "--prompt", "Once", "--max-new-tokens", "2", "--device", "cpu", "--json")
+    assert rc == 0 and json.loads(out)["new_tokens"] == 2, err
