@@ -279,7 +279,9 @@ def _run(loaded, binding: Binding, ws: Workspace, quiet: bool) -> dict:
         if r.model.stream:
             from compress.models.streaming import BlockStreamer, load_streaming
 
-            model, tok, source = load_streaming(r.model.path, r.model.dtype)
+            head = any(getattr(b.cfg, "final_block", "same") != "same" or getattr(b.cfg, "lm_head", False)
+                       for b in binding.stages)  # a stage computes with the LM head
+            model, tok, source = load_streaming(r.model.path, r.model.dtype, head_in_use=head)
         else:
             model, tok = load_model(r.model.path, r.model.dtype, r.model.gguf_file)
         adapter = ModelAdapter(model)

@@ -52,8 +52,14 @@ class WeightSource:
         return [n for n in self.where if n.startswith(prefix)]
 
 
-def load_streaming(path: str, dtype: str = "float32"):
-    """(model with meta blocks, tokenizer, WeightSource). Only non-block tensors are read now."""
+def load_streaming(path: str, dtype: str = "float32", head_in_use: bool = True):
+    """(model with meta blocks, tokenizer, WeightSource). Only non-block tensors are read now.
+
+    The input embeddings and an LM head that no stage computes with (`head_in_use` False: no final block tuned
+    through it, no `lm_head` quantization) stay in the checkpoint's own dtype (bf16 for most checkpoints: half of
+    fp32; Llama-3-8B's untied embeddings and head are 4.2 GB at fp32, docs/scale.md); the embeddings' output is cast
+    to `dtype` (a lookup: exact), so the blocks see what they would see from an fp32 copy. A head tied to the
+    embeddings follows the head's rule."""
     from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
     quiet_transformers()
@@ -71,14 +77,36 @@ def load_streaming(path: str, dtype: str = "float32"):
     missing = [k for k in model.state_dict() if k not in source.where and "lm_head" not in k]
     if missing:
         raise BadInput(f"`{path}`: checkpoint tensor names do not match the model (missing {missing[:3]})")
-    blocks_path = ModelAdapter(model).blocks_path + "."
+    adapter = ModelAdapter(model)
+    blocks_path = adapter.blocks_path + "."
+    tied = getattr(config, "tie_word_embeddings", False)
+    stored = _stored_dtype_tensors(model, adapter, tied and head_in_use, head_in_use)
     for name in source.names:
         if not name.startswith(blocks_path):
-            set_module_tensor_to_device(model, name, "cpu", value=source.get(name).to(DTYPES[dtype]))
+            value = source.get(name)
+            value = value if name in stored else value.to(DTYPES[dtype])
+            set_module_tensor_to_device(model, name, "cpu", value=value, dtype=value.dtype)  # (else: the meta dtype)
     if getattr(config, "tie_word_embeddings", False):
         model.tie_weights()
+    emb = adapter.embeddings()
+    if emb is not None and emb.weight.dtype != DTYPES[dtype]:
+        emb.register_forward_hook(lambda _m, _args, out: out.to(DTYPES[dtype]))
     model.eval()
     return model, AutoTokenizer.from_pretrained(src), source
+
+
+def _stored_dtype_tensors(model, adapter, embeddings_as_head: bool, head_in_use: bool) -> set[str]:
+    """Names of the non-block tensors kept in the checkpoint's dtype (`load_streaming`): the embeddings unless
+    they are a head some stage computes with, the head unless a stage computes with it."""
+    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+    out = set()
+    emb = adapter.embeddings()
+    if emb is not None and not embeddings_as_head:
+        out.add(names[id(emb.weight)])
+    head_name, head = adapter.lm_head()
+    if head is not None and not head_in_use:
+        out.add(f"{head_name}.weight")
+    return out
 
 
 class BlockStreamer:

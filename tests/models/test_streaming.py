@@ -20,15 +20,17 @@ torch.manual_seed(0)
 cfg = T.LlamaConfig(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=8,
                     num_key_value_heads=4, vocab_size=512, max_position_embeddings=512)
 m = T.LlamaForCausalLM(cfg)
+if len(sys.argv) > 6:
+    m = m.to(getattr(torch, sys.argv[6]))
 m.save_pretrained(out, max_shard_size="20MB")
 T.AutoTokenizer.from_pretrained(sys.argv[5]).save_pretrained(out)
 """
 
 
-def build(tmp_path, layers, hidden, inter):
-    out = tmp_path / f"llama-{layers}x{hidden}"
+def build(tmp_path, layers, hidden, inter, dtype=None):
+    out = tmp_path / f"llama-{layers}x{hidden}{dtype or ''}"
     subprocess.run([sys.executable, "-c", BUILD, str(layers), str(hidden), str(inter), str(out),
-                    str(MODELS / "stories260K")], check=True)
+                    str(MODELS / "stories260K"), *([dtype] if dtype else [])], check=True)
     return out
 
 
@@ -73,6 +75,28 @@ def test_streamed_export_equals_in_memory_export(tmp_path, method, extra):
     la = AutoModelForCausalLM.from_pretrained(tmp_path / "o-False" / "hf")(ids).logits
     lb = AutoModelForCausalLM.from_pretrained(tmp_path / "o-True" / "hf")(ids).logits
     assert torch.equal(la, lb)
+
+
+def test_bf16_checkpoint_streams_its_embeddings_and_unused_head_in_bf16(tmp_path):
+    """A bf16 checkpoint: the streamed run keeps the embeddings and the LM head no stage computes with in bf16 (half
+    the memory of fp32 copies) and still writes the in-memory run's export byte for byte (the embedding lookup is
+    cast to fp32: exact); with the head tuned through (`final_block: lfq`) the head is read at fp32."""
+    from compress.models.adapters import ModelAdapter
+    from compress.models.streaming import load_streaming
+
+    model = build(tmp_path, 2, 128, 256, "bfloat16")
+    for stream in (False, True):
+        assert cli.main(["run", str(recipe(tmp_path, model, stream, "gptq", ", final_block: same")), "-o",
+                         str(tmp_path / f"o-{stream}"), "--quiet"]) == 0
+    a, b = tensor_hashes(tmp_path / "o-False" / "hf"), tensor_hashes(tmp_path / "o-True" / "hf")
+    assert a == b and any(k.endswith("qweight") for k in a)
+    m, _, _ = load_streaming(str(model), "float32", head_in_use=False)
+    ad = ModelAdapter(m)
+    assert ad.embeddings().weight.dtype == torch.bfloat16 and ad.lm_head()[1].weight.dtype == torch.bfloat16
+    assert m.model.norm.weight.dtype == torch.float32
+    assert ad.embeddings()(torch.tensor([[1, 2]])).dtype == torch.float32
+    m, _, _ = load_streaming(str(model), "float32", head_in_use=True)
+    assert ModelAdapter(m).lm_head()[1].weight.dtype == torch.float32
 
 
 def peak_rss(tmp_path, layers, stream=True):
