@@ -197,6 +197,8 @@ def bench_scale(
                                                "depth (repeatable; default autoround=1, gptq=3)"),
     keep: Optional[Path] = typer.Option(None, "--keep", help="write (and reuse) the random models here"),
     quick: bool = typer.Option(False, "--quick", help="the tiny shapes only, a smoke test"),
+    check: bool = typer.Option(False, "--check-export", help="check each whole-model export loads in transformers "
+                               "(every block's tensor headers, and a one-block cut loaded and run; --quick does)"),
 ):
     """Streamed W4 quantization at real model shapes (random weights): seconds per block, peak RSS, disk written,
     and an extrapolation to Llama-3.1-8B and 70B shapes.
@@ -224,7 +226,7 @@ def bench_scale(
         measured[key] = int(n)
     cal = str(TEXT / "tinystories" / "tinystories_val.txt")
     result = run_scale(models, methods, nsamples=4 if quick else nsamples, seqlen=64 if quick else seqlen,
-                       iters=2 if quick else iters, cal=cal, keep=keep, measured=measured)
+                       iters=2 if quick else iters, cal=cal, keep=keep, measured=measured, check=check or quick)
     emit_bench(result, markdown(result), json_out, md_out)
 
 

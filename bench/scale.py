@@ -87,22 +87,50 @@ def features(s: dict, tokens: int) -> tuple[float, float]:
 
 
 def build(name: str, out: Path) -> Path:
-    """Random weights at `name`'s shapes, bf16 shards, with stories260K-style tokenizer files when available."""
+    """Random weights at `name`'s shapes as bf16 safetensors shards (one per block, one for the rest, and the
+    index, as `save_pretrained` lays out a sharded checkpoint), written tensor by tensor: the model is never whole
+    in memory (Llama-3.1-8B's 16 GB on a 24 GB machine). Matrices N(0, 0.02), norms 1; with stories260K's
+    tokenizer files when available. Written under a temporary name, renamed when complete."""
     import torch
     import transformers as T
+    from accelerate import init_empty_weights
+    from safetensors.torch import save_file
 
     s = dict(SHAPES[name])
     cls = {"llama": T.LlamaConfig, "qwen3": T.Qwen3Config}[s.pop("model_type")]
     config = cls(**s, max_position_embeddings=4096, torch_dtype="bfloat16")
-    torch.manual_seed(0)
-    with torch.device("cpu"):
-        model = T.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    for p in model.parameters():
-        if p.dim() > 1:
-            torch.nn.init.normal_(p, 0, 0.02)
-    model.save_pretrained(out, max_shard_size="500MB")
-    del model
-    _tokenizer(out)
+    with init_empty_weights():
+        skeleton = T.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    skeleton.tie_weights()  # from_config leaves a tied head a tensor of its own
+    shapes = {n: tuple(p.shape) for n, p in skeleton.named_parameters()}  # a tied head is then not listed
+    del skeleton
+    tmp = out.with_name(out.name + ".part")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    config.save_pretrained(tmp)
+    groups: dict[str, list[str]] = {}
+    for n in shapes:  # model.layers.i.* -> shard i, the rest -> one shard
+        parts = n.split(".")
+        key = f"layer{int(parts[2]):04d}" if parts[:2] == ["model", "layers"] else "rest"
+        groups.setdefault(key, []).append(n)
+    gen = torch.Generator().manual_seed(0)
+    weight_map, total = {}, 0
+    for k, (key, names) in enumerate(sorted(groups.items())):
+        file = f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors"
+        tensors = {}
+        for n in names:
+            shape = shapes[n]
+            t = (torch.randn(shape, generator=gen) * 0.02 if len(shape) > 1 else torch.ones(shape)).to(torch.bfloat16)
+            tensors[n] = t
+            weight_map[n] = file
+            total += t.numel() * 2
+        save_file(tensors, str(tmp / file), metadata={"format": "pt"})
+        del tensors
+    (tmp / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    _tokenizer(tmp)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
     return out
 
 
@@ -129,8 +157,65 @@ def recipe(model: Path, method: str, cal: str, nsamples: int, seqlen: int, iters
     """)
 
 
-def run_cell(model: Path, method: str, work: Path, cal: str, nsamples: int, seqlen: int, iters: int) -> dict:
-    """One streamed run in a fresh process; its report's timings, RSS and the bytes it wrote."""
+def check_export(hf: Path) -> dict:
+    """Does transformers load the `hf` export, without the memory for all of it? Every block's tensors have block
+    0's names, shapes and dtypes (read from the files' headers: nothing is loaded), as many blocks as the config
+    says; then a one-block checkpoint cut from it (the non-block tensors and block 0, the config with
+    `num_hidden_layers: 1`) loads with transformers' `from_pretrained` (auto-round's loader: it refuses a shape that
+    does not fit) and its logits on 16 tokens are finite and agree with compress's own reader of the same file."""
+    import re
+
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    from compress.export.runtime import load_packed
+
+    config = json.loads((hf / "config.json").read_text())
+    headers, where = {}, {}
+    for f in sorted(hf.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as h:
+            for k in h.keys():
+                sl = h.get_slice(k)
+                headers[k], where[k] = (tuple(sl.get_shape()), sl.get_dtype()), f
+    per_block: dict[int, dict] = {}
+    for k, v in headers.items():
+        m = re.match(r"model\.layers\.(\d+)\.(.+)", k)
+        if m:
+            per_block.setdefault(int(m[1]), {})[m[2]] = v
+    n = config["num_hidden_layers"]
+    if sorted(per_block) != list(range(n)):
+        raise RuntimeError(f"{hf}: blocks {sorted(per_block)[:3]}... in the files, {n} in the config")
+    odd = [i for i in range(n) if per_block[i] != per_block[0]]
+    if odd:
+        raise RuntimeError(f"{hf}: blocks {odd[:5]} differ from block 0 in names, shapes or dtypes")
+    keep = [k for k in headers if not k.startswith("model.layers.") or k.startswith("model.layers.0.")]
+    with tempfile.TemporaryDirectory() as d:
+        one = Path(d)
+        tensors = {}
+        for k in keep:
+            with safe_open(str(where[k]), "pt") as h:
+                tensors[k] = h.get_tensor(k)
+        save_file(tensors, str(one / "model.safetensors"), metadata={"format": "pt"})
+        del tensors
+        (one / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 1}))
+        ids = torch.randint(0, 512, (1, 16), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            theirs = torch.nn.Module.float(AutoModelForCausalLM.from_pretrained(one))(ids).logits  # (as eval does)
+            ours = load_packed(one, "reference")[0](ids).logits
+        diff = float((theirs - ours).abs().max() / ours.abs().max())
+    if not torch.isfinite(theirs).all() or diff > 0.05:
+        raise RuntimeError(f"{hf}: transformers' logits of the one-block cut are not finite or differ from "
+                           f"compress's by {diff:.3g} (relative to the largest)")
+    return {"blocks_checked": n, "tensors": len(headers), "one_block_loads_in_transformers": True,
+            "one_block_logits_rel_diff": round(diff, 6)}
+
+
+def run_cell(model: Path, method: str, work: Path, cal: str, nsamples: int, seqlen: int, iters: int,
+             check: bool = False) -> dict:
+    """One streamed run in a fresh process; its report's timings, RSS and the bytes it wrote (`check`: and
+    `check_export` of its export)."""
     r = work / f"{model.name}-{method}.yaml"
     r.write_text(recipe(model, method, cal, nsamples, seqlen, iters))
     out = work / f"out-{model.name}-{method}"
@@ -144,16 +229,17 @@ def run_cell(model: Path, method: str, work: Path, cal: str, nsamples: int, seql
     disk = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
     ends = sorted(p.stat().st_mtime for p in out.glob("stages/*/block_*.safetensors"))
     gaps = np.diff(ends)  # each block's own seconds, from its checkpoint's time (the first block also pays the setup)
+    checked = {"export_check": check_export(out / "hf")} if check else {}
     shutil.rmtree(out)
     return {"wall_s": round(time.time() - t0, 1), "quantize_s": stages["quantize"]["seconds"],
             "block_s": round(float(np.median(gaps)), 3) if len(gaps) else None,
             "load_rss_mb": stages["load"]["rss_mb"], "quantize_peak_rss_mb": stages["quantize"]["peak_rss_mb"],
-            "peak_rss_mb": report["peak_rss_mb"],
-            "disk_mb": round(disk / 2**20, 1)}
+            "peak_rss_mb": report["peak_rss_mb"], "export_peak_rss_mb": stages["export"]["peak_rss_mb"],
+            "disk_mb": round(disk / 2**20, 1), **checked}
 
 
 def run(models: list[str], methods: list[str], *, nsamples: int, seqlen: int, iters: int, cal: str,
-        keep: Path | None = None, measured: dict | None = None) -> dict:
+        keep: Path | None = None, measured: dict | None = None, check: bool = False) -> dict:
     """`measured`: method or "model/method" -> blocks to run (the first ones of the shapes; missing: all)."""
     measured = measured or {}
     from compress.eval.machine import machine
@@ -180,7 +266,7 @@ def run(models: list[str], methods: list[str], *, nsamples: int, seqlen: int, it
                         model = keep / name if keep and (keep / name / "config.json").exists() else \
                             build(name, (keep or work) / name)
                         built = round(time.time() - t0, 1)
-                    cell = run_cell(model, method, work, cal, nsamples, seqlen, iters)
+                    cell = run_cell(model, method, work, cal, nsamples, seqlen, iters, check=check)
                 per_block = cell["block_s"] or cell["quantize_s"] / n  # one block: setup included
                 cell.update(measured_blocks=n, extrapolated_s=round(per_block * s["num_hidden_layers"], 1))
                 if method == "autoround":

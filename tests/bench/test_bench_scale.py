@@ -61,6 +61,10 @@ def test_bench_scale_quick_runs_streamed_cells(tmp_path):
     for r in result["rows"]:
         assert r["s_per_block"] > 0 and r["disk_mb"] > 0
         assert r["peak_rss_mb"] >= r["quantize_peak_rss_mb"] > r["load_rss_mb"] > 0
+    whole = [r for r in result["rows"] if r["measured_blocks"] == r["blocks"]]
+    assert whole and all(r["export_check"]["one_block_loads_in_transformers"] and
+                         r["export_check"]["blocks_checked"] == r["blocks"] and
+                         r["export_check"]["one_block_logits_rel_diff"] < 0.05 for r in whole), whole
     assert {e["model"] for e in result["extrapolation"]} >= set(TARGETS)
     assert "| llama-3.1-70b |" in stdout
 
