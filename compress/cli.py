@@ -537,6 +537,8 @@ def sweep(
     ray_address: Optional[str] = typer.Option(None, "--ray-address", help="Ray cluster to use (default: RAY_ADDRESS, "
                                               "else a local Ray instance)"),
     cpus_per_point: float = typer.Option(1, "--cpus-per-point", min=0.1, help="CPUs a Ray task reserves per point"),
+    gpus_per_point: float = typer.Option(0, "--gpus-per-point", min=0, help="GPUs a Ray task reserves per point (Ray "
+                                         "then shows the task only those: give 1 with a recipe `device: cuda`)"),
     metric: str = typer.Option("ppl_ratio", "--metric", help="quality axis of the compare report"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="warnings only"),
     as_json: bool = typer.Option(False, "--json", help="print the sweep's JSON on stdout"),
@@ -551,7 +553,7 @@ def sweep(
     _setup_logging(quiet or as_json)
     res = run_sweep(recipe, grid, output, overrides=set_ or [], replacements={"model": model} if model else {},
                     executor=executor, ray_address=ray_address, cpus_per_point=cpus_per_point,
-                    quiet=True, metric=metric)
+                    gpus_per_point=gpus_per_point, quiet=True, metric=metric)
     if as_json:
         _emit_json(res)
         return

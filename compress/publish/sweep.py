@@ -96,7 +96,8 @@ def _done(out: Path, sha256: str) -> bool:
 
 
 def sweep(recipe: Path, grid_specs: list[str], output: Path, *, overrides: list[str] = (), replacements: dict | None = None,
-          executor: str = "local", ray_address: str | None = None, cpus_per_point: float = 1, quiet: bool = True,
+          executor: str = "local", ray_address: str | None = None, cpus_per_point: float = 1,
+          gpus_per_point: float = 0, quiet: bool = True,
           metric: str = "ppl_ratio") -> dict:
     """Run the grid and write the compare report; {"points": [...], "compare": {...}}."""
     from compress.publish.compare import compare
@@ -124,7 +125,7 @@ def sweep(recipe: Path, grid_specs: list[str], output: Path, *, overrides: list[
             log.info("sweep point %s: %s", name, results[-1]["status"])
             os.chdir(cwd)
     elif executor == "ray":
-        results = _ray(args, ray_address, cpus_per_point)
+        results = _ray(args, ray_address, cpus_per_point, gpus_per_point)
     else:
         raise BadInput(f"--executor `{executor}`: local or ray")
     table = [{"point": name, "overrides": extra, "output": str(output / "points" / name), **res}
@@ -144,7 +145,7 @@ def sweep(recipe: Path, grid_specs: list[str], output: Path, *, overrides: list[
     return summary
 
 
-def _ray(args: list[tuple], address: str | None, cpus: float) -> list[dict]:
+def _ray(args: list[tuple], address: str | None, cpus: float, gpus: float = 0) -> list[dict]:
     try:
         import ray
     except ImportError:
@@ -154,7 +155,10 @@ def _ray(args: list[tuple], address: str | None, cpus: float) -> list[dict]:
         ray.init(address=address, include_dashboard=False, log_to_driver=False,
                  **({} if address else {"num_cpus": max(1, os.cpu_count() or 1)}))
     try:
-        task = ray.remote(run_point).options(num_cpus=cpus)
+        have = ray.cluster_resources().get("GPU", 0)
+        if gpus > have:  # Ray would wait for it forever
+            raise BadInput(f"--gpus-per-point {gpus:g}: the Ray cluster has {have:g} GPUs, so no point could start")
+        task = ray.remote(run_point).options(num_cpus=cpus, num_gpus=gpus)
         return ray.get([task.remote(*a) for a in args])
     finally:
         if started:

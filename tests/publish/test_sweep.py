@@ -98,6 +98,9 @@ def test_sweep_on_a_local_ray_instance(tmp_path):
                               "--executor", "ray", "--json")
         assert rc == 0, err
         assert ray.is_initialized()  # the sweep used the test's instance and left it running
+        rc, _, err = invoke("sweep", _recipe(tmp_path), "--grid", "stages.0.bits=2", "-o", tmp_path / "sw2",
+                            "--executor", "ray", "--gpus-per-point", "1")
+        assert rc == 1 and "--gpus-per-point 1: the Ray cluster has 0 GPUs" in err, err
     finally:
         ray.shutdown()
     res = json.loads(out)
