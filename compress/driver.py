@@ -182,17 +182,24 @@ def _split(block, linears, inputs, kwargs, devices, share: bool):
     from compress.devices import move
 
     rel = {id(m): p for p, m in block.named_modules()}
-    shards = [idx for idx in torch.arange(len(inputs)).tensor_split(len(devices)) if len(idx)]
-    parts = []
-    for d, idx in zip(devices, shards):
-        replica = block if d == block_device(block) else copy.deepcopy(block).to(d)
+    shards = [idx for idx in torch.arange(len(inputs), device="cpu").tensor_split(len(devices)) if len(idx)]
+
+    def shard(k: int):
+        d, idx = devices[k], shards[k]
+        replica = block if k == 0 else copy.deepcopy(block).to(d)  # the first device holds the block already
         lin = {n: replica.get_submodule(rel[id(m)]) for n, m in linears.items()}
-        got = _accumulate(replica, lin, move([inputs[j] for j in idx], d), move([kwargs[j] for j in idx], d),
-                          None, share)
-        if got is None:
-            return None
-        parts.append(got)
-        del replica
+        return _accumulate(replica, lin, move([inputs[j] for j in idx], d), move([kwargs[j] for j in idx], d),
+                           None, share)
+
+    if _parallel(devices):  # one thread per device: torch releases the GIL while each device computes
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(len(shards)) as pool:
+            parts = list(pool.map(shard, range(len(shards))))
+    else:
+        parts = [shard(k) for k in range(len(shards))]
+    if any(p is None for p in parts):
+        return None
     H, count, leader = parts[0]
     for h, c, lead in parts[1:]:
         if lead != leader:  # the same block shares its inputs the same way on every shard
@@ -202,6 +209,11 @@ def _split(block, linears, inputs, kwargs, devices, share: bool):
         for n in count:
             count[n] += c[n]
     return H, count, leader
+
+
+def _parallel(devices: list[torch.device]) -> bool:
+    """Whether the Hessian shards run at once (distinct accelerators; CPU "devices" share the same cores)."""
+    return all(d.type != "cpu" for d in devices) and len(set(devices)) == len(devices)
 
 
 def _away(device: torch.device) -> bool:

@@ -85,6 +85,19 @@ def test_data_parallel_hessians_equal_one_device():
             assert torch.allclose(got, ref, rtol=1e-5, atol=1e-6 * ref.abs().max()), name
 
 
+def test_data_parallel_shards_in_threads_equal_one_device(monkeypatch):
+    """The threaded path of several accelerators (one thread per device, a replica of the block on each), forced
+    on CPU "devices": the same Hessians as one device to fp32 rounding."""
+    adapter, x, kw = _block_inputs(seed=1)
+    block, linears = adapter.blocks[0], adapter.block_linears(0)
+    one = driver.collect_hessians(block, linears, x, kw)
+    monkeypatch.setattr(driver, "_parallel", lambda devices: True)
+    two = driver.collect_hessians(block, linears, x, kw, devices=[torch.device("cpu")] * 2)
+    for name in one:
+        ref = one[name].to_dense()
+        assert torch.allclose(two[name].to_dense(), ref, rtol=1e-5, atol=1e-6 * ref.abs().max()), name
+
+
 def _run(tmp_path, name, *extra):
     out = tmp_path / name
     rc, stdout, err = invoke("run", REPO / "recipes" / "w4-gptq.yaml", "--model", MODEL, "--output", out, "--json",
