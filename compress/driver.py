@@ -184,12 +184,16 @@ def _split(block, linears, inputs, kwargs, devices, share: bool):
     rel = {id(m): p for p, m in block.named_modules()}
     shards = [idx for idx in torch.arange(len(inputs), device="cpu").tensor_split(len(devices)) if len(idx)]
 
+    # the replicas are copied before any shard runs: a copy made while another shard's hooks are on the block
+    # would carry them (the first device holds the block itself)
+    replicas = [block] + [copy.deepcopy(block).to(d) for d in devices[1:len(shards)]]
+
     def shard(k: int):
-        d, idx = devices[k], shards[k]
-        replica = block if k == 0 else copy.deepcopy(block).to(d)  # the first device holds the block already
+        d, idx, replica = devices[k], shards[k], replicas[k]
         lin = {n: replica.get_submodule(rel[id(m)]) for n, m in linears.items()}
-        return _accumulate(replica, lin, move([inputs[j] for j in idx], d), move([kwargs[j] for j in idx], d),
-                           None, share)
+        with torch.no_grad():  # grad mode is per thread
+            return _accumulate(replica, lin, move([inputs[j] for j in idx], d), move([kwargs[j] for j in idx], d),
+                               None, share)
 
     if _parallel(devices):  # one thread per device: torch releases the GIL while each device computes
         from concurrent.futures import ThreadPoolExecutor
