@@ -279,8 +279,19 @@ def bench_peers(
                        max_tokens=max_tokens, peer_iters=peer_iters,
                        cells=[c.strip() for c in cells.split(",") if c.strip()] if cells else None,
                        mc_task=mc_task or None, mc_limit=mc_limit,
-                       command="python -m bench peers " + shlex.join(sys.argv[2:]))
+                       command="python -m bench peers " + shlex.join(sys.argv[2:]),
+                       checkpoint=lambda partial: _save_partial(partial, markdown, json_out, md_out))
     emit_bench(result, markdown(result), json_out, md_out)
+
+
+def _save_partial(result: dict, markdown, json_out: Optional[Path], md_out: Optional[Path]) -> None:
+    """The cells finished so far, written where the final result goes (replaced by it at the end)."""
+    from compress.files import atomic_write_bytes
+
+    if json_out:
+        atomic_write_bytes(Path(json_out), (json.dumps(result, indent=2) + "\n").encode())
+    if md_out:
+        atomic_write_bytes(Path(md_out), markdown(result).encode())
 
 
 @bench_app.command("peers-summary")

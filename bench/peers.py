@@ -69,6 +69,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import yaml
 
@@ -520,8 +521,10 @@ def summarize(runs: list[dict]) -> tuple[dict, dict]:
 def run_peers(model: str, bits: int, group: int, sym: bool, *, nsamples: int = 128, seqlen: int = 512,
               seeds: tuple[int, ...] = (0, 1, 2), max_tokens: int = 8192, peer_iters: int = 200,
               cells: list[str] | None = None, tmp: Path | None = None, command: str | None = None,
-              mc_task: str | None = "sst2_mc", mc_limit: int | None = None) -> dict:
-    """Every cell of CELLS (or `cells`) on one model and setting; returns {"meta", "cells"}."""
+              mc_task: str | None = "sst2_mc", mc_limit: int | None = None,
+              checkpoint: Callable[[dict], None] | None = None) -> dict:
+    """Every cell of CELLS (or `cells`) on one model and setting; returns {"meta", "cells"}. `checkpoint(result)`
+    after each cell that ran, with the cells so far and `meta["partial"]` (an interrupted run keeps them)."""
     import tempfile
 
     from compress.errors import BadInput
@@ -583,6 +586,9 @@ def run_peers(model: str, bits: int, group: int, sym: bool, *, nsamples: int = 1
                 entry.update(status="failed", reason=f"{type(e).__name__}: {e}".strip()[:600])
             if entry["status"] != "ok":
                 log.warning("peers: %s %s: %s", cell, entry["status"], entry["reason"])
+            if checkpoint is not None and entry["status"] != "not run":
+                checkpoint({"meta": {**meta, "partial": True, "wall_seconds": round(time.time() - t0, 1)},
+                            "cells": list(out)})
     meta["wall_seconds"] = round(time.time() - t0, 1)
     return {"meta": meta, "cells": out}
 
@@ -623,6 +629,7 @@ def markdown(res: dict) -> str:
                  f"{'the first ' + str(m['mc_limit']) if m.get('mc_limit') else 'all'} documents; the FP model: "
                  f"acc {fp['acc']:.4f}, acc_norm {fp['acc_norm']:.4f})." if fp else "")
     lines = [f"# Peers: {m['model']} {setting}", "", f"`{m['command']}`", "",
+             *(["**Partial: the cells finished so far; the run did not complete.**", ""] if m.get("partial") else []),
              f"{m['date']}, {m['wall_seconds']} s. Machine: {mach['nproc']} CPUs, {mach['cpu']} (torch threads "
              f"{mach['torch_threads']}, load average at the start {mach['load_average']}). Calibration: "
              f"{m['calibration']}, seeds {', '.join(map(str, m['seeds']))}. Evaluation: {m['evaluation']}, "

@@ -7,6 +7,7 @@ import json
 import math
 
 import pytest
+from conftest import MODELS
 from helpers import lab
 
 from bench.peers import CELLS, NOTES, markdown, safetensors_bytes, size_of
@@ -124,3 +125,22 @@ def test_summary_merges_files_and_puts_each_sides_best_together(tmp_path):
     assert "compress awq+gptq | 0.2500 |" in row, row
     rc, out, err = lab("peers-summary", tmp_path / "missing.json")
     assert rc == 1 and "not a `bench peers --json` file" in err
+
+
+def test_each_finished_cell_is_saved_as_it_lands(tmp_path, monkeypatch):
+    """An interrupted run keeps what it measured: `checkpoint` gets the cells so far after each one, marked partial,
+    and `python -m bench peers` writes them where the final file goes."""
+    from bench import peers
+
+    seen = []
+    monkeypatch.setattr(peers, "compress_cell", lambda cell, *a: {"kl": {"rtn": 0.2, "gptq": 0.1}[cell], "top1": 0.5,
+                                                                  "quantized_weights": 5, "quantized_layers": 1})
+    res = peers.run_peers(str(MODELS / "stories-llama-1m"), 4, 64, True, nsamples=2, seqlen=16, seeds=(0,),
+                          max_tokens=64, cells=["rtn", "gptq"], mc_task=None, checkpoint=seen.append)
+    assert [[c["cell"] for c in r["cells"] if c["status"] == "ok"] for r in seen] == [["rtn"], ["rtn", "gptq"]]
+    assert all(r["meta"]["partial"] for r in seen) and "partial" not in res["meta"]
+    from bench.__main__ import _save_partial
+
+    _save_partial(seen[0], peers.markdown, tmp_path / "p.json", tmp_path / "p.md")
+    assert json.loads((tmp_path / "p.json").read_text())["meta"]["partial"] is True
+    assert "**Partial: the cells finished so far" in (tmp_path / "p.md").read_text()
