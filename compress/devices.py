@@ -75,6 +75,9 @@ def resolve_all(device: str, devices: list[str] | str | None) -> list[torch.devi
     out = [resolve(d) for d in devices]
     if len(set(out)) != len(out) and any(d.type != "cpu" for d in out):
         raise BadInput(f"`devices` names a device twice: {', '.join(map(str, out))}")
+    if str(device).strip().lower() != "auto" and out[0] != first:
+        raise BadInput(f"`device: {device}` is not the first of `devices` ({', '.join(map(str, out))}): the block's "
+                       "own work runs on the first; list it first, or leave `device` at auto")
     return out
 
 

@@ -35,6 +35,7 @@ def test_resolve_names_what_torch_sees():
     with pytest.raises(BadInput, match="choose auto, cpu, cuda"):
         devices.resolve("tpu")
     assert devices.resolve_all("cpu", ["cpu", "cpu"]) == [torch.device("cpu")] * 2
+    assert devices.resolve_all("auto", ["cpu", "cpu"]) == [torch.device("cpu")] * 2
     assert devices.resolve_all("auto", "all") == [torch.device("cpu")]
 
 
