@@ -164,6 +164,7 @@ def _bind_exports(recipe, adapter, stages: list[Bound], base: ModelSpec, spec: M
     quantized = [(b.index, b.cfg.method, (b.cfg.bits, b.cfg.group_size, b.cfg.sym, b.cfg.gguf), b.facts.layers)
                  for b in stages if b.cfg.stage == "quantize"]
     _check_grids(stages, formats)
+    _check_schemes(stages, formats)
     mixed = any(b.cfg.stage == "allocate" and not (b.entry.per_layer or b.facts.grid) for b in stages)  # chunks
     widths = {spec.bits for *_, layers in quantized for spec in layers.values()}
     for b in stages:
@@ -182,6 +183,26 @@ def _bind_exports(recipe, adapter, stages: list[Bound], base: ModelSpec, spec: M
             cfg = entry.check(adapter, cfg, facts) or cfg
         out.append(Bound(-1, facts.key, cfg, entry, facts))
     return out
+
+
+def _check_schemes(stages: list[Bound], formats: list[str]) -> None:
+    """A quantize stage with an activation `scheme` writes only the exports that carry activation quantization
+    (registry capability "activations"), and those exports write only such stages' layers."""
+    quantize = [b for b in stages if b.cfg.stage == "quantize"]
+    schemed = [b for b in quantize if getattr(b.cfg, "scheme", None)]
+    carry = [f for f in formats if "activations" in registry.get("export", f).capabilities]
+    if schemed:
+        b = schemed[0]
+        other = [f for f in formats if f not in carry]
+        if other:
+            raise BadInput(f"stage {b.index} quantizes activations too (`scheme: {b.cfg.scheme}`), which "
+                           f"{', '.join(other)} cannot carry (weights only): export `{', '.join(carry) or 'compressed-tensors'}`"
+                           " instead, or drop `scheme` for a weight-only checkpoint")
+        if len({c.cfg.scheme for c in schemed}) > 1 or len(schemed) != len(quantize):
+            raise BadInput("every quantize stage of a run with an activation `scheme` needs the same scheme")
+    elif carry and quantize:
+        raise BadInput(f"export {carry[0]} writes checkpoints with activation quantization: give the quantize stage "
+                       "`scheme: w8a8-int8`, or export weight-only checkpoints with `hf`")
 
 
 def _check_grids(stages: list[Bound], formats: list[str]) -> None:

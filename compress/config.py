@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 EVAL_MAX_TOKENS = 32768  # a run's and `compress eval`'s cap per file: minutes, not an hour, on a laptop
 
@@ -65,6 +65,9 @@ FINAL_BLOCK_HELP = ("objective of the last decoder block: `same` (the method's o
                     "block is tuned by AutoRound's sign-gradient rounding through the frozen final norm and head")
 
 
+SCHEMES = {"w8a8-int8": {"bits": 8, "group_size": -1, "sym": True}}  # the weight grid each scheme fixes
+
+
 class QuantizeConfig(StrictModel):
     """Fields every weight-only quantizer shares."""
 
@@ -92,7 +95,34 @@ class QuantizeConfig(StrictModel):
                                                             "export (replaces bits, group_size and sym; "
                                                             "docs/gguf.md#rounding-on-llamacpps-grids)")
 
+    scheme: Optional[Literal["w8a8-int8"]] = Field(
+        None, description="a weight-and-activation format (docs/formats.md#w8a8-int8): `w8a8-int8` is int8 weights per "
+                          "output channel (bits 8, group_size -1, sym, set for you) and int8 activations per token, "
+                          "quantized at run time; the evaluation computes with them, and only the `compressed-tensors` "
+                          "export carries them")
+
     _gs = field_validator("group_size")(lambda cls, v: check_group_size(v))
+
+    @model_validator(mode="before")
+    @classmethod
+    def _scheme(cls, v):
+        """A scheme fixes the weights' grid: it fills bits / group_size / sym, and refuses other values for them."""
+        if not isinstance(v, dict) or v.get("scheme") is None:
+            return v
+        fixed = SCHEMES.get(v["scheme"])
+        if fixed is None:
+            return v  # the Literal reports the unknown name
+        clash = [f"{k}: {v[k]}" for k, want in fixed.items() if k in v and v[k] != want]
+        if clash:
+            raise ValueError(f"`scheme: {v['scheme']}` sets {', '.join(f'{k}: {w}' for k, w in fixed.items())}; "
+                             f"remove {', '.join(clash)}")
+        if v.get("gguf"):
+            raise ValueError(f"`scheme: {v['scheme']}` and `gguf` are two formats: choose one")
+        for o in v.get("overrides") or ():
+            if isinstance(o, dict) and any(o.get(k) is not None for k in ("bits", "group_size", "sym")):
+                raise ValueError(f"`scheme: {v['scheme']}` fixes every layer's grid: an override may only `skip` a "
+                                 f"layer (pattern `{o.get('pattern')}`)")
+        return {**v, **fixed}
 
     @field_validator("guard", mode="before")
     @classmethod

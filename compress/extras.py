@@ -19,6 +19,7 @@ EXTRAS = {
     "onnx_ir": ("onnx-ir", "export"),
     "onnxscript": ("onnxscript", "export"),
     "openvino": ("openvino", "export"),
+    "compressed_tensors": ("compressed-tensors", "export"),
     "sklearn": ("scikit-learn", "select"),
     "lm_eval": ("lm-eval", "lmeval"),
     "triton": ("triton", "gpu"),

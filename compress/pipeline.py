@@ -31,6 +31,7 @@ from compress.handoff import QuantizedWeights
 from compress.models.adapters import ModelAdapter
 from compress.models.loading import load_config, load_model, max_positions
 from compress.prune import routing as prunepath
+from compress.quantize.activations import quantized_inputs, scheme_layers
 from compress.serve import rules
 from compress.serve.plan import written
 from compress.workspace import Workspace
@@ -323,7 +324,11 @@ def _run(loaded, binding: Binding, ws: Workspace, quiet: bool) -> dict:
     elif evaluates:
         log.info("evaluation: %s against the full-precision model", ", ".join(
             [Path(p).name for p in r.eval.data] + [f"task {t}" for t in r.eval.tasks]))
-        with _timed(timings, "eval", adapter.kind):
+        acts = scheme_layers(binding.stages, handoffs.get(QuantizedWeights, []))
+        if acts:  # a weight-and-activation scheme: the evaluation computes with its quantized activations
+            report["activations"] = {"layers": len(acts), "as": "fake-quantized per token, int8 (compressed-tensors' "
+                                     "arithmetic: docs/formats.md#w8a8-int8)"}
+        with _timed(timings, "eval", adapter.kind), quantized_inputs(ctx.model, acts):
             if r.eval.data:
                 report["eval"] = evaluate(ctx, r)
             if r.eval.tasks:

@@ -27,7 +27,8 @@ def is_packed(directory) -> bool:
     import json
 
     path = Path(directory) / "config.json"
-    return path.exists() and "quantization_config" in json.loads(path.read_text())
+    qc = json.loads(path.read_text()).get("quantization_config") if path.exists() else None
+    return qc is not None and qc.get("quant_method") in ("auto-round", "gptq")  # compressed-tensors: transformers
 
 
 def load_packed(directory, backend: str = "auto"):

@@ -137,6 +137,46 @@ def export_fake_stage(ctx, cfg: FakeExportConfig) -> dict:
     return _export(ctx, cfg, "fake")
 
 
+class CompressedTensorsExportConfig(ExportConfig):
+    format: Literal["compressed-tensors"] = "compressed-tensors"
+    directory: str = "compressed-tensors"
+    dtype: Optional[Dtype] = Field(None, description=DTYPE_HELP + "; also the per-channel weight scales'")
+
+
+def run_scheme(recipe) -> str | None:
+    """The activation scheme of the recipe's quantize stages (the bind step allows one), or None."""
+    return next((c.scheme for c in recipe.stage_configs if c.stage == "quantize" and getattr(c, "scheme", None)),
+                None)
+
+
+def check_compressed_tensors(adapter, cfg: CompressedTensorsExportConfig, facts):
+    """At plan time: the dtype (check_dtype); every quantized layer must be an int8 per-channel one."""
+    from compress.export.compressed_tensors import check_layer
+
+    cfg = check_dtype(adapter, cfg, facts)
+    for *_, layers in facts.quantized:
+        for name, spec in layers.items():
+            if (why := check_layer(name, spec)) is not None:
+                raise BadInput(f"export compressed-tensors: {why}")
+    return cfg
+
+
+@register("export", "compressed-tensors", CompressedTensorsExportConfig,
+          "compressed-tensors checkpoint (vLLM, transformers) with activation quantization: `scheme: w8a8-int8`",
+          check=check_compressed_tensors, capabilities=frozenset({"activations"}), requires=("compressed_tensors",),
+          **EXPORT)
+def export_compressed_tensors_stage(ctx, cfg: CompressedTensorsExportConfig) -> dict:
+    from compress.export.compressed_tensors import export_compressed_tensors
+    from compress.quantize.activations import SCHEME_ACTIVATIONS
+
+    qweights = _qweights(ctx)
+    spec = SCHEME_ACTIVATIONS[run_scheme(ctx.loaded.recipe)]
+    out = ctx.workspace.path(cfg.directory)
+    res = export_compressed_tensors(ctx.model, qweights, {n: spec for n in qweights}, ctx.tokenizer, out,
+                                    dtype=cfg.dtype, meta=_meta(ctx))
+    return {"path": str(out), **res}
+
+
 GGUFType = Literal["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q6_K", "Q5_K", "Q4_K", "Q3_K", "Q2_K",
                    "Q4_K_M", "Q3_K_M"]
 
