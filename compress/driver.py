@@ -179,7 +179,7 @@ def _split(block, linears, inputs, kwargs, devices, share: bool):
     sums and counts added into the first shard's: (H, count, leader) unscaled, or None if a shard's sharing broke."""
     import copy
 
-    from compress.devices import move
+    from compress.models.devices import move
 
     rel = {id(m): p for p, m in block.named_modules()}
     shards = [idx for idx in torch.arange(len(inputs), device="cpu").tensor_split(len(devices)) if len(idx)]
@@ -319,7 +319,7 @@ def run_blockwise(
     live while the block is worked on (the model stays where it is; the block goes back after); several split
     the Hessians' batches (`collect_hessians`). The QuantizedWeights come back on the CPU.
     """
-    from compress.devices import move, out_of_memory
+    from compress.models.devices import move, out_of_memory
 
     device = devices[0] if devices else torch.device("cpu")
     away = _away(device)  # on the CPU nothing moves: the run is the one it always was

@@ -21,13 +21,14 @@ from typing import Callable
 
 import torch
 
-from compress import devices, inputs, registry, rss
+from compress import inputs, registry, rss
 from compress.bind import Binding, Bound, Facts, bind
 from compress.calibration import calibration_tokens, tokens_hash
 from compress.errors import BadInput, RunFailure
 from compress.evaluate import bos_id, evaluate, evaluate_tasks, param_bytes, size_report
 from compress.files import non_finite
 from compress.handoff import QuantizedWeights
+from compress.models import devices
 from compress.models.adapters import ModelAdapter
 from compress.models.loading import load_config, load_model, max_positions
 from compress.prune import routing as prunepath

@@ -228,7 +228,7 @@ class Recipe(StrictModel):
     @field_validator("device")
     @classmethod
     def _device(cls, v):
-        from compress import devices
+        from compress.models import devices
 
         if not re.fullmatch(devices.PATTERN, str(v).strip().lower()):
             raise ValueError(f"`{v}`: choose {devices.CHOICES}")
@@ -237,7 +237,7 @@ class Recipe(StrictModel):
     @field_validator("devices")
     @classmethod
     def _devices(cls, v):
-        from compress import devices
+        from compress.models import devices
 
         if isinstance(v, list):
             if not v:

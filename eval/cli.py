@@ -29,11 +29,11 @@ def _ffn_mass(model, tau: float | None) -> None:
 def _load(path: str, backend: str = "auto", device: str = "auto"):
     """(model, tokenizer). A packed `hf` export runs on our kernels (`backend`: auto, cpu, cpu-a8, triton,
     reference; compress/export/runtime.py) unless `backend` is `transformers` (auto-round's loader);
-    any other checkpoint loads through transformers. The model is moved to `device` (compress/devices.py:
+    any other checkpoint loads through transformers. The model is moved to `device` (compress/models/devices.py:
     `auto` is an accelerator when torch sees one)."""
     import torch
 
-    from compress import devices
+    from compress.models import devices
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
 
     from compress.export.runtime import is_packed, load_packed

@@ -11,7 +11,8 @@ import torch
 from conftest import MODELS, REPO, invoke
 from helpers import tensor_hashes
 
-from compress import devices, driver
+from compress import driver
+from compress.models import devices
 from compress.errors import BadInput, RunFailure
 from compress.models.adapters import ModelAdapter
 from compress.recipe import Recipe

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import yaml
-from conftest import CAL, invoke
+from conftest import invoke
 from helpers import check_reload
 
 from compress.driver import LayerSpec

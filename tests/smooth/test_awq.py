@@ -4,7 +4,6 @@ rtn, gptq, autoround and the Walsh rotation in recipes, and a finished or interr
 
 from __future__ import annotations
 
-import json
 from types import SimpleNamespace
 
 import pytest
@@ -16,7 +15,6 @@ from compress.errors import BadInput
 from compress.models.adapters import ModelAdapter
 from compress.primitives import fake_quantize
 from compress.smooth.awq import AWQConfig, available
-from tests.conftest import MODELS, REPO, invoke
 from tests.rotating import exact_rmsnorm, ids
 from tests.tiny import tiny_causal
 
