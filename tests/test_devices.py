@@ -109,14 +109,12 @@ def _run(tmp_path, name, *extra):
 
 
 def test_device_cpu_auto_and_the_moving_path_give_the_same_checkpoint(tmp_path, monkeypatch):
-    """`device: cpu` and `auto` (here: the CPU) are the run as it always was; the path that moves each block, its
+    """`device: auto` (here: the CPU) is the run as it always was; the path that moves each block, its
     activations and its QuantizedWeights to a device and back (forced here on the CPU) gives the same bytes."""
-    a, _ = _run(tmp_path, "cpu", "--device", "cpu")
-    b, _ = _run(tmp_path, "auto", "--device", "auto")
+    a, _ = _run(tmp_path, "auto", "--device", "auto")  # here: the CPU (test_resolve_names_what_torch_sees)
     monkeypatch.setattr(driver, "_away", lambda device: True)
     c, _ = _run(tmp_path, "moved", "--device", "cpu")
-    ref = tensor_hashes(a)
-    assert tensor_hashes(b) == ref and tensor_hashes(c) == ref
+    assert tensor_hashes(c) == tensor_hashes(a)
 
 
 def test_data_parallel_gptq_run(tmp_path):
