@@ -140,7 +140,7 @@ def test_unknown_stage_and_method(tmp_path):
     assert "(known: autoround, gptq, rtn" in msg
     p = write(tmp_path, edit(24, "  formats: [hf, onx]"))
     assert error_of(p) == (f"unknown export format `onx` at {p}:24, did you mean `onnx`? "
-                           "(known: fake, gguf, hf, onnx, openvino)")
+                           "(known: compressed-tensors, fake, gguf, hf, onnx, openvino)")
 
 
 def test_missing_required_keys(tmp_path):
