@@ -693,7 +693,7 @@ def summary(results: list[tuple[str, dict]]) -> str:
     merged: dict[tuple, dict] = {}
     for name, res in results:
         m = res["meta"]
-        key = (m["model"], m["bits"], m["group_size"], m["sym"])
+        key = (Path(m["model"]).name, m["bits"], m["group_size"], m["sym"])  # a name or a path to it
         into = merged.setdefault(key, {"meta": m, "cells": [], "files": []})
         into["files"].append(name)
         same = all(m.get(k) == into["meta"].get(k) for k in _RUN_SETTINGS)
