@@ -225,10 +225,6 @@ def _away(device: torch.device) -> bool:
     return device.type != "cpu"
 
 
-def block_device(block: nn.Module) -> torch.device:
-    return next((p.device for p in block.parameters()), torch.device("cpu"))
-
-
 def _accumulate(block, linears, inputs, kwargs, cover, share: bool):
     """One propagation with a hook per linear: (H, count, leader), the unscaled sums of the leaders (the linears
     whose input the others share), the rows each linear saw and each linear's leader. With `share`, a linear

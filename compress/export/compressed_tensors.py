@@ -10,7 +10,6 @@ per activation setting naming its layers, with `input_activations` int8 per toke
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -76,7 +75,3 @@ def export_compressed_tensors(model, qweights: dict[str, QuantizedWeight], acts:
     files = sorted(p for p in out_dir.rglob("*") if p.is_file())
     return {"files": [str(p) for p in files], "bytes": sum(p.stat().st_size for p in files), "dtype": dtype,
             "format": FORMAT, "layers": len(qweights)}
-
-
-def read_config(directory) -> dict:
-    return json.loads((Path(directory) / "config.json").read_text()).get("quantization_config") or {}
