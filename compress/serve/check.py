@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from compress.errors import BadInput
+from compress.errors import BadInput, RunFailure
 from compress.serve.decoded import N_TOKENS, PROMPTS, TOP_K, Decoded, compare
 
 logger = logging.getLogger(__name__)
@@ -262,6 +262,32 @@ def _perplexities(loaded, reference, tokenizer, data: str, max_tokens: int) -> d
 
 # -- vLLM in its own environment ----------------------------------------------------------------------
 
+NO_WNA16_KERNEL = ("vLLM's CPU build runs int4 weight-only layers only on AVX-512 CPUs: the library it loads on an "
+                   "AVX2-only CPU (_C_AVX2) has no `cpu_gemm_wna16` kernel, so every W4A16 checkpoint fails at its first "
+                   "forward; serve it with vLLM on an AVX-512 CPU or a GPU, or here with llama.cpp (`export: gguf`) or "
+                   "OpenVINO GenAI (`export: openvino`)")
+
+
+def cpu_isa() -> str:
+    """The widest x86 vector ISA torch sees, as vLLM's CPU platform chooses its library by it."""
+    if not hasattr(torch.cpu, "_is_avx512_supported"):
+        return "not x86"
+    if torch.cpu._is_avx512_supported():
+        return "AVX-512" + (" BF16" if torch.cpu._is_avx512_bf16_supported() else "")
+    return "AVX2" if torch.cpu._is_avx2_supported() else "no AVX2"
+
+
+def _root_cause(log: str, lines: int = 25) -> str:
+    """The first traceback of an engine's log (vLLM's engine process prints the root cause there; the caller's own
+    traceback, last, only says the engine died) and the log's last lines."""
+    text = log.strip().splitlines()
+    first = next((i for i, line in enumerate(text) if "Traceback (most recent call last)" in line), None)
+    tail = text[-15:]
+    if first is None or first >= len(text) - 15:
+        return "\n".join(tail)
+    return "\n".join(text[first:first + lines] + ["..."] + tail)
+
+
 def _vllm(export: Path, prompts: list[list[int]], n_tokens: int, dtype: str) -> tuple[Decoded, dict]:
     from compress.serve.envs import python_of
 
@@ -278,8 +304,11 @@ def _vllm(export: Path, prompts: list[list[int]], n_tokens: int, dtype: str) -> 
         proc = subprocess.run([str(python), str(worker), str(req), str(res)], capture_output=True, text=True,
                               cwd=tmp, env=env)
         if proc.returncode != 0:
-            tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
-            raise RuntimeError(f"vLLM could not run {export} (exit {proc.returncode}):\n{tail}")
+            log = proc.stdout + proc.stderr
+            if "has no attribute 'cpu_gemm_wna16'" in log:
+                raise RunFailure(NO_WNA16_KERNEL + f" (this CPU: {cpu_isa()}); {export} was not run")
+            raise RuntimeError(f"vLLM could not run {export} (exit {proc.returncode}):\n"
+                               + _root_cause(proc.stdout + proc.stderr))
         data = json.loads(res.read_text())
     kernels = sorted({line.split("Using ", 1)[1].split(" for ")[0] for line in (proc.stdout + proc.stderr).splitlines()
                       if "Using " in line and "LinearKernel" in line})  # vLLM logs the kernel each linear runs

@@ -15,7 +15,8 @@ Where each rule comes from (read in the engines' code at the versions named; `ve
   through `CPUWNA16LinearKernel` (uint4 / uint4b8 only); both go through `check_marlin_supported`, so the group is one
   of -1, 32, 64, 128; packing `auto_round` is refused at config time; layers vLLM fuses (q/k/v, gate/up) must share
   one scheme; quantized MoE experts are not run quantized on CPU (`UnquantizedFusedMoEMethod`); dtype float16 or
-  bfloat16 (float32 is refused).
+  bfloat16 (float32 is refused). `cpu_gemm_wna16`, the kernel's op, exists only in its AVX-512 libraries: on an
+  AVX2-only CPU no int4 checkpoint runs (the hardware's limit, not the checkpoint's; serve-check names it).
 * vllm (CUDA, vLLM 0.32): Marlin for symmetric 4/8-bit GPTQ and 4-bit AWQ (group -1/32/64/128; shapes Marlin
   cannot tile go to vLLM's other mixed-precision kernels); symmetric 2/3/5/6/7-bit through the humming kernel;
   asymmetric layers only as 4-bit AWQ; fused layers share one scheme.

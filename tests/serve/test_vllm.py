@@ -3,17 +3,25 @@
 On ref-llama-7m, `compress bench serve`'s schemes (W4 g128 sym and asym, a 3/4-bit mixed plan in 4-bit containers,
 sym and asym) load in vLLM 0.32.0's CPU build and greedy-decode 4 prompts x 32 tokens as transformers does on the
 same weights, max |dlogprob| <= 0.02 in fp16; the mixed export rewritten without re-centred zeros must disagree
-(vLLM never reads a symmetric layer's zeros), which proves the check sees them."""
+(vLLM never reads a symmetric layer's zeros), which proves the check sees them. On an AVX2-only CPU vLLM has no
+int4 kernel at all (its AVX2 library lacks `cpu_gemm_wna16`): there the check must say so, not fail obscurely."""
 
 import pytest
 from conftest import MODELS
 
+from compress.errors import RunFailure
 from compress.serve.bench import UNSHIFTED, run
+from compress.serve.check import NO_WNA16_KERNEL, cpu_isa
 
 pytestmark = [pytest.mark.engine, pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")]
 
 
 def test_vllm_cpu_serves_every_layout_and_sees_ignored_zeros():
+    if not cpu_isa().startswith("AVX-512"):
+        with pytest.raises(RunFailure) as e:
+            run(str(MODELS / "ref-llama-7m"), engine="vllm")
+        assert NO_WNA16_KERNEL in str(e.value) and cpu_isa() in str(e.value)
+        return
     res = run(str(MODELS / "ref-llama-7m"), engine="vllm")
     rows = {r["scheme"]: r for r in res["rows"]}
     for name, r in rows.items():
