@@ -37,6 +37,7 @@ class Facts:
     rounding: tuple[int, int, bool] | None = None  # (bits, group_size, sym) of the next quantize stage
     consumer: str | None = None  # method of the next quantize stage (the one an allocation plan is for)
     grid: str | None = None  # the next quantize stage's `gguf` type (it rounds on llama.cpp's grids), else None
+    scheme: str | None = None  # the next quantize stage's weight-and-activation `scheme` (w8a8-int8), else None
     capabilities: frozenset = frozenset()  # what that method can do (registry.Entry.capabilities)
     layers: dict = field(default_factory=dict)  # quantize: {name: LayerSpec} it rounds; allocate: its consumer's
     plan_from: str | None = None  # quantize: the key of the allocate stage whose Plan it applies
@@ -93,7 +94,7 @@ def bind(recipe, adapter) -> Binding:
         q = _next(cfgs, i, "quantize")
         if q is not None:
             facts.rounding, facts.consumer = (cfgs[q].bits, cfgs[q].group_size, cfgs[q].sym), cfgs[q].method
-            facts.grid = cfgs[q].gguf
+            facts.grid, facts.scheme = cfgs[q].gguf, cfgs[q].scheme
             facts.capabilities = entries[q].capabilities
             facts.group_of = _group_of(cfgs, entries, i, q)
             layers.setdefault(q, planned_layers(adapter, cfgs[q]))

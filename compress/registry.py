@@ -38,6 +38,7 @@ METHOD_MODULES = (
     "compress.rotation.walsh",
     "compress.rotation.autoround_hadamard",
     "compress.smooth.awq",
+    "compress.smooth.smoothquant",
     "compress.export.stage",
 )
 

@@ -124,12 +124,12 @@ def shrink(recipe: dict) -> list[str]:
     return [a for s in sets for a in ("--set", s)]
 
 
-def tensor_hashes(out: Path) -> dict[str, str]:
-    """sha256 of every tensor's bytes in OUT/hf/model.safetensors."""
+def tensor_hashes(out: Path, export: str = "hf") -> dict[str, str]:
+    """sha256 of every tensor's bytes in OUT/EXPORT/model.safetensors."""
     from safetensors import safe_open
 
     hashes = {}
-    with safe_open(str(out / "hf" / "model.safetensors"), "pt") as f:
+    with safe_open(str(out / export / "model.safetensors"), "pt") as f:
         for name in f.keys():
             t = f.get_tensor(name).contiguous().reshape(-1)
             hashes[name] = hashlib.sha256(t.view(torch.uint8).numpy().tobytes()).hexdigest()

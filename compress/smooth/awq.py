@@ -36,22 +36,20 @@ saved fold (the stage replays: it rewrites weights in place) bit-identically wit
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import Literal, Union
 
 import torch
 from pydantic import Field
-from torch import nn
 
 from compress.config import StrictModel
 from compress.driver import advance, block_forward, capture_block0_inputs
 from compress.errors import BadInput
-from compress.primitives import CLIP_RATIOS, fake_quantize, group_round, group_view, resolve_group
+from compress.primitives import CLIP_RATIOS, group_round, group_view, resolve_group
 from compress.registry import register
-from compress.rotation.surgery import map_columns, map_rows, set_param
+from compress.smooth import fold
+from compress.smooth.fold import GROUPS
 
 log = logging.getLogger(__name__)
-GROUPS = ("attn_in", "mlp_in", "up_down", "v_o")
 NO_CLIP = ("q", "k", "qkv", "q_a", "kv_a")  # attention scores: AutoAWQ does not clip them either
 FOLD = "awq_block_{:04d}.safetensors"  # a block's scales and clipping bounds, in the stage directory
 
@@ -72,51 +70,10 @@ class AWQConfig(StrictModel):
     batch_size: int = Field(8, ge=1, description="calibration windows per forward pass")
 
 
-@dataclass
-class Group:
-    key: str  # "attn_in", "mlp_in", "up_down.J", "v_o"
-    source: nn.Module  # the norm (attn_in, mlp_in), up (up_down) or v (v_o)
-    readers: list  # every module whose input columns take s (quantized or not: routers, scalar gates)
-    tap: tuple  # (module, "output" | "input"): where the readers' input is seen
-    tie: tuple | None = None  # v_o: (heads, kv, head_dim)
-
-
-def _groups(adapter, i: int) -> list[Group]:
-    """Every group block i has (statistics are collected for all: the clipping search reads their Gram matrices)."""
-    out = []
-    for key, role in (("attn_in", "input_norm"), ("mlp_in", "post_attn_norm")):
-        norm = adapter.role(i, role)
-        if norm is not None:
-            out.append(Group(key, norm, adapter.norm_readers(i, role), (norm, "output")))
-    for j, (up, down) in enumerate(adapter.up_down_pairs(i)):
-        out.append(Group(f"up_down.{j}", up, [down], (down, "input")))
-    v, o = adapter.role(i, "v"), adapter.role(i, "o")
-    if v is not None and o is not None:
-        out.append(Group("v_o", v, [o], (o, "input"), adapter.attention_shape()))
-    return out
-
-
-def available(adapter) -> set[str]:
-    """The groups this architecture's adapter names (block 0; DeepSeek's dense first blocks have them all)."""
-    roles = adapter.arch.roles
-    have = {k for k, r in (("attn_in", "input_norm"), ("mlp_in", "post_attn_norm")) if r in roles}
-    if any(up in roles for up in ("mlp_up", "shared_up")) or adapter.arch.experts:
-        have.add("up_down")
-    if "v" in roles and "o" in roles:
-        have.add("v_o")
-    return have
-
-
 def check(adapter, cfg: AWQConfig, facts=None) -> AWQConfig:
     """Refuse at plan time what AWQ cannot do exactly on this model, say which groups it will scale, and resolve
     `clip: auto` from the next quantize stage's method."""
-    if adapter.kind != "causal":
-        raise BadInput(f"smooth/awq folds scales into the pre-norms of a decoder; `{adapter.model_type}` is a "
-                       "post-LayerNorm encoder (its norms' outputs are the residual stream)")
-    have = available(adapter)
-    if not {"attn_in", "mlp_in"} & have:
-        raise BadInput(f"smooth/awq folds scales into the norms before the attention and MLP inputs; "
-                       f"`{adapter.model_type}`'s adapter names none (it normalises branch outputs only)")
+    have = fold.check_foldable(adapter, "awq")
     if facts is not None and facts.rounding is None:
         raise BadInput("smooth/awq searches its scales against the rounding of the next `quantize` stage; add one "
                        "after it")
@@ -167,7 +124,7 @@ class _Stat:
         return None if self.abs is None else self.abs / self.rows
 
 
-def _collect(adapter, i: int, groups: list[Group], acts, kwargs) -> tuple[dict, dict]:
+def _collect(adapter, i: int, groups: list[fold.Group], acts, kwargs) -> tuple[dict, dict]:
     """One pass of the block: {group key: _Stat at its tap} and {id(reader): _Stat of its own rows} for the
     readers whose rows are not the tap's (routed experts)."""
     at_tap = {g.key: _Stat() for g in groups}
@@ -198,22 +155,9 @@ def _collect(adapter, i: int, groups: list[Group], acts, kwargs) -> tuple[dict, 
 
 
 # -- search --------------------------------------------------------------------------------------------------------
-def _rounded(W: torch.Tensor, spec) -> torch.Tensor:
-    """What the next quantize stage's round-to-nearest makes of W (fp32)."""
-    if spec.ggml:
-        from compress.quantize import ggml_grid
-
-        return ggml_grid.rtn(W, spec.ggml).dequantize(torch.float32)
-    if spec.bits < 2:
-        return fake_quantize(W, spec.bits, spec.group_size, spec.sym)
-    d_out, d_in = W.shape
-    Wg = group_view(W, resolve_group(d_in, spec.group_size))  # primitives.rtn's arithmetic, without its codes
-    return group_round(Wg, spec.bits, spec.sym)[2].reshape(d_out, -1)[:, :d_in]
-
-
 def _output_error(W: torch.Tensor, cols: torch.Tensor, H: torch.Tensor, spec) -> float:
     """tr(dW H dW^T), dW = W - Q(W diag(cols)) diag(cols)^-1: the reader's output error on the calibration rows."""
-    dW = W - _rounded(W * cols, spec) / cols
+    dW = W - fold.rounded(W * cols, spec) / cols
     return float(((dW @ H) * dW).sum())
 
 
@@ -228,23 +172,11 @@ def _weight_magnitude(quantized: list, d: int) -> torch.Tensor:
     return total / rows
 
 
-def _tied(v: torch.Tensor, tie) -> torch.Tensor:
-    heads, kv, hd = tie
-    return v.reshape(kv, heads // kv, hd).mean(1).reshape(-1)
-
-
-def _spread(s: torch.Tensor, tie) -> torch.Tensor:
-    if tie is None:
-        return s
-    heads, kv, hd = tie
-    return s.reshape(kv, 1, hd).expand(kv, heads // kv, hd).reshape(-1)
-
-
-def _search(g: Group, x: torch.Tensor, quantized: list, cfg: AWQConfig) -> tuple[torch.Tensor, float | None]:
+def _search(g: fold.Group, x: torch.Tensor, quantized: list, cfg: AWQConfig) -> tuple[torch.Tensor, float | None]:
     """The scale (float64; tied over query heads for v_o) of least output error, and its ratio (None: s = 1)."""
     w = _weight_magnitude(quantized, x.numel())
     if g.tie is not None:
-        x, w = _tied(x, g.tie), _tied(w, g.tie)
+        x, w = fold.tied(x, g.tie), fold.tied(w, g.tie)
     best = None
     for r in [None] + [k / cfg.grid for k in range(cfg.grid)]:
         if r is None:
@@ -255,7 +187,7 @@ def _search(g: Group, x: torch.Tensor, quantized: list, cfg: AWQConfig) -> tuple
             s = s / (s.max() * s.min()).sqrt()
         if not torch.isfinite(s).all():
             continue
-        cols = _spread(s, g.tie).float()
+        cols = fold.spread(s, g.tie).float()
         err = sum(_output_error(W, cols, H, spec) for W, spec, H in quantized)
         if best is None or err < best[0]:
             best = (err, r, s)
@@ -287,24 +219,6 @@ def _clip_bounds(W: torch.Tensor, H: torch.Tensor, spec) -> torch.Tensor:
 
 
 # -- the fold: applied the same way when found and when replayed ----------------------------------------------------
-def _apply_scales(adapter, groups: list[Group], scales: dict) -> None:
-    offset = adapter.arch.norm_offset
-    for g in groups:
-        s = scales.get(g.key)
-        if s is None:
-            continue
-        cols = _spread(s, g.tie)
-        if g.key in ("attn_in", "mlp_in"):
-            norm = g.source
-            set_param(norm.weight, (norm.weight.double() + offset) / s - offset)
-            if getattr(norm, "bias", None) is not None:
-                set_param(norm.bias, norm.bias.double() / s)
-        else:
-            map_rows(g.source, lambda W: W / s)
-        for m in g.readers:
-            map_columns(m, lambda W: W * cols)
-
-
 def _apply_clips(linears: dict, specs: dict, clips: dict) -> None:
     for name, bound in clips.items():
         lin = linears[name]
@@ -315,27 +229,15 @@ def _apply_clips(linears: dict, specs: dict, clips: dict) -> None:
 
 
 def _save(ctx, i: int, scales: dict, clips: dict) -> None:
-    ws = getattr(ctx, "workspace", None)
-    if ws is None:
-        return
-    from safetensors.torch import save
-
-    tensors = {f"scale.{k}": v.contiguous() for k, v in scales.items()}
-    tensors.update({f"clip.{k}": v.contiguous() for k, v in clips.items()})
-    ws.write_bytes(f"stages/{ctx.key}/" + FOLD.format(i), save(tensors))
-    ws.save_manifest()  # its sha256 recorded: a resumed stage trusts it (a file without one is recomputed)
+    tensors = {f"scale.{k}": v for k, v in scales.items()}
+    tensors.update({f"clip.{k}": v for k, v in clips.items()})
+    fold.save_block(ctx, FOLD.format(i), tensors)
 
 
 def _load(ctx, i: int) -> tuple[dict, dict] | None:
-    ws = getattr(ctx, "workspace", None)
-    if ws is None:
+    t = fold.load_block(ctx, FOLD.format(i))
+    if t is None:
         return None
-    path = ws.verified(f"stages/{ctx.key}/" + FOLD.format(i))
-    if path is None:
-        return None
-    from safetensors.torch import load_file
-
-    t = load_file(str(path))
     return ({k[len("scale."):]: v for k, v in t.items() if k.startswith("scale.")},
             {k[len("clip."):]: v for k, v in t.items() if k.startswith("clip.")})
 
@@ -362,11 +264,11 @@ def apply(ctx, cfg: AWQConfig) -> dict:
     bar = ctx.progress(total=n, desc=f"{ctx.key} AWQ search", unit="block")
     try:
         for i in range(n):
-            groups = _groups(adapter, i)
+            groups = fold.groups(adapter, i)
             linears = adapter.block_linears(i)
             if saved[i] is not None:
                 scales, clips = saved[i]
-                _apply_scales(adapter, groups, scales)
+                fold.apply_scales(adapter, groups, scales)
                 _apply_clips(linears, specs, clips)
             else:
                 scales, clips = _block(adapter, i, cfg, groups, linears, specs, acts, kwargs, metrics, clip_fracs)
@@ -395,7 +297,7 @@ def _block(adapter, i, cfg, groups, linears, specs, acts, kwargs, metrics, clip_
     scales, col_scale = {}, {}
     for g in groups:
         st = at_tap[g.key]
-        if g.key.split(".")[0] not in cfg.groups or st.rows == 0:  # not asked, or an expert no row reached
+        if g.kind not in cfg.groups or st.rows == 0:  # not asked, or an expert no row reached
             continue
         quantized = []
         for m in g.readers:
@@ -412,12 +314,12 @@ def _block(adapter, i, cfg, groups, linears, specs, acts, kwargs, metrics, clip_
         if r is None:
             continue
         scales[g.key] = s
-        cols = _spread(s, g.tie)
+        cols = fold.spread(s, g.tie)
         for m in g.readers:
             col_scale[id(m)] = cols
     with torch.no_grad():
         ref = block_forward(block, acts[0], kwargs[0])
-        _apply_scales(adapter, groups, scales)
+        fold.apply_scales(adapter, groups, scales)
         out = block_forward(block, acts[0], kwargs[0])
     metrics["fold_error"] = max(metrics["fold_error"], float((out - ref).norm() / ref.norm().clamp(min=1e-30)))
     clips = {}

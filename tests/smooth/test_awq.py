@@ -14,7 +14,8 @@ from compress.driver import LayerSpec
 from compress.errors import BadInput
 from compress.models.adapters import ModelAdapter
 from compress.primitives import fake_quantize
-from compress.smooth.awq import AWQConfig, available
+from compress.smooth.awq import AWQConfig
+from compress.smooth.fold import available
 from tests.rotating import exact_rmsnorm, ids
 from tests.tiny import tiny_causal
 
