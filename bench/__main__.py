@@ -248,12 +248,15 @@ def bench_peers(
                                    "(auto-round's own default: 200)"),
     cells: Optional[str] = typer.Option(None, "--cells", help="comma-separated cells to run (the others are rows "
                                         "marked not run): rtn, rtn-opt, gptq, autoround, awq+gptq, awq+autoround, "
-                                        "autoround+lfq, ar, ar-rtn, llmc-gptq, llmc-awq, nncf-awq"),
+                                        "autoround+lfq, sq+gptq, ar, ar-rtn, llmc-gptq, llmc-awq, llmc-sq+gptq, nncf-awq"),
     mc_task: str = typer.Option("sst2_mc", "--mc-task", help="log-likelihood multiple-choice task every cell is "
                                 "also scored on (a bundled name, a task YAML or a JSONL; '' for none)"),
     mc_limit: Optional[int] = typer.Option(None, "--mc-limit", min=1, help="--mc-task: its first N documents"),
     build_env: Optional[List[str]] = typer.Option(None, "--build-env", help="first build (or reuse) a peer's own "
                                                   "environment: llmcompressor (repeatable)"),
+    scheme: Optional[str] = typer.Option(None, "--scheme", help="a weight-and-activation scheme instead of a weight "
+                                         "setting: w8a8-int8 (cells rtn, gptq, sq+gptq, llmc-gptq, llmc-sq+gptq; "
+                                         "checkpoints scored as served, through transformers + compressed-tensors)"),
 ):
     """compress's PTQ cells side by side with auto-round, llm-compressor and NNCF on one model and weight
     setting: the same calibration windows and evaluation tokens, scored by compress's evaluator (KL, top-1,
@@ -278,7 +281,7 @@ def bench_peers(
     result = run_peers(model, bits, group, sym, nsamples=nsamples, seqlen=seqlen, seeds=seed_list,
                        max_tokens=max_tokens, peer_iters=peer_iters,
                        cells=[c.strip() for c in cells.split(",") if c.strip()] if cells else None,
-                       mc_task=mc_task or None, mc_limit=mc_limit,
+                       mc_task=mc_task or None, mc_limit=mc_limit, scheme=scheme,
                        command="python -m bench peers " + shlex.join(sys.argv[2:]),
                        checkpoint=lambda partial: _save_partial(partial, markdown, json_out, md_out))
     emit_bench(result, markdown(result), json_out, md_out)

@@ -7,8 +7,11 @@ from compress (a different transformers lives here).
 
     python bench/peer_llmcompressor.py JOB.json
 
-JOB.json: {"model", "windows" (a .pt of an (N, L) LongTensor), "out", "method" ("gptq" | "awq+rtn"), "bits",
-"group_size", "sym"}. Writes out/compressed/ (the checkpoint), out/dequantized.safetensors and out/result.json.
+JOB.json: {"model", "windows" (a .pt of an (N, L) LongTensor), "out", "method" ("gptq" | "awq+rtn" | "sq+gptq"),
+"bits", "group_size", "sym", "scheme" (null, or "w8a8-int8": llm-compressor's W8A8 preset, GPTQ weights, with
+"sq+gptq" after `SmoothQuantModifier(smoothing_strength=0.8)` as its examples/quantization_w8a8_int8 does)}.
+Writes out/compressed/ (the checkpoint), out/result.json and, weight-only, out/dequantized.safetensors (a scheme's
+checkpoint is scored as served: bench/peers.py loads it with transformers + compressed-tensors).
 """
 
 from __future__ import annotations
@@ -54,16 +57,29 @@ def cpu_without_pinning() -> list[str]:
     return ["llmcompressor.pipelines.cache.IntermediatesCache.pin_memory: a no-op (no accelerator)"]
 
 
-def main(job_path: str) -> None:
+def versions() -> dict:
     import compressed_tensors
     import llmcompressor
     import torch
     import transformers
+
+    return {"llmcompressor": llmcompressor.__version__, "compressed-tensors": compressed_tensors.__version__,
+            "transformers": transformers.__version__, "torch": torch.__version__}
+
+
+def described(recipe: list) -> list[str]:
+    return [type(m).__name__ + " " + json.dumps(m.model_dump(exclude_none=True, mode="json"), default=str)
+            for m in recipe]
+
+
+def main(job_path: str) -> None:
+    import torch
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
     from datasets import Dataset
     from llmcompressor import oneshot
     from llmcompressor.modifiers.gptq import GPTQModifier
     from llmcompressor.modifiers.quantization import QuantizationModifier
+    from llmcompressor.modifiers.smoothquant import SmoothQuantModifier
     from llmcompressor.modifiers.transform.awq import AWQModifier
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -77,10 +93,18 @@ def main(job_path: str) -> None:
     n, seqlen = windows.shape
     ds = Dataset.from_dict({"input_ids": windows.tolist(), "attention_mask": torch.ones_like(windows).tolist()})
     # W4A16-style: integer weights in groups, activations untouched, every Linear but the LM head
+    if job.get("scheme"):  # a weight-and-activation preset (llm-compressor's examples/quantization_w8a8_int8)
+        preset = {"w8a8-int8": "W8A8"}[job["scheme"]]
+        recipe = [SmoothQuantModifier(smoothing_strength=0.8)] if job["method"] == "sq+gptq" else []
+        recipe.append(GPTQModifier(targets="Linear", scheme=preset, ignore=["lm_head"]))
+        if job["method"] not in ("gptq", "sq+gptq"):
+            raise SystemExit(f"method {job['method']!r} has no {preset} recipe here")
     scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(
         num_bits=job["bits"], type="int", symmetric=job["sym"], strategy="group", group_size=job["group_size"]))
     quant = {"config_groups": {"group_0": scheme}, "ignore": ["lm_head"]}
-    if job["method"] == "gptq":
+    if job.get("scheme"):
+        pass
+    elif job["method"] == "gptq":
         recipe = [GPTQModifier(**quant)]  # its defaults: block_size 128, dampening_frac 0.01, actorder static
     elif job["method"] == "awq+rtn":
         recipe = [AWQModifier(), QuantizationModifier(**quant)]  # AWQ's defaults (n_grid 20, duo_scaling True)
@@ -90,12 +114,18 @@ def main(job_path: str) -> None:
     tok = AutoTokenizer.from_pretrained(job["model"])
     t = time.time()
     oneshot(model=model, tokenizer=tok, dataset=ds, recipe=recipe, num_calibration_samples=n, max_seq_length=seqlen,
-            shuffle_calibration_samples=False, pipeline="sequential" if job["method"] == "gptq" else "independent")
+            shuffle_calibration_samples=False,
+            pipeline="sequential" if job["method"] in ("gptq", "sq+gptq") else "independent")
     seconds = time.time() - t
     ckpt = out / "compressed"
     model.save_pretrained(ckpt, save_compressed=True)
     tok.save_pretrained(ckpt)
     qc = json.loads((ckpt / "config.json").read_text()).get("quantization_config", {})
+    if job.get("scheme"):  # scored as served (bench/peers.py loads the checkpoint itself)
+        result = {"seconds": round(seconds, 2), "format": qc.get("format"), "quant_method": qc.get("quant_method"),
+                  "versions": versions(), "patched": patched, "recipe": described(recipe)}
+        (out / "result.json").write_text(json.dumps(result, indent=1) + "\n")
+        return
     # read the checkpoint back as its users do, dequantized by compressed-tensors (run_compressed=False)
     from transformers.utils.quantization_config import CompressedTensorsConfig
 
@@ -109,12 +139,7 @@ def main(job_path: str) -> None:
     save_file(weights, str(out / "dequantized.safetensors"))
     result = {"seconds": round(seconds, 2), "layers": len(sizes), "stored_bytes": sizes,
               "format": qc.get("format"), "quant_method": qc.get("quant_method"),
-              "versions": {"llmcompressor": llmcompressor.__version__,
-                           "compressed-tensors": compressed_tensors.__version__,
-                           "transformers": transformers.__version__, "torch": torch.__version__},
-              "patched": patched,
-              "recipe": [type(m).__name__ + " " + json.dumps(m.model_dump(exclude_none=True, mode="json"), default=str)
-                         for m in recipe]}
+              "versions": versions(), "patched": patched, "recipe": described(recipe)}
     (out / "result.json").write_text(json.dumps(result, indent=1) + "\n")
 
 

@@ -29,6 +29,13 @@ NNCF (in this environment: `pip install nncf==3.4.0`, OpenVINO backend)
     layers through the FP IR (MatMul names kept by NNCF; the FP weights equal the layers' exactly); bytes: the IR's
     low-bit code, zero-point and scale constants.
 
+`--scheme w8a8-int8` (issue #51): weights and activations instead of a weight setting: int8 per-channel symmetric
+weights, int8 per-token dynamic activations. Cells rtn, gptq and sq+gptq (`{stage: smooth, method: smoothquant}`,
+alpha searched) exported as compressed-tensors; llmc-gptq and llmc-sq+gptq run llm-compressor's W8A8 preset (its
+examples/quantization_w8a8_int8: `SmoothQuantModifier(smoothing_strength=0.8)` then `GPTQModifier(scheme="W8A8")`).
+Every checkpoint is scored as served: loaded by transformers through compressed-tensors (quantized activations
+included) and evaluated by compress's evaluator; bytes: weight + weight_scale.
+
 A cell that cannot run (a tool missing, a stage not written yet, a mode the tool lacks) is a row with the reason.
 Data-free cells (rtn, rtn-opt) run once; the others run once per `--seeds` seed (the windows' seed; auto-round's
 and compress's AutoRound seed too) and report mean and standard deviation.
@@ -90,14 +97,20 @@ CELLS = {
     "autoround": ("compress", "autoround (final_block: same)"),
     "awq+gptq": ("compress", "smooth awq -> gptq"),
     "awq+autoround": ("compress", "smooth awq -> autoround (final_block: same)"),
+    "sq+gptq": ("compress", "smooth smoothquant (alpha searched) -> gptq"),
     "autoround+lfq": ("compress", "autoround, final_block: lfq"),
     "ar": ("auto-round", "AutoRound (its default algorithm)"),
     "ar-rtn": ("auto-round", "AutoRound iters=0 (its RTN, opt-RTN)"),
     "llmc-gptq": ("llm-compressor", "GPTQModifier"),
     "llmc-awq": ("llm-compressor", "AWQModifier -> QuantizationModifier (RTN)"),
+    "llmc-sq+gptq": ("llm-compressor", "SmoothQuantModifier(smoothing_strength=0.8) -> GPTQModifier"),
     "nncf-awq": ("nncf", "compress_weights awq + scale_estimation (OpenVINO)"),
 }
 DATA_FREE = {"rtn", "rtn-opt"}
+# with a weight-and-activation `--scheme`: the cells that can run it (the others are weight-only methods or tools), and
+# the cells that only make sense with one (SmoothQuant smooths for quantized activations)
+SCHEME_CELLS = {"rtn", "gptq", "sq+gptq", "llmc-gptq", "llmc-sq+gptq"}
+NEEDS_SCHEME = {"sq+gptq", "llmc-sq+gptq"}
 METRICS = ("kl", "top1", "ppl_ratio", "ppl", "acc", "acc_norm", "linear_bytes", "effective_bits", "quantize_seconds")
 
 
@@ -203,6 +216,16 @@ def safetensors_bytes(ckpt: Path, suffixes: tuple[str, ...]) -> dict[str, int]:
     return out
 
 
+def scheme_bytes(ckpt: Path) -> dict[str, int]:
+    """{layer: bytes of weight + weight_scale} of a compressed-tensors int-quantized checkpoint's quantized layers
+    (those with a weight_scale; the others' `weight` is a dense tensor, not counted)."""
+    per = {}
+    for suffix in ("weight", "weight_scale"):
+        for layer, n in safetensors_bytes(ckpt, (suffix,)).items():
+            per.setdefault(layer, {})[suffix] = n
+    return {layer: sum(v.values()) for layer, v in per.items() if "weight_scale" in v}
+
+
 def size_of(per_layer: dict[str, int], linears: dict[str, int], rename=lambda n: n) -> dict:
     names = {rename(n) for n in per_layer}
     missing = sorted(names - set(linears))
@@ -262,19 +285,22 @@ def score_weights(weights: dict, path: str, s: dict, tmp: Path) -> dict:
 
 def compress_recipe(path: str, cell: str, s: dict, seed: int) -> dict:
     method = {"rtn": "rtn", "rtn-opt": "rtn", "gptq": "gptq", "autoround": "autoround", "awq+gptq": "gptq",
-              "awq+autoround": "autoround", "autoround+lfq": "autoround"}[cell]
+              "awq+autoround": "autoround", "autoround+lfq": "autoround", "sq+gptq": "gptq"}[cell]
     q = {"stage": "quantize", "method": method, "bits": s["bits"], "group_size": s["group_size"], "sym": s["sym"]}
+    if s.get("scheme"):  # the scheme fixes the weights' grid
+        q = {"stage": "quantize", "method": method, "scheme": s["scheme"]}
     if cell == "rtn-opt":
         q["optimize"] = True
     if method == "autoround":
         q.update(iters=s["peer_iters"], final_block="lfq" if cell == "autoround+lfq" else "same")
-    stages = ([{"stage": "smooth", "method": "awq"}] if cell.startswith("awq+") else []) + [q]
+    smooth = "awq" if cell.startswith("awq+") else "smoothquant" if cell.startswith("sq+") else None
+    stages = ([{"stage": "smooth", "method": smooth}] if smooth else []) + [q]
     return {"version": 1, "description": f"bench peers: {cell} W{s['bits']} g{s['group_size']}",
             "model": {"path": path, "dtype": "float32"},
             "calibration": {"sources": [str(VALID)], "nsamples": s["nsamples"], "seqlen": s["seqlen"], "seed": seed},
             "stages": stages,
             "eval": {"data": [str(TEST)], "window": WINDOW, "max_tokens": s["max_tokens"], "generation": {"prompts": 0}},
-            "export": {"formats": ["hf"]}}
+            "export": {"formats": ["compressed-tensors" if s.get("scheme") else "hf"]}}
 
 
 def compress_cell(cell: str, path: str, s: dict, seed: int, linears: dict, tmp: Path) -> dict:
@@ -294,6 +320,14 @@ def compress_cell(cell: str, path: str, s: dict, seed: int, linears: dict, tmp: 
             if cell.startswith("awq+"):  # the smooth stage may not exist yet: say so, do not stop the bench
                 raise NotAvailable(f"{type(e).__name__}: {e}") from e
             raise
+        if s.get("scheme"):  # scored as the peer's checkpoint is: loaded by transformers + compressed-tensors
+            ckpt = Path(rep["exports"]["compressed-tensors"])
+            row = score(str(ckpt), path, s)
+            row.update(size_of(scheme_bytes(ckpt), linears), bytes_from="compressed-tensors: weight + weight_scale",
+                       quantize_seconds=round(sum(st["seconds"] for st in rep["stages"]
+                                                  if st["name"] in ("quantize", "smooth")), 2),
+                       run_kl=next(iter(rep["eval"].values()))["kl"])
+            return row
         ev = next(iter(rep["eval"].values()))
         row = {k: ev[k] for k in ("kl", "top1", "ppl_ratio", "ppl", "fp_ppl", "tokens")}
         row.update(task_accuracy(rep["exports"]["hf"], s))
@@ -359,7 +393,7 @@ def llmc_cell(method: str, path: str, s: dict, seed: int, calib, linears: dict, 
     work.mkdir(parents=True, exist_ok=True)
     torch.save(calib, work / "windows.pt")
     job = {"model": path, "windows": str(work / "windows.pt"), "out": str(work / "out"), "method": method,
-           "bits": s["bits"], "group_size": s["group_size"], "sym": s["sym"]}
+           "bits": s["bits"], "group_size": s["group_size"], "sym": s["sym"], "scheme": s.get("scheme")}
     (work / "job.json").write_text(json.dumps(job))
     script = Path(__file__).with_name("peer_llmcompressor.py")
     try:
@@ -368,6 +402,13 @@ def llmc_cell(method: str, path: str, s: dict, seed: int, calib, linears: dict, 
             tail = [ln for ln in (proc.stdout + proc.stderr).strip().splitlines() if ln.strip()][-3:]
             raise RuntimeError(f"llm-compressor run failed (exit {proc.returncode}): {' | '.join(tail)}")
         res = json.loads((work / "out" / "result.json").read_text())
+        if s.get("scheme"):  # its checkpoint as served: transformers + compressed-tensors, quantized activations
+            ckpt = work / "out" / "compressed"
+            row = score(str(ckpt), path, s)
+            row.update(size_of(scheme_bytes(ckpt), linears), quantize_seconds=res["seconds"],
+                       versions=res["versions"], patched=res["patched"], recipe=res["recipe"],
+                       bytes_from="compressed-tensors: weight + weight_scale")
+            return row
         row = score_weights(load_file(str(work / "out" / "dequantized.safetensors")), path, s, work)
         row.update(size_of(res["stored_bytes"], linears))
         row.update(quantize_seconds=res["seconds"], versions=res["versions"], patched=res["patched"],
@@ -521,7 +562,7 @@ def summarize(runs: list[dict]) -> tuple[dict, dict]:
 def run_peers(model: str, bits: int, group: int, sym: bool, *, nsamples: int = 128, seqlen: int = 512,
               seeds: tuple[int, ...] = (0, 1, 2), max_tokens: int = 8192, peer_iters: int = 200,
               cells: list[str] | None = None, tmp: Path | None = None, command: str | None = None,
-              mc_task: str | None = "sst2_mc", mc_limit: int | None = None,
+              mc_task: str | None = "sst2_mc", mc_limit: int | None = None, scheme: str | None = None,
               checkpoint: Callable[[dict], None] | None = None) -> dict:
     """Every cell of CELLS (or `cells`) on one model and setting; returns {"meta", "cells"}. `checkpoint(result)`
     after each cell that ran, with the cells so far and `meta["partial"]` (an interrupted run keeps them)."""
@@ -533,8 +574,14 @@ def run_peers(model: str, bits: int, group: int, sym: bool, *, nsamples: int = 1
     unknown = [c for c in cells or () if c not in CELLS]
     if unknown:
         raise BadInput(f"unknown --cells {', '.join(unknown)} (known: {', '.join(CELLS)})")
+    if scheme is not None:
+        from compress.config import SCHEMES
+
+        if scheme not in SCHEMES:
+            raise BadInput(f"unknown --scheme `{scheme}` (known: {', '.join(SCHEMES)})")
+        bits, group, sym = SCHEMES[scheme]["bits"], SCHEMES[scheme]["group_size"], SCHEMES[scheme]["sym"]
     path = model_path(model)
-    s = {"bits": bits, "group_size": group, "sym": sym, "nsamples": nsamples, "seqlen": seqlen,
+    s = {"scheme": scheme, "bits": bits, "group_size": group, "sym": sym, "nsamples": nsamples, "seqlen": seqlen,
          "max_tokens": max_tokens, "peer_iters": peer_iters, "mc_task": mc_task, "mc_limit": mc_limit}
     t0 = time.time()
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "machine": machine(),
@@ -559,6 +606,14 @@ def run_peers(model: str, bits: int, group: int, sym: bool, *, nsamples: int = 1
             if cells and cell not in cells:
                 entry.update(status="not run", reason="not among --cells")
                 continue
+            if scheme and cell not in SCHEME_CELLS:
+                entry.update(status="not available", reason=f"a weight-only cell; --scheme {scheme} quantizes "
+                                                            "activations too")
+                continue
+            if not scheme and cell in NEEDS_SCHEME:
+                entry.update(status="not available", reason="SmoothQuant smooths for quantized activations: give "
+                                                            "--scheme w8a8-int8")
+                continue
             try:
                 for seed in ([seeds[0]] if cell in DATA_FREE else seeds):
                     log.info("peers: %s seed %s", cell, seed)
@@ -570,7 +625,7 @@ def run_peers(model: str, bits: int, group: int, sym: bool, *, nsamples: int = 1
                     elif cell == "ar-rtn":
                         row = autoround_cell(0, path, s, seed, calib[seed], linears, d)
                     elif tool == "llm-compressor":
-                        row = llmc_cell("gptq" if cell == "llmc-gptq" else "awq+rtn", path, s, seed, calib[seed],
+                        row = llmc_cell({"llmc-gptq": "gptq", "llmc-awq": "awq+rtn", "llmc-sq+gptq": "sq+gptq"}[cell], path, s, seed, calib[seed],
                                         linears, d)
                     else:
                         row = nncf_cell(path, s, seed, calib[seed], linears, d)
@@ -622,7 +677,7 @@ NOTES = {
 def markdown(res: dict) -> str:
     m = res["meta"]
     mach = m["machine"]
-    setting = f"W{m['bits']} g{m['group_size']} {'sym' if m['sym'] else 'asym'}"
+    setting = _setting(m)
     task = m.get("mc_task") or "task"
     fp = m.get("fp_task") or {}
     task_line = (f" `{task} acc`: accuracy on that log-likelihood multiple-choice task (lm-eval's scoring, "
@@ -662,6 +717,8 @@ def markdown(res: dict) -> str:
 
 
 def _setting(m: dict) -> str:
+    if m.get("scheme"):
+        return m["scheme"].upper()
     return f"W{m['bits']} g{m['group_size']} {'sym' if m['sym'] else 'asym'}"
 
 
