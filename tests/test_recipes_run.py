@@ -27,7 +27,7 @@ def test_bundled_recipes():
     required = {"quickstart.yaml", "w4-gptq.yaml", "w3-autoround.yaml", "w2-autoround.yaml", "w2-autoround-lfq.yaml",
                 "w4-onnx.yaml", "w4-openvino.yaml", "w2-walsh-autoround.yaml", "w2-walsh-fused-autoround.yaml",
                 "mixed-2.5-rl.yaml", "mixed-2.5-greedy.yaml", "prune-ffn25-w4.yaml",
-                "prunepath-w4.yaml", "gguf-q4_0.yaml", "gguf-q4_k_m.yaml"}
+                "prunepath-w4.yaml", "gguf-q4_0.yaml", "gguf-q4_k_m.yaml", "w8a8-int8.yaml"}
     assert required <= {p.name for p in RECIPES}
     assert (REPO / "recipes" / "moe-2.5-gemq.yaml").is_file() and (REPO / "recipes" / "select-probscale.yaml").is_file()
 
@@ -65,6 +65,13 @@ def test_bundled_recipe_runs_and_exports(recipe: Path, tmp_path):
         back = AutoModelForCausalLM.from_pretrained(out / "gguf", gguf_file=file.name)
         assert back.model.layers[0].self_attn.q_proj.weight.shape == (256, 256)
     if grid:
+        return
+    if stage.get("scheme"):  # weights and activations: compressed-tensors, loaded by transformers through its library
+        qc = json.loads((out / "compressed-tensors" / "config.json").read_text())["quantization_config"]
+        assert qc["quant_method"] == "compressed-tensors" and qc["config_groups"]["group_0"]["input_activations"]
+        loaded = AutoModelForCausalLM.from_pretrained(out / "compressed-tensors", dtype=torch.float32)
+        with torch.no_grad():
+            assert torch.isfinite(loaded(torch.tensor([[1, 400, 23, 1999]])).logits).all()
         return
     config = json.loads((out / "hf" / "config.json").read_text())
     qc = config["quantization_config"]

@@ -10,7 +10,8 @@ so the differences measured are the engine's. `compare` counts the equal tokens,
 
 Engines and what they load from a run's output directory (or an export directory given directly):
 
-    vllm            the hf export, in vLLM's own environment (`compress serve-env vllm`), a subprocess running
+    vllm            the hf export (or, for a weight-and-activation scheme, the compressed-tensors export, whose
+                    reference is transformers' loading of it), in vLLM's own environment (`compress serve-env vllm`), a subprocess running
                     `engines/vllm_worker.py`
     transformers    the hf export through `AutoModelForCausalLM.from_pretrained` (auto-round's loader, which forces
                     fp16 on CPU); the reference is then compress's own reading of the same files. `perplexity` also
@@ -118,10 +119,14 @@ def _directories(out: Path, engine: str) -> tuple[Path, Path]:
     fmt = READS[engine]
     if (out / "manifest.json").is_file():  # a run's output directory
         exports = _run_exports(out)
+        if fmt == "hf" and "hf" not in exports and "compressed-tensors" in exports:  # a weight-and-activation scheme
+            return exports["compressed-tensors"], exports["compressed-tensors"]
         if fmt not in exports:
             raise BadInput(f"`{out}` has no `{fmt}` export, which {engine} loads; add `{fmt}` to export.formats")
         export = exports[fmt]
         hf = exports.get("hf") or exports.get("fake")
+    elif fmt == "hf" and is_compressed_tensors(out):
+        return out, out
     else:
         export = out
         sibling = [out.parent / d for d in ("hf", "hf-fake") if (out.parent / d / "config.json").is_file()]
@@ -158,10 +163,24 @@ def _eos_ids(hf: Path) -> set[int]:
 
 # -- the reference and transformers -------------------------------------------------------------------
 
+def is_compressed_tensors(directory: Path) -> bool:
+    """A compressed-tensors checkpoint (compress's `compressed-tensors` export, llm-compressor's output)."""
+    config = Path(directory) / "config.json"
+    if not config.is_file():
+        return False
+    qc = json.loads(config.read_text()).get("quantization_config") or {}
+    return qc.get("quant_method") == "compressed-tensors"
+
+
 def reference_model(hf: Path, dtype: torch.dtype):
     """transformers' model class on exactly the export's weights: packed layers decoded by `read_quantized` into
-    plain `nn.Linear`s, every other tensor as stored; in `dtype`, eval mode."""
+    plain `nn.Linear`s, every other tensor as stored; in `dtype`, eval mode. A compressed-tensors checkpoint (a
+    weight-and-activation scheme) is transformers' own loading of it through the compressed-tensors library, which
+    quantizes the activations as the scheme says: the reference an engine serving that scheme must agree with."""
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    if is_compressed_tensors(hf):
+        return torch.nn.Module.to(AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32), dtype).eval()
 
     from compress.export.hf import load_tensors, read_quantized
     from compress.export.runtime import PACKED_SUFFIXES, _check_keys
@@ -277,6 +296,13 @@ def cpu_isa() -> str:
     return "AVX2" if torch.cpu._is_avx2_supported() else "no AVX2"
 
 
+def _kernel_of(line: str) -> str:
+    """The kernel a vLLM log line names: "Using CPUWNA16LinearKernel for ..." (mixed-precision layers) or "Selected
+    CPUInt8ScaledMMLinearKernel for CompressedTensorsW8A8Int8" (scaled-mm layers)."""
+    word = " Using " if " Using " in line else " Selected "
+    return line.split(word, 1)[1].split(" for ")[0]
+
+
 def _root_cause(log: str, lines: int = 25) -> str:
     """The first traceback of an engine's log (vLLM's engine process prints the root cause there; the caller's own
     traceback, last, only says the engine died) and the log's last lines."""
@@ -310,8 +336,8 @@ def _vllm(export: Path, prompts: list[list[int]], n_tokens: int, dtype: str) -> 
             raise RuntimeError(f"vLLM could not run {export} (exit {proc.returncode}):\n"
                                + _root_cause(proc.stdout + proc.stderr))
         data = json.loads(res.read_text())
-    kernels = sorted({line.split("Using ", 1)[1].split(" for ")[0] for line in (proc.stdout + proc.stderr).splitlines()
-                      if "Using " in line and "LinearKernel" in line})  # vLLM logs the kernel each linear runs
+    kernels = sorted({_kernel_of(line) for line in (proc.stdout + proc.stderr).splitlines()
+                      if "LinearKernel" in line and (" Using " in line or " Selected " in line)})
     return Decoded.from_json(data), {"vllm": data.get("vllm"), "kernels": kernels}
 
 
