@@ -407,6 +407,8 @@ def serve_check(
             typer.echo(f"against compress's reading with llama.cpp's activation rounding (linear layers: {types}): "
                        f"{e['tokens']['equal']}/{e['tokens']['total']} tokens equal, top-5 overlap "
                        f"{e['top5_overlap']}, max |dlogprob| {e['max_dlogprob']}")
+        if res.get("warning"):
+            typer.echo(f"warning: {res['warning']}", err=True)
         if res.get("floor"):
             f = res["floor"]
             typer.echo(f"floor: transformers in {res['dtype']}: {f['tokens']['equal']}/{f['tokens']['total']} tokens "
