@@ -38,6 +38,7 @@ class Facts:
     consumer: str | None = None  # method of the next quantize stage (the one an allocation plan is for)
     grid: str | None = None  # the next quantize stage's `gguf` type (it rounds on llama.cpp's grids), else None
     scheme: str | None = None  # the next quantize stage's weight-and-activation `scheme` (w8a8-int8), else None
+    activations: str = "dynamic"  # and its `activations` (dynamic | static)
     capabilities: frozenset = frozenset()  # what that method can do (registry.Entry.capabilities)
     layers: dict = field(default_factory=dict)  # quantize: {name: LayerSpec} it rounds; allocate: its consumer's
     plan_from: str | None = None  # quantize: the key of the allocate stage whose Plan it applies
@@ -94,7 +95,7 @@ def bind(recipe, adapter) -> Binding:
         q = _next(cfgs, i, "quantize")
         if q is not None:
             facts.rounding, facts.consumer = (cfgs[q].bits, cfgs[q].group_size, cfgs[q].sym), cfgs[q].method
-            facts.grid, facts.scheme = cfgs[q].gguf, cfgs[q].scheme
+            facts.grid, facts.scheme, facts.activations = cfgs[q].gguf, cfgs[q].scheme, cfgs[q].activations
             facts.capabilities = entries[q].capabilities
             facts.group_of = _group_of(cfgs, entries, i, q)
             layers.setdefault(q, planned_layers(adapter, cfgs[q]))
@@ -165,7 +166,7 @@ def _bind_exports(recipe, adapter, stages: list[Bound], base: ModelSpec, spec: M
     quantized = [(b.index, b.cfg.method, (b.cfg.bits, b.cfg.group_size, b.cfg.sym, b.cfg.gguf), b.facts.layers)
                  for b in stages if b.cfg.stage == "quantize"]
     _check_grids(stages, formats)
-    _check_schemes(stages, formats)
+    _check_schemes(stages, formats, recipe.model.stream)
     mixed = any(b.cfg.stage == "allocate" and not (b.entry.per_layer or b.facts.grid) for b in stages)  # chunks
     widths = {spec.bits for *_, layers in quantized for spec in layers.values()}
     for b in stages:
@@ -186,7 +187,7 @@ def _bind_exports(recipe, adapter, stages: list[Bound], base: ModelSpec, spec: M
     return out
 
 
-def _check_schemes(stages: list[Bound], formats: list[str]) -> None:
+def _check_schemes(stages: list[Bound], formats: list[str], stream: bool = False) -> None:
     """A quantize stage with an activation `scheme` writes only the exports that carry activation quantization
     (registry capability "activations"), and those exports write only such stages' layers."""
     quantize = [b for b in stages if b.cfg.stage == "quantize"]
@@ -199,8 +200,13 @@ def _check_schemes(stages: list[Bound], formats: list[str]) -> None:
             raise BadInput(f"stage {b.index} quantizes activations too (`scheme: {b.cfg.scheme}`), which "
                            f"{', '.join(other)} cannot carry (weights only): export `{', '.join(carry) or 'compressed-tensors'}`"
                            " instead, or drop `scheme` for a weight-only checkpoint")
-        if len({c.cfg.scheme for c in schemed}) > 1 or len(schemed) != len(quantize):
-            raise BadInput("every quantize stage of a run with an activation `scheme` needs the same scheme")
+        if len({(c.cfg.scheme, c.cfg.activations) for c in schemed}) > 1 or len(schemed) != len(quantize):
+            raise BadInput("every quantize stage of a run with an activation `scheme` needs the same scheme and "
+                           "`activations`")
+        if b.cfg.activations == "static" and stream:
+            raise BadInput(f"stage {b.index}: `activations: static` calibrates its scales with the whole model in "
+                           "memory after quantization; `model.stream` keeps one block at a time: use `activations: "
+                           "dynamic` (scales computed at run time) or load the model whole")
     elif carry and quantize:
         raise BadInput(f"export {carry[0]} writes checkpoints with activation quantization: give the quantize stage "
                        "`scheme: w8a8-int8`, or export weight-only checkpoints with `hf`")

@@ -101,12 +101,20 @@ class QuantizeConfig(StrictModel):
                           "quantized at run time; the evaluation computes with them, and only the `compressed-tensors` "
                           "export carries them")
 
+    activations: Literal["dynamic", "static"] = Field(
+        "dynamic", description="with a `scheme`: dynamic (a scale per token, computed at run time from the token) or "
+                               "static (one scale per layer input, calibrated once on the calibration text: max |x| "
+                               "/ 127.5, stored as the export's input_scale)")
+
     _gs = field_validator("group_size")(lambda cls, v: check_group_size(v))
 
     @model_validator(mode="before")
     @classmethod
     def _scheme(cls, v):
         """A scheme fixes the weights' grid: it fills bits / group_size / sym, and refuses other values for them."""
+        if isinstance(v, dict) and v.get("scheme") is None and v.get("activations", "dynamic") != "dynamic":
+            raise ValueError(f"`activations: {v['activations']}` quantizes activations: give a `scheme` "
+                             "(w8a8-int8) too")
         if not isinstance(v, dict) or v.get("scheme") is None:
             return v
         fixed = SCHEMES.get(v["scheme"])

@@ -74,6 +74,7 @@ class StageContext:
     _tokens: torch.Tensor | None = None
     calibration_info: dict = field(default_factory=dict)  # per source: format, tokens, windows drawn from it
     exports: dict = field(default_factory=dict)  # format -> what the run's earlier exports returned
+    activations: dict = field(default_factory=dict)  # {layer: ActivationSpec} of a weight-and-activation scheme
     _reference: ModelAdapter | None = None
     devices: list = field(default_factory=lambda: [torch.device("cpu")])  # the recipe's `device` first, resolved
 
@@ -113,6 +114,20 @@ class StageContext:
             self.workspace.save_manifest()
             self._tokens = tokens
         return self._tokens
+
+
+def _activations(ctx, binding: Binding, qweights: list, timings: list) -> dict:
+    """{layer: ActivationSpec} of a weight-and-activation scheme's layers ({} for a weight-only run), static scales
+    calibrated (compress/quantize/activations.py) in the dtype the compressed-tensors export stores them in."""
+    from compress.quantize.activations import calibrate
+
+    acts = scheme_layers(binding.stages, qweights)
+    if all(s.dynamic for s in acts.values()):
+        return acts
+    dtype = next((b.cfg.dtype for b in binding.exports if b.cfg.format == "compressed-tensors"), "float32")
+    log.info("activations: calibrating %d static input scales on the calibration text", len(acts))
+    with _timed(timings, "calibrate", "activations"):
+        return calibrate(ctx.model, acts, ctx.calibration_tokens(), getattr(torch, dtype or "float32"))
 
 
 def _hash(obj) -> str:
@@ -322,13 +337,17 @@ def _run(loaded, binding: Binding, ws: Workspace, quiet: bool) -> dict:
     if r.eval.enabled and (r.eval.data or r.eval.tasks) and r.model.stream:
         log.warning("model.stream: the in-run evaluation needs the whole model in memory and is skipped; "
                     "run `compress eval OUTPUT/hf --reference MODEL --data FILE` where memory allows")
-    elif evaluates:
+    # a weight-and-activation scheme: the evaluation computes with its quantized activations, the export stores them
+    ctx.activations = _activations(ctx, binding, handoffs.get(QuantizedWeights, []), timings)
+    acts = ctx.activations
+    if acts:
+        static = sum(not s.dynamic for s in acts.values())
+        report["activations"] = {"layers": len(acts), "static": static, "as": (
+            "int8 per tensor, static scales calibrated on the calibration text" if static else "int8 per token, "
+            "dynamic") + " (compressed-tensors' arithmetic: docs/formats.md#w8a8-int8)"}
+    if evaluates:
         log.info("evaluation: %s against the full-precision model", ", ".join(
             [Path(p).name for p in r.eval.data] + [f"task {t}" for t in r.eval.tasks]))
-        acts = scheme_layers(binding.stages, handoffs.get(QuantizedWeights, []))
-        if acts:  # a weight-and-activation scheme: the evaluation computes with its quantized activations
-            report["activations"] = {"layers": len(acts), "as": "fake-quantized per token, int8 (compressed-tensors' "
-                                     "arithmetic: docs/formats.md#w8a8-int8)"}
         with _timed(timings, "eval", adapter.kind), quantized_inputs(ctx.model, acts):
             if r.eval.data:
                 report["eval"] = evaluate(ctx, r)

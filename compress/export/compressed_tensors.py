@@ -4,12 +4,14 @@ transformers loads through the `compressed-tensors` library, carrying the activa
 `w8a8-int8` is written as compressed-tensors' `int-quantized` format: each quantized linear's `weight` is int8 (the
 code minus 128: compress's symmetric 8-bit grid has its zero point at 128, so the values are exactly the ones the
 run evaluated), `weight_scale` its (d_out, 1) per-channel scales in the export dtype, and one `config_groups` group
-per activation setting naming its layers, with `input_activations` int8 per token, dynamic. Unquantized tensors
+per activation setting naming its layers, with `input_activations` int8 per token, dynamic, or (`activations:
+static`) int8 per tensor with each layer's calibrated `input_scale` (shape (1,), the export dtype). Unquantized tensors
 (embeddings, norms, the LM head) are in the export dtype, a tied head stays tied.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -40,12 +42,14 @@ def int8_weight(qw: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def quantization_config(acts: dict[str, ActivationSpec], ignore: list[str]) -> dict:
+    """One `config_groups` group per activation setting (static layers share one: their scales are tensors)."""
     groups = {}
-    for spec in dict.fromkeys(acts.values()):
+    settings = {n: json.dumps(s.as_compressed_tensors(), sort_keys=True) for n, s in acts.items()}
+    for setting in dict.fromkeys(settings.values()):
         groups[f"group_{len(groups)}"] = {
-            "targets": sorted(n for n, s in acts.items() if s == spec),
+            "targets": sorted(n for n, s in settings.items() if s == setting),
             "weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "dynamic": False},
-            "input_activations": spec.as_compressed_tensors()}
+            "input_activations": json.loads(setting)}
     return {"quant_method": "compressed-tensors", "format": FORMAT, "quantization_status": "compressed",
             "config_groups": groups, "ignore": ignore, "kv_cache_scheme": None}
 
@@ -62,6 +66,8 @@ def export_compressed_tensors(model, qweights: dict[str, QuantizedWeight], acts:
         w, s = int8_weight(qw)
         state[f"{name}.weight"] = w
         state[f"{name}.weight_scale"] = s.to(DTYPES[dtype])
+        if not acts[name].dynamic:  # a static input scale, calibrated (already a value of `dtype`)
+            state[f"{name}.input_scale"] = torch.tensor([acts[name].scale], dtype=DTYPES[dtype])
     linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
     ignore = [n for n in linears if n not in qweights]
     out_dir = Path(out_dir)

@@ -143,12 +143,6 @@ class CompressedTensorsExportConfig(ExportConfig):
     dtype: Optional[Dtype] = Field(None, description=DTYPE_HELP + "; also the per-channel weight scales'")
 
 
-def run_scheme(recipe) -> str | None:
-    """The activation scheme of the recipe's quantize stages (the bind step allows one), or None."""
-    return next((c.scheme for c in recipe.stage_configs if c.stage == "quantize" and getattr(c, "scheme", None)),
-                None)
-
-
 def check_compressed_tensors(adapter, cfg: CompressedTensorsExportConfig, facts):
     """At plan time: the dtype (check_dtype); every quantized layer must be an int8 per-channel one."""
     from compress.export.compressed_tensors import check_layer
@@ -167,13 +161,11 @@ def check_compressed_tensors(adapter, cfg: CompressedTensorsExportConfig, facts)
           **EXPORT)
 def export_compressed_tensors_stage(ctx, cfg: CompressedTensorsExportConfig) -> dict:
     from compress.export.compressed_tensors import export_compressed_tensors
-    from compress.quantize.activations import SCHEME_ACTIVATIONS
 
     qweights = _qweights(ctx)
-    spec = SCHEME_ACTIVATIONS[run_scheme(ctx.loaded.recipe)]
     out = ctx.workspace.path(cfg.directory)
-    res = export_compressed_tensors(ctx.model, qweights, {n: spec for n in qweights}, ctx.tokenizer, out,
-                                    dtype=cfg.dtype, meta=_meta(ctx))
+    res = export_compressed_tensors(ctx.model, qweights, ctx.activations, ctx.tokenizer, out, dtype=cfg.dtype,
+                                    meta=_meta(ctx))
     return {"path": str(out), **res}
 
 

@@ -4,13 +4,18 @@ checkpoint is served with, so that the run's evaluation is the number a user get
 `w8a8-int8`: each linear's input is quantized per token (dynamic: the scale is computed at run time from the token's
 own values), symmetric int8, as compressed-tensors defines it (what transformers computes when it loads the
 export): `s = max|x| / 127.5` (the range 255 over 2; a zero scale becomes float32's eps), `q = clamp(round(x / s),
--128, 127)`, `x_hat = q s`. tests/quantize/test_activations.py checks it against compressed-tensors' own forward.
+-128, 127)`, `x_hat = q s`. tests/export/test_compressed_tensors.py checks it against compressed-tensors' own forward.
+
+`activations: static`: one scale per layer input (strategy `tensor`), calibrated once after the quantize stages on
+the calibration text, through the model with its quantized weights and full-precision activations (`calibrate`):
+`s = max|x| / 127.5` over every calibration token, rounded to the dtype the export stores it in (its `input_scale`),
+so the evaluation uses the stored value; `q = clamp(round(x / s), -128, 127)` as above.
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -19,8 +24,9 @@ from torch import nn
 @dataclass(frozen=True)
 class ActivationSpec:
     bits: int = 8
-    strategy: str = "token"  # one scale per token (a row of the linear's input)
+    strategy: str = "token"  # one scale per token (a row of the linear's input), or "tensor" (static)
     dynamic: bool = True
+    scale: float | None = None  # static: the calibrated scale (None: not calibrated yet)
 
     def as_compressed_tensors(self) -> dict:
         """The `input_activations` entry of a compressed-tensors `config_groups` group."""
@@ -29,12 +35,26 @@ class ActivationSpec:
 
 
 SCHEME_ACTIVATIONS = {"w8a8-int8": ActivationSpec()}
+STATIC_ACTIVATIONS = {"w8a8-int8": ActivationSpec(strategy="tensor", dynamic=False)}
+
+
+def spec_of(scheme: str | None, activations: str = "dynamic") -> ActivationSpec | None:
+    """The activation setting of a quantize stage's `scheme` and `activations` (None: weight-only)."""
+    if scheme is None:
+        return None
+    return (STATIC_ACTIVATIONS if activations == "static" else SCHEME_ACTIVATIONS)[scheme]
 
 
 def fake_quant(x: torch.Tensor, spec: ActivationSpec) -> torch.Tensor:
-    """`x` quantized and dequantized per token (module docstring), in x's dtype."""
+    """`x` quantized and dequantized (module docstring), in x's dtype: per token, or with the static scale (one not
+    calibrated yet: max |x| over the whole tensor, as calibration would give on x alone)."""
     half = (2 ** spec.bits - 1) / 2
-    s = x.abs().amax(-1, keepdim=True) / half
+    if spec.dynamic:
+        s = x.abs().amax(-1, keepdim=True) / half
+    elif spec.scale is not None:
+        s = torch.tensor(spec.scale, dtype=x.dtype)
+    else:
+        s = x.abs().amax() / half
     s = torch.where(s == 0, torch.finfo(torch.float32).eps, s)
     lo, hi = -(2 ** (spec.bits - 1)), 2 ** (spec.bits - 1) - 1
     return torch.clamp(torch.round(x / s), lo, hi) * s
@@ -57,6 +77,32 @@ def quantized_inputs(model: nn.Module, layers: dict[str, ActivationSpec]):
 def scheme_layers(stages, qweights) -> dict[str, ActivationSpec]:
     """{layer: ActivationSpec} of every layer a quantize stage with an activation scheme rounded: `stages` are the
     bound stages (their configs as run), `qweights` the QuantizedWeights hand-offs (`.stage`, `.weights`)."""
-    specs = {b.key: SCHEME_ACTIVATIONS[b.cfg.scheme] for b in stages
-             if b.cfg.stage == "quantize" and getattr(b.cfg, "scheme", None) in SCHEME_ACTIVATIONS}
+    specs = {b.key: spec_of(b.cfg.scheme, b.cfg.activations) for b in stages
+             if b.cfg.stage == "quantize" and getattr(b.cfg, "scheme", None) is not None}
     return {name: specs[q.stage] for q in qweights if q.stage in specs for name in q.weights}
+
+
+@torch.no_grad()
+def calibrate(model: nn.Module, layers: dict[str, ActivationSpec], tokens: torch.Tensor, dtype: torch.dtype,
+              batch_size: int = 8) -> dict[str, ActivationSpec]:
+    """`layers` with every static spec's scale calibrated: max |x| / 127.5 at the layer's input over `tokens`
+    (batches of windows through `model`, its activations in full precision), rounded to `dtype` (the stored
+    input_scale's). Dynamic specs are returned as they are."""
+    static = [n for n, s in layers.items() if not s.dynamic]
+    top = dict.fromkeys(static, 0.0)
+    handles = []
+    try:
+        for name in static:
+            handles.append(model.get_submodule(name).register_forward_pre_hook(
+                lambda _m, args, name=name: top.__setitem__(name, max(top[name], float(args[0].abs().amax())))))
+        for i in range(0, tokens.shape[0], batch_size):
+            model(tokens[i:i + batch_size])
+    finally:
+        for h in handles:
+            h.remove()
+    out = dict(layers)
+    for name in static:
+        half = (2 ** layers[name].bits - 1) / 2
+        s = torch.tensor(max(top[name], 1e-30) / half, dtype=torch.float32).to(dtype).float().item()
+        out[name] = replace(layers[name], scale=s)
+    return out

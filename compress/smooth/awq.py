@@ -42,7 +42,7 @@ import torch
 from pydantic import Field
 
 from compress.config import StrictModel
-from compress.driver import advance, block_forward, capture_block0_inputs
+from compress.driver import advance, capture_block0_inputs
 from compress.errors import BadInput
 from compress.primitives import CLIP_RATIOS, group_round, group_view, resolve_group
 from compress.registry import register
@@ -129,28 +129,12 @@ def _collect(adapter, i: int, groups: list[fold.Group], acts, kwargs) -> tuple[d
     readers whose rows are not the tap's (routed experts)."""
     at_tap = {g.key: _Stat() for g in groups}
     own: dict[int, _Stat] = {}
-    hooks = []
-
-    def hook_for(stat, gram, absolute, where):
-        if where == "output":
-            return lambda _m, _a, out: stat.add(out, gram, absolute)
-        return lambda _m, args: stat.add(args[0], gram, absolute)
-
-    try:
-        for g in groups:
-            m, where = g.tap
-            register = m.register_forward_hook if where == "output" else m.register_forward_pre_hook
-            hooks.append(register(hook_for(at_tap[g.key], True, True, where)))
-        for e in adapter.experts(i) or ():  # an expert's gate/up read the rows routed to it
-            st = _Stat()
-            own[id(e.gate_proj)] = own[id(e.up_proj)] = st
-            hooks.append(e.gate_proj.register_forward_pre_hook(hook_for(st, True, False, "input")))
-        with torch.no_grad():
-            for x, kw in zip(acts, kwargs):
-                block_forward(adapter.blocks[i], x, kw)
-    finally:
-        for h in hooks:
-            h.remove()
+    taps = [(*g.tap, lambda x, st=at_tap[g.key]: st.add(x, True, True)) for g in groups]
+    for e in adapter.experts(i) or ():  # an expert's gate/up read the rows routed to it
+        st = _Stat()
+        own[id(e.gate_proj)] = own[id(e.up_proj)] = st
+        taps.append((e.gate_proj, "input", lambda x, st=st: st.add(x, True, False)))
+    fold.watch(adapter, i, taps, acts, kwargs)
     return at_tap, own
 
 
@@ -291,7 +275,6 @@ def apply(ctx, cfg: AWQConfig) -> dict:
 
 def _block(adapter, i, cfg, groups, linears, specs, acts, kwargs, metrics, clip_fracs) -> tuple[dict, dict]:
     """Search block i's scales, fold them (checking the block's output is unchanged), search and apply its clipping."""
-    block = adapter.blocks[i]
     name_of = {id(m): nm for nm, m in linears.items()}
     at_tap, own = _collect(adapter, i, groups, acts, kwargs)
     scales, col_scale = {}, {}
@@ -317,11 +300,7 @@ def _block(adapter, i, cfg, groups, linears, specs, acts, kwargs, metrics, clip_
         cols = fold.spread(s, g.tie)
         for m in g.readers:
             col_scale[id(m)] = cols
-    with torch.no_grad():
-        ref = block_forward(block, acts[0], kwargs[0])
-        fold.apply_scales(adapter, groups, scales)
-        out = block_forward(block, acts[0], kwargs[0])
-    metrics["fold_error"] = max(metrics["fold_error"], float((out - ref).norm() / ref.norm().clamp(min=1e-30)))
+    metrics["fold_error"] = max(metrics["fold_error"], fold.apply_checked(adapter, i, groups, scales, acts[0], kwargs[0]))
     clips = {}
     if cfg.clip is True:
         skip = {id(adapter.role(i, r)) for r in NO_CLIP if r in adapter.arch.roles}

@@ -76,6 +76,26 @@ def check_foldable(adapter, method: str) -> set[str]:
     return have
 
 
+def watch(adapter, i: int, taps: list, acts, kwargs) -> None:
+    """One pass of the calibration activations through block i, `fn(x)` called with what each tap sees: `taps` are
+    (module, "output" | "input", fn)."""
+    from compress.driver import block_forward
+
+    hooks = []
+    try:
+        for m, where, fn in taps:
+            if where == "output":
+                hooks.append(m.register_forward_hook(lambda _m, _a, out, fn=fn: fn(out)))
+            else:
+                hooks.append(m.register_forward_pre_hook(lambda _m, args, fn=fn: fn(args[0])))
+        with torch.no_grad():
+            for x, kw in zip(acts, kwargs):
+                block_forward(adapter.blocks[i], x, kw)
+    finally:
+        for h in hooks:
+            h.remove()
+
+
 def tied(v: torch.Tensor, tie) -> torch.Tensor:
     """A per-channel vector of o's input averaged over the query heads that share one KV head."""
     if tie is None:
@@ -122,6 +142,17 @@ def rounded(W: torch.Tensor, spec) -> torch.Tensor:
     d_out, d_in = W.shape
     Wg = group_view(W, resolve_group(d_in, spec.group_size))  # primitives.rtn's arithmetic, without its codes
     return group_round(Wg, spec.bits, spec.sym)[2].reshape(d_out, -1)[:, :d_in]
+
+
+def apply_checked(adapter, i: int, groups: list[Group], scales: dict, x: torch.Tensor, kw: dict) -> float:
+    """`apply_scales`, and the relative change of block i's output on one calibration batch (round-off only)."""
+    from compress.driver import block_forward
+
+    with torch.no_grad():
+        ref = block_forward(adapter.blocks[i], x, kw)
+        apply_scales(adapter, groups, scales)
+        out = block_forward(adapter.blocks[i], x, kw)
+    return float((out - ref).norm() / ref.norm().clamp(min=1e-30))
 
 
 def save_block(ctx, filename: str, tensors: dict) -> None:

@@ -33,9 +33,9 @@ import torch
 from pydantic import Field
 
 from compress.config import StrictModel
-from compress.driver import advance, block_forward, capture_block0_inputs
+from compress.driver import advance, capture_block0_inputs
 from compress.errors import BadInput
-from compress.quantize.activations import SCHEME_ACTIVATIONS, fake_quant
+from compress.quantize.activations import SCHEME_ACTIVATIONS, fake_quant, spec_of
 from compress.registry import register
 from compress.smooth import fold
 
@@ -103,21 +103,7 @@ def _collect(adapter, i: int, groups: list[fold.Group], acts, kwargs, cfg: Smoot
     total = sum(x.shape[0] * x.shape[1] for x in acts)
     gen = torch.Generator().manual_seed(cfg.seed * 100003 + i)
     stats = {g.key: _Rows(min(1.0, cfg.rows / max(total, 1)), gen) for g in groups}
-    hooks = []
-    try:
-        for g in groups:
-            m, where = g.tap
-            st = stats[g.key]
-            if where == "output":
-                hooks.append(m.register_forward_hook(lambda _m, _a, out, st=st: st.add(out)))
-            else:
-                hooks.append(m.register_forward_pre_hook(lambda _m, args, st=st: st.add(args[0])))
-        with torch.no_grad():
-            for x, kw in zip(acts, kwargs):
-                block_forward(adapter.blocks[i], x, kw)
-    finally:
-        for h in hooks:
-            h.remove()
+    fold.watch(adapter, i, [(*g.tap, stats[g.key].add) for g in groups], acts, kwargs)
     return stats
 
 
@@ -174,11 +160,7 @@ def _block(adapter, i, cfg, groups, linears, specs, act, acts, kwargs, metrics) 
         metrics["error"] += err
         if s is not None:
             scales[g.key] = s
-    with torch.no_grad():
-        ref = block_forward(adapter.blocks[i], acts[0], kwargs[0])
-        fold.apply_scales(adapter, groups, scales)
-        out = block_forward(adapter.blocks[i], acts[0], kwargs[0])
-    metrics["fold_error"] = max(metrics["fold_error"], float((out - ref).norm() / ref.norm().clamp(min=1e-30)))
+    metrics["fold_error"] = max(metrics["fold_error"], fold.apply_checked(adapter, i, groups, scales, acts[0], kwargs[0]))
     return scales
 
 
@@ -190,7 +172,7 @@ def apply(ctx, cfg: SmoothQuantConfig) -> dict:
     facts = getattr(ctx, "facts", None)
     check(adapter, cfg, facts)
     specs = dict(getattr(facts, "layers", None) or {})
-    act = SCHEME_ACTIVATIONS[facts.scheme]
+    act = spec_of(facts.scheme, getattr(facts, "activations", "dynamic"))  # static: the sample's own range
     n = len(adapter.blocks)
     saved = [fold.load_block(ctx, FOLD.format(i)) for i in range(n)]
     acts = kwargs = None

@@ -111,3 +111,51 @@ def test_transformers_computes_what_the_run_evaluated(tmp_path, method):
     assert rc == 0, err
     ev, run = json.loads(stdout)["botchan-eval.txt"], report["eval"]["botchan-eval.txt"]
     assert ev["kl"] == pytest.approx(run["kl"], rel=1e-3, abs=1e-6) and ev["top1"] == pytest.approx(run["top1"])
+
+
+def test_static_activation_scales_are_calibrated_stored_and_read(tmp_path):
+    """`activations: static`: one input scale per layer, calibrated on the calibration text (max |x| / 127.5 in the
+    export dtype), stored as `input_scale` with a per-tensor, non-dynamic group; transformers' load of the export
+    computes what the run evaluated, and `compress eval` of it gives the run's KL. Without a scheme it is refused."""
+    from transformers import AutoModelForCausalLM
+
+    from compress.export.hf import load_tensors
+    from compress.quantize.activations import ActivationSpec, quantized_inputs
+
+    out = tmp_path / "out"
+    r = recipe(tmp_path, "rtn", scheme="scheme: w8a8-int8, activations: static",
+               fmt="{format: compressed-tensors, dtype: float32}")
+    rc, stdout, err = invoke("run", r, "-o", out, "--json")
+    assert rc == 0, err
+    report = json.loads(stdout)
+    assert report["activations"]["static"] == 28
+    ct = out / "compressed-tensors"
+    group = json.loads((ct / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"]
+    assert group["input_activations"] == {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "tensor",
+                                          "dynamic": False} and len(group["targets"]) == 28
+    tensors = load_tensors(ct)
+    scales = {n: tensors[f"{n}.input_scale"] for n in group["targets"]}
+    assert all(s.shape == (1,) and float(s) > 0 for s in scales.values())
+    assert len({float(s) for s in scales.values()}) > 10  # calibrated per layer
+
+    theirs = AutoModelForCausalLM.from_pretrained(ct, dtype=torch.float32).eval()
+    ours = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32).eval()
+    specs = {n: ActivationSpec(strategy="tensor", dynamic=False, scale=float(scales[n])) for n in group["targets"]}
+    with torch.no_grad():
+        for name in group["targets"]:
+            ours.get_submodule(name).weight.copy_(tensors[f"{name}.weight"].float() * tensors[f"{name}.weight_scale"])
+        ids = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(0))
+        with quantized_inputs(ours, specs):
+            a = ours(ids).logits
+        b = theirs(ids).logits
+        with quantized_inputs(ours, {n: ActivationSpec() for n in specs}):
+            dynamic = ours(ids).logits  # per-token scales: a different arithmetic
+    assert (a - b).abs().max() <= 1e-5 * a.abs().max(), float((a - b).abs().max())
+    assert (dynamic - b).abs().max() > 100 * (a - b).abs().max()
+    rc, stdout, err = invoke("eval", ct, "--reference", MODEL, "--data", "bundled:botchan-eval", "--max-tokens",
+                             "1024", "--gen-prompts", "0", "--json")
+    assert rc == 0, err
+    ev, run = json.loads(stdout)["botchan-eval.txt"], report["eval"]["botchan-eval.txt"]
+    assert ev["kl"] == pytest.approx(run["kl"], rel=1e-3, abs=1e-6)
+    rc, _, err = invoke("run", recipe(tmp_path, scheme="bits: 8, activations: static", fmt="hf"), "--dry-run")
+    assert rc == 1 and "give a `scheme`" in err, err

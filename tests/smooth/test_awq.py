@@ -108,20 +108,24 @@ def test_fused_projections_are_said_at_plan_time():
     assert set(metrics["scaled"]) <= {"attn_in", "mlp_in"}
 
 
-def _rounding_error(model, x, bits, group, sym):
-    """Output error of round-to-nearest of every block linear on the model's own activations, summed."""
+def layer_errors(model, x, error) -> float:
+    """`error(linear, input, output)` summed over every block linear on the model's own activations."""
     err, hooks = [0.0], []
     for m in model.model.layers.modules():
         if isinstance(m, torch.nn.Linear):
-            def hook(mod, args, out):
-                W = mod.weight
-                err[0] += float(((args[0] @ (W - fake_quantize(W, bits, group, sym)).T) ** 2).sum())
-            hooks.append(m.register_forward_hook(hook))
+            hooks.append(m.register_forward_hook(lambda mod, args, out: err.__setitem__(
+                0, err[0] + error(mod, args[0], out))))
     with torch.no_grad():
         model(x)
     for h in hooks:
         h.remove()
     return err[0]
+
+
+def _rounding_error(model, x, bits, group, sym):
+    """Output error of round-to-nearest of every block linear, summed."""
+    return layer_errors(model, x, lambda mod, inp, _out: float(
+        ((inp @ (mod.weight - fake_quantize(mod.weight, bits, group, sym)).T) ** 2).sum()))
 
 
 def test_scales_lower_the_error_they_search_against():

@@ -21,7 +21,7 @@ from compress.smooth.fold import rounded
 from compress.smooth.smoothquant import SmoothQuantConfig
 from tests.conftest import MODELS, invoke
 from tests.rotating import exact_rmsnorm, ids
-from tests.smooth.test_awq import _Bar, _exact_gemma_norms
+from tests.smooth.test_awq import _Bar, _exact_gemma_norms, layer_errors
 from tests.tiny import tiny_causal
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning", "ignore::DeprecationWarning")
@@ -57,18 +57,12 @@ def test_smoothing_is_exact_in_float64(model_type):
 
 def _served_error(model, x):
     """Relative output error of W8A8 (per-token int8 inputs, per-channel int8 weights) of every block linear."""
-    err, hooks, act = [0.0], [], SCHEME_ACTIVATIONS["w8a8-int8"]
-    for m in model.model.layers.modules():
-        if isinstance(m, torch.nn.Linear):
-            def hook(mod, args, out):
-                y = fake_quant(args[0], act) @ rounded(mod.weight.float(), W8).T
-                err[0] += float((y - out).pow(2).sum() / out.pow(2).sum())
-            hooks.append(m.register_forward_hook(hook))
-    with torch.no_grad():
-        model(x)
-    for h in hooks:
-        h.remove()
-    return err[0]
+    act = SCHEME_ACTIVATIONS["w8a8-int8"]
+
+    def error(mod, inp, out):
+        y = fake_quant(inp, act) @ rounded(mod.weight.float(), W8).T
+        return float((y - out).pow(2).sum() / out.pow(2).sum())
+    return layer_errors(model, x, error)
 
 
 def test_searched_smoothing_lowers_the_served_error():
