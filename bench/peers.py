@@ -52,6 +52,10 @@ its FP weights are a dequantized Q4_1 GGUF grid):
     python -m bench peers --model smollm2-135m-instruct --bits 2 --group 64 --asym --seeds 0,1,2 \
         --json bench/peers-smollm2-w2g64asym.json --markdown bench/peers-smollm2-w2g64asym.md
 
+    python -m bench peers --model smollm2-135m-instruct --scheme w8a8-int8 --nsamples 64 --seqlen 256 \
+        --seeds 0 --cells rtn,gptq,sq+gptq,llmc-gptq,llmc-sq+gptq --mc-task '' --build-env llmcompressor \
+        --json bench/peers-smollm2-w8a8.json --markdown bench/peers-smollm2-w8a8.md
+
 The bench/peers-smollm2-*.md files were made with lighter settings for a 2-core machine (`--nsamples 64 --seqlen
 256 --peer-iters 50 --seeds 0` and a subset of `--cells`; each file's header gives its command), and
 `python -m bench peers-summary bench/peers-smollm2-*.json` tabulates them (docs/quantize.md).
