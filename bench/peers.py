@@ -717,6 +717,14 @@ def markdown(res: dict) -> str:
         lines += ["", f"Every cell quantized the same {weights.pop():,} weights "
                       f"({ok[0]['runs'][0].get('quantized_layers')} linear layers)."]
     lines += ["", "What each peer did:", ""] + [f"- {tool}: {note}." for tool, note in NOTES.items()]
+    if m.get("scheme"):
+        lines += ["", f"With `--scheme {m['scheme']}` the above is replaced, for every tool, by: each checkpoint is "
+                      "compressed-tensors (compress: its `compressed-tensors` export; llm-compressor: its own save), "
+                      "loaded by transformers through compressed-tensors (activations quantized as the checkpoint "
+                      "says) and scored by compress's evaluator on the same tokens; bytes: weight + weight_scale of "
+                      "the quantized layers. llm-compressor runs its W8A8 preset (`GPTQModifier(scheme=\"W8A8\")`, "
+                      "after `SmoothQuantModifier(smoothing_strength=0.8)` in llmc-sq+gptq, as its "
+                      "examples/quantization_w8a8_int8 does)."]
     return "\n".join(lines) + "\n"
 
 
