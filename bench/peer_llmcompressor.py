@@ -92,24 +92,22 @@ def main(job_path: str) -> None:
     windows = torch.load(job["windows"])
     n, seqlen = windows.shape
     ds = Dataset.from_dict({"input_ids": windows.tolist(), "attention_mask": torch.ones_like(windows).tolist()})
-    # W4A16-style: integer weights in groups, activations untouched, every Linear but the LM head
     if job.get("scheme"):  # a weight-and-activation preset (llm-compressor's examples/quantization_w8a8_int8)
         preset = {"w8a8-int8": "W8A8"}[job["scheme"]]
-        recipe = [SmoothQuantModifier(smoothing_strength=0.8)] if job["method"] == "sq+gptq" else []
-        recipe.append(GPTQModifier(targets="Linear", scheme=preset, ignore=["lm_head"]))
         if job["method"] not in ("gptq", "sq+gptq"):
             raise SystemExit(f"method {job['method']!r} has no {preset} recipe here")
-    scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(
-        num_bits=job["bits"], type="int", symmetric=job["sym"], strategy="group", group_size=job["group_size"]))
-    quant = {"config_groups": {"group_0": scheme}, "ignore": ["lm_head"]}
-    if job.get("scheme"):
-        pass
-    elif job["method"] == "gptq":
-        recipe = [GPTQModifier(**quant)]  # its defaults: block_size 128, dampening_frac 0.01, actorder static
-    elif job["method"] == "awq+rtn":
-        recipe = [AWQModifier(), QuantizationModifier(**quant)]  # AWQ's defaults (n_grid 20, duo_scaling True)
-    else:
-        raise SystemExit(f"unknown method {job['method']!r}")
+        recipe = [SmoothQuantModifier(smoothing_strength=0.8)] if job["method"] == "sq+gptq" else []
+        recipe.append(GPTQModifier(targets="Linear", scheme=preset, ignore=["lm_head"]))
+    else:  # W4A16-style: integer weights in groups, activations untouched, every Linear but the LM head
+        scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(
+            num_bits=job["bits"], type="int", symmetric=job["sym"], strategy="group", group_size=job["group_size"]))
+        quant = {"config_groups": {"group_0": scheme}, "ignore": ["lm_head"]}
+        if job["method"] == "gptq":
+            recipe = [GPTQModifier(**quant)]  # its defaults: block_size 128, dampening_frac 0.01, actorder static
+        elif job["method"] == "awq+rtn":
+            recipe = [AWQModifier(), QuantizationModifier(**quant)]  # AWQ's defaults (n_grid 20, duo_scaling True)
+        else:
+            raise SystemExit(f"unknown method {job['method']!r}")
     model = AutoModelForCausalLM.from_pretrained(job["model"], dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(job["model"])
     t = time.time()
