@@ -30,8 +30,8 @@ NNCF (in this environment: `pip install nncf==3.4.0`, OpenVINO backend)
     low-bit code, zero-point and scale constants.
 
 `--scheme w8a8-int8` (issue #51): weights and activations instead of a weight setting: int8 per-channel symmetric
-weights, int8 per-token dynamic activations. Cells rtn, gptq and sq+gptq (`{stage: smooth, method: smoothquant}`,
-alpha searched) exported as compressed-tensors; llmc-gptq and llmc-sq+gptq run llm-compressor's W8A8 preset (its
+weights, int8 per-token dynamic activations. Cells rtn, gptq, sq+gptq and sq+rtn (`{stage: smooth, method: smoothquant}`,
+alpha searched; sq0.8+rtn: `alpha: 0.8`, llm-compressor's example's strength) exported as compressed-tensors; llmc-gptq and llmc-sq+gptq run llm-compressor's W8A8 preset (its
 examples/quantization_w8a8_int8: `SmoothQuantModifier(smoothing_strength=0.8)` then `GPTQModifier(scheme="W8A8")`).
 Every checkpoint is scored as served: loaded by transformers through compressed-tensors (quantized activations
 included) and evaluated by compress's evaluator; bytes: weight + weight_scale.
@@ -102,6 +102,8 @@ CELLS = {
     "awq+gptq": ("compress", "smooth awq -> gptq"),
     "awq+autoround": ("compress", "smooth awq -> autoround (final_block: same)"),
     "sq+gptq": ("compress", "smooth smoothquant (alpha searched) -> gptq"),
+    "sq+rtn": ("compress", "smooth smoothquant (alpha searched) -> rtn"),
+    "sq0.8+rtn": ("compress", "smooth smoothquant (alpha: 0.8, llm-compressor's example) -> rtn"),
     "autoround+lfq": ("compress", "autoround, final_block: lfq"),
     "ar": ("auto-round", "AutoRound (its default algorithm)"),
     "ar-rtn": ("auto-round", "AutoRound iters=0 (its RTN, opt-RTN)"),
@@ -113,8 +115,8 @@ CELLS = {
 DATA_FREE = {"rtn", "rtn-opt"}
 # with a weight-and-activation `--scheme`: the cells that can run it (the others are weight-only methods or tools), and
 # the cells that only make sense with one (SmoothQuant smooths for quantized activations)
-SCHEME_CELLS = {"rtn", "gptq", "sq+gptq", "llmc-gptq", "llmc-sq+gptq"}
-NEEDS_SCHEME = {"sq+gptq", "llmc-sq+gptq"}
+SCHEME_CELLS = {"rtn", "gptq", "sq+gptq", "sq+rtn", "sq0.8+rtn", "llmc-gptq", "llmc-sq+gptq"}
+NEEDS_SCHEME = {"sq+gptq", "sq+rtn", "sq0.8+rtn", "llmc-sq+gptq"}
 METRICS = ("kl", "top1", "ppl_ratio", "ppl", "acc", "acc_norm", "linear_bytes", "effective_bits", "quantize_seconds")
 
 
@@ -289,7 +291,8 @@ def score_weights(weights: dict, path: str, s: dict, tmp: Path) -> dict:
 
 def compress_recipe(path: str, cell: str, s: dict, seed: int) -> dict:
     method = {"rtn": "rtn", "rtn-opt": "rtn", "gptq": "gptq", "autoround": "autoround", "awq+gptq": "gptq",
-              "awq+autoround": "autoround", "autoround+lfq": "autoround", "sq+gptq": "gptq"}[cell]
+              "awq+autoround": "autoround", "autoround+lfq": "autoround", "sq+gptq": "gptq", "sq+rtn": "rtn",
+              "sq0.8+rtn": "rtn"}[cell]
     q = {"stage": "quantize", "method": method, "bits": s["bits"], "group_size": s["group_size"], "sym": s["sym"]}
     if s.get("scheme"):  # the scheme fixes the weights' grid
         q = {"stage": "quantize", "method": method, "scheme": s["scheme"]}
@@ -297,8 +300,9 @@ def compress_recipe(path: str, cell: str, s: dict, seed: int) -> dict:
         q["optimize"] = True
     if method == "autoround":
         q.update(iters=s["peer_iters"], final_block="lfq" if cell == "autoround+lfq" else "same")
-    smooth = "awq" if cell.startswith("awq+") else "smoothquant" if cell.startswith("sq+") else None
-    stages = ([{"stage": "smooth", "method": smooth}] if smooth else []) + [q]
+    smooth = "awq" if cell.startswith("awq+") else "smoothquant" if cell.startswith("sq") else None
+    first = {"stage": "smooth", "method": smooth, **({"alpha": 0.8} if cell.startswith("sq0.8") else {})}
+    stages = ([first] if smooth else []) + [q]
     return {"version": 1, "description": f"bench peers: {cell} W{s['bits']} g{s['group_size']}",
             "model": {"path": path, "dtype": "float32"},
             "calibration": {"sources": [str(VALID)], "nsamples": s["nsamples"], "seqlen": s["seqlen"], "seed": seed},
