@@ -62,7 +62,10 @@ def test_sigkill_anywhere_then_resume_is_bit_identical_and_clean(tmp_path):
         time.sleep(rng.uniform(0.5, duration))
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-        moments.add(_moment(out))
+        moment = _moment(out)
+        moments.add(moment)
+        if moment == "finished":  # the machine got faster than during the clean run: draw earlier kills
+            duration = max(1.0, 0.7 * duration)
         resumed = _run(r, out, "--resume")
         assert resumed.returncode == 0, (trial, resumed.stderr)
         assert _artifacts(out) == expected, trial
