@@ -11,7 +11,7 @@ static`) int8 per tensor with each layer's calibrated `input_scale` (shape (1,),
 
 from __future__ import annotations
 
-import json
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -44,12 +44,12 @@ def int8_weight(qw: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
 def quantization_config(acts: dict[str, ActivationSpec], ignore: list[str]) -> dict:
     """One `config_groups` group per activation setting (static layers share one: their scales are tensors)."""
     groups = {}
-    settings = {n: json.dumps(s.as_compressed_tensors(), sort_keys=True) for n, s in acts.items()}
+    settings = {n: replace(s, scale=None) for n, s in acts.items()}  # a static layer's own scale is a tensor
     for setting in dict.fromkeys(settings.values()):
         groups[f"group_{len(groups)}"] = {
             "targets": sorted(n for n, s in settings.items() if s == setting),
             "weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "dynamic": False},
-            "input_activations": json.loads(setting)}
+            "input_activations": setting.as_compressed_tensors()}
     return {"quant_method": "compressed-tensors", "format": FORMAT, "quantization_status": "compressed",
             "config_groups": groups, "ignore": ignore, "kv_cache_scheme": None}
 

@@ -28,6 +28,11 @@ class ActivationSpec:
     dynamic: bool = True
     scale: float | None = None  # static: the calibrated scale (None: not calibrated yet)
 
+    @property
+    def half(self) -> float:
+        """Half the integer range: max |x| / half is the scale that maps max |x| to the grid's edge (127.5)."""
+        return (2 ** self.bits - 1) / 2
+
     def as_compressed_tensors(self) -> dict:
         """The `input_activations` entry of a compressed-tensors `config_groups` group."""
         return {"num_bits": self.bits, "type": "int", "symmetric": True, "strategy": self.strategy,
@@ -48,7 +53,7 @@ def spec_of(scheme: str | None, activations: str = "dynamic") -> ActivationSpec 
 def fake_quant(x: torch.Tensor, spec: ActivationSpec) -> torch.Tensor:
     """`x` quantized and dequantized (module docstring), in x's dtype: per token, or with the static scale (one not
     calibrated yet: max |x| over the whole tensor, as calibration would give on x alone)."""
-    half = (2 ** spec.bits - 1) / 2
+    half = spec.half
     if spec.dynamic:
         s = x.abs().amax(-1, keepdim=True) / half
     elif spec.scale is not None:
@@ -102,7 +107,6 @@ def calibrate(model: nn.Module, layers: dict[str, ActivationSpec], tokens: torch
             h.remove()
     out = dict(layers)
     for name in static:
-        half = (2 ** layers[name].bits - 1) / 2
-        s = torch.tensor(max(top[name], 1e-30) / half, dtype=torch.float32).to(dtype).float().item()
+        s = torch.tensor(max(top[name], 1e-30) / layers[name].half, dtype=torch.float32).to(dtype).float().item()
         out[name] = replace(layers[name], scale=s)
     return out
