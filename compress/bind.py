@@ -209,7 +209,7 @@ def _check_schemes(stages: list[Bound], formats: list[str], stream: bool = False
                            "dynamic` (scales computed at run time) or load the model whole")
     elif carry and quantize:
         raise BadInput(f"export {carry[0]} writes checkpoints with activation quantization: give the quantize stage "
-                       "`scheme: w8a8-int8`, or export weight-only checkpoints with `hf`")
+                       "`scheme: w8a8-int8` (or `fp8`), or export weight-only checkpoints with `hf`")
 
 
 def _check_grids(stages: list[Bound], formats: list[str]) -> None:

@@ -65,7 +65,10 @@ FINAL_BLOCK_HELP = ("objective of the last decoder block: `same` (the method's o
                     "block is tuned by AutoRound's sign-gradient rounding through the frozen final norm and head")
 
 
-SCHEMES = {"w8a8-int8": {"bits": 8, "group_size": -1, "sym": True}}  # the weight grid each scheme fixes
+# the weight grid each scheme fixes; FLOAT_SCHEMES: the float element format of a scheme's weights (floatgrid.py)
+SCHEMES = {"w8a8-int8": {"bits": 8, "group_size": -1, "sym": True}, "fp8": {"bits": 8, "group_size": -1, "sym": True}}
+FLOAT_SCHEMES = {"fp8": "e4m3"}
+Scheme = Literal["w8a8-int8", "fp8"]
 
 
 class QuantizeConfig(StrictModel):
@@ -95,16 +98,17 @@ class QuantizeConfig(StrictModel):
                                                             "export (replaces bits, group_size and sym; "
                                                             "docs/gguf.md#rounding-on-llamacpps-grids)")
 
-    scheme: Optional[Literal["w8a8-int8"]] = Field(
+    scheme: Optional[Scheme] = Field(
         None, description="a weight-and-activation format (docs/formats.md#w8a8-int8): `w8a8-int8` is int8 weights per "
                           "output channel (bits 8, group_size -1, sym, set for you) and int8 activations per token, "
-                          "quantized at run time; the evaluation computes with them, and only the `compressed-tensors` "
-                          "export carries them")
+                          "quantized at run time; `fp8` the same with FP8 E4M3 weights and activations (methods rtn "
+                          "and gptq; docs/formats.md#fp8); the evaluation computes with them, and only the "
+                          "`compressed-tensors` export carries them")
 
     activations: Literal["dynamic", "static"] = Field(
         "dynamic", description="with a `scheme`: dynamic (a scale per token, computed at run time from the token) or "
                                "static (one scale per layer input, calibrated once on the calibration text: max |x| "
-                               "/ 127.5, stored as the export's input_scale)")
+                               "/ 127.5 for int8, / 448 for fp8, stored as the export's input_scale)")
 
     _gs = field_validator("group_size")(lambda cls, v: check_group_size(v))
 

@@ -54,6 +54,7 @@ class LayerSpec:
     mixed: MixedSpec | None = None  # per-chunk bit widths from an `allocate` stage
     asked: int | None = None  # the recipe's group_size when the plan adapted it to this layer (`fit_group`)
     ggml: str | None = None  # a llama.cpp type to round onto (`gguf`: compress/quantize/ggml_grid.py)
+    fp: str | None = None  # a float element format to round onto (`scheme: fp8`: compress/quantize/floatgrid.py)
 
 
 @dataclass

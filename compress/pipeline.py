@@ -342,9 +342,10 @@ def _run(loaded, binding: Binding, ws: Workspace, quiet: bool) -> dict:
     acts = ctx.activations
     if acts:
         static = sum(not s.dynamic for s in acts.values())
-        report["activations"] = {"layers": len(acts), "static": static, "as": (
-            "int8 per tensor, static scales calibrated on the calibration text" if static else "int8 per token, "
-            "dynamic") + " (compressed-tensors' arithmetic: docs/formats.md#w8a8-int8)"}
+        kind = "fp8 (E4M3)" if next(iter(acts.values())).type == "float" else "int8"
+        report["activations"] = {"layers": len(acts), "static": static, "as": f"{kind} " + (
+            "per tensor, static scales calibrated on the calibration text" if static else "per token, dynamic") +
+            " (compressed-tensors' arithmetic: docs/formats.md#w8a8-int8)"}
     if evaluates:
         log.info("evaluation: %s against the full-precision model", ", ".join(
             [Path(p).name for p in r.eval.data] + [f"task {t}" for t in r.eval.tasks]))

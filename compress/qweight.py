@@ -38,6 +38,10 @@ ggml's codes made unsigned (Q8_0 q+128, Q3_K q+4, Q6_K q+32) with the type's fix
 `W_hat = scales * (codes - zeros) - offsets`, the same fp32 operations as ggml's `dequantize_row_*`, so the
 evaluation sees exactly what the file holds. Only the gguf export stores such a weight packed; the other exports
 write it dense (`export/hf.dense_reason`).
+
+Float grids (`fp`, compress/quantize/floatgrid.py; `scheme: fp8`): `codes` are the bit patterns of a float element
+format (E4M3), `zeros` 0 and never read, `W_hat = scales * E4M3(codes)` per group; only the compressed-tensors export
+stores such a weight (`float-quantized`).
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ import torch
 
 SCALE_BITS = 16  # scales are stored as fp16
 KEEP_BITS = 16  # a mixed-precision chunk kept in fp16
+FLOAT_ELEMENTS = {"e4m3": torch.float8_e4m3fn}  # the float element formats `fp` names (their codes' dtype)
 
 
 def unit_storage_bits(d_out: int, width: int, group: int, bits: int, sym: bool, map_bits: int = 0) -> int:
@@ -89,6 +94,7 @@ class QuantizedWeight:
     kept: torch.Tensor | None = None  # fp16-representable values of the kept chunks, (d_out, kept columns)
     map_bits: int = 0  # plan metadata per chunk, counted in storage_bits
     grid: Any = None  # kernels.ggml.GGMLParams: llama.cpp blocks of that type (module docstring)
+    fp: str | None = None  # a float element format ("e4m3"): codes are its bit patterns (module docstring)
 
     def __post_init__(self):
         if not 1 <= self.bits <= 8:
@@ -103,6 +109,8 @@ class QuantizedWeight:
                 f"scales {tuple(self.scales.shape)} / zeros {tuple(self.zeros.shape)} do not match "
                 f"codes {tuple(self.codes.shape)} with group size {self.group_size}"
             )
+        if self.fp is not None and (self.mixed or self.grid is not None or not self.sym):
+            raise ValueError(f"a weight on the {self.fp} float grid is uniform and symmetric")
         if self.grid is not None:
             from compress.kernels import ggml
 
@@ -180,6 +188,11 @@ class QuantizedWeight:
         d_out, d_in, g = self.out_features, self.in_features, self.group
         if out is None:
             out = torch.empty(d_out, d_in, dtype=dtype, device=self.codes.device)
+        if self.fp is not None:  # the elements' values times their group's scale
+            s = self.scales.to(torch.float32).repeat_interleave(g, dim=1)[:, :d_in]
+            for r in row_chunks(d_out, d_in):
+                out[r] = self.codes[r].view(FLOAT_ELEMENTS[self.fp]).float().mul_(s[r])
+            return out
         s, z = self.scales.to(torch.float32), self.zeros.to(torch.float32)
         if self.bits == 1:
             z = torch.zeros_like(s)
@@ -236,6 +249,8 @@ def qweights_to_tensors(qweights: dict[str, QuantizedWeight]) -> tuple[dict[str,
             meta[name].update(chunk_size=qw.chunk_size, chunk_bits=list(qw.chunk_bits), map_bits=qw.map_bits)
             if qw.kept is not None:
                 tensors[f"{name}.kept"] = qw.kept.contiguous()
+        if qw.fp is not None:
+            meta[name]["fp"] = qw.fp
         if qw.grid is not None:
             meta[name]["ggml"] = qw.grid.type.name
             for f in GRID_FIELDS:

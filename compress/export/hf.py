@@ -111,6 +111,8 @@ def dense_reason(qw: QuantizedWeight) -> str | None:
         return "chunks kept in fp16: no integer container holds them"  # module docstring
     if qw.bits == 1:
         return "1-bit (sign) weights: no auto-round loader reads them packed"
+    if qw.fp is not None:
+        return f"{qw.fp} float weights: only the compressed-tensors export stores them"
     return why_dense(qw.out_features, qw.in_features, qw.group_size)
 
 

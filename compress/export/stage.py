@@ -144,7 +144,7 @@ class CompressedTensorsExportConfig(ExportConfig):
 
 
 def check_compressed_tensors(adapter, cfg: CompressedTensorsExportConfig, facts):
-    """At plan time: the dtype (check_dtype); every quantized layer must be an int8 per-channel one."""
+    """At plan time: the dtype (check_dtype); every quantized layer must be an 8-bit (int8 or E4M3) per-channel one."""
     from compress.export.compressed_tensors import check_layer
 
     cfg = check_dtype(adapter, cfg, facts)
@@ -156,7 +156,8 @@ def check_compressed_tensors(adapter, cfg: CompressedTensorsExportConfig, facts)
 
 
 @register("export", "compressed-tensors", CompressedTensorsExportConfig,
-          "compressed-tensors checkpoint (vLLM, transformers) with activation quantization: `scheme: w8a8-int8`",
+          "compressed-tensors checkpoint (vLLM, transformers) with activation quantization: `scheme: w8a8-int8`, "
+          "`fp8`",
           check=check_compressed_tensors, capabilities=frozenset({"activations"}), requires=("compressed_tensors",),
           **EXPORT)
 def export_compressed_tensors_stage(ctx, cfg: CompressedTensorsExportConfig) -> dict:

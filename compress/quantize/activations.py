@@ -6,6 +6,9 @@ own values), symmetric int8, as compressed-tensors defines it (what transformers
 export): `s = max|x| / 127.5` (the range 255 over 2; a zero scale becomes float32's eps), `q = clamp(round(x / s),
 -128, 127)`, `x_hat = q s`. tests/export/test_compressed_tensors.py checks it against compressed-tensors' own forward.
 
+`fp8`: the same per-token (or static per-tensor) scales with E4M3's range, `s = max|x| / 448`, and `x_hat =
+E4M3(clamp(x / s, -448, 448)) s` (torch's cast: round to nearest even), compressed-tensors' float arithmetic.
+
 `activations: static`: one scale per layer input (strategy `tensor`), calibrated once after the quantize stages on
 the calibration text, through the model with its quantized weights and full-precision activations (`calibrate`):
 `s = max|x| / 127.5` over every calibration token, rounded to the dtype the export stores it in (its `input_scale`),
@@ -27,20 +30,23 @@ class ActivationSpec:
     strategy: str = "token"  # one scale per token (a row of the linear's input), or "tensor" (static)
     dynamic: bool = True
     scale: float | None = None  # static: the calibrated scale (None: not calibrated yet)
+    type: str = "int"  # or "float": FP8 E4M3 elements (`scheme: fp8`)
 
     @property
     def half(self) -> float:
-        """Half the integer range: max |x| / half is the scale that maps max |x| to the grid's edge (127.5)."""
-        return (2 ** self.bits - 1) / 2
+        """Half the grid's range: max |x| / half is the scale that maps max |x| to the grid's edge (int8: 127.5,
+        E4M3: 448, compressed-tensors' `calculate_range`)."""
+        return FP8_MAX if self.type == "float" else (2 ** self.bits - 1) / 2
 
     def as_compressed_tensors(self) -> dict:
         """The `input_activations` entry of a compressed-tensors `config_groups` group."""
-        return {"num_bits": self.bits, "type": "int", "symmetric": True, "strategy": self.strategy,
+        return {"num_bits": self.bits, "type": self.type, "symmetric": True, "strategy": self.strategy,
                 "dynamic": self.dynamic}
 
 
-SCHEME_ACTIVATIONS = {"w8a8-int8": ActivationSpec()}
-STATIC_ACTIVATIONS = {"w8a8-int8": ActivationSpec(strategy="tensor", dynamic=False)}
+FP8_MAX = 448.0  # E4M3's largest finite value
+SCHEME_ACTIVATIONS = {"w8a8-int8": ActivationSpec(), "fp8": ActivationSpec(type="float")}
+STATIC_ACTIVATIONS = {k: replace(v, strategy="tensor", dynamic=False) for k, v in SCHEME_ACTIVATIONS.items()}
 
 
 def spec_of(scheme: str | None, activations: str = "dynamic") -> ActivationSpec | None:
@@ -61,6 +67,8 @@ def fake_quant(x: torch.Tensor, spec: ActivationSpec) -> torch.Tensor:
     else:
         s = x.abs().amax() / half
     s = torch.where(s == 0, torch.finfo(torch.float32).eps, s)
+    if spec.type == "float":  # clamp to E4M3's range, cast (round to nearest even), back: compressed-tensors' steps
+        return torch.clamp(x / s, -half, half).to(torch.float8_e4m3fn).to(x.dtype) * s
     lo, hi = -(2 ** (spec.bits - 1)), 2 ** (spec.bits - 1) - 1
     return torch.clamp(torch.round(x / s), lo, hi) * s
 
@@ -90,8 +98,8 @@ def scheme_layers(stages, qweights) -> dict[str, ActivationSpec]:
 @torch.no_grad()
 def calibrate(model: nn.Module, layers: dict[str, ActivationSpec], tokens: torch.Tensor, dtype: torch.dtype,
               batch_size: int = 8) -> dict[str, ActivationSpec]:
-    """`layers` with every static spec's scale calibrated: max |x| / 127.5 at the layer's input over `tokens`
-    (batches of windows through `model`, its activations in full precision), rounded to `dtype` (the stored
+    """`layers` with every static spec's scale calibrated: max |x| / half (127.5; E4M3: 448) at the layer's input
+    over `tokens` (batches of windows through `model`, its activations in full precision), rounded to `dtype` (the stored
     input_scale's). Dynamic specs are returned as they are."""
     static = [n for n, s in layers.items() if not s.dynamic]
     top = dict.fromkeys(static, 0.0)

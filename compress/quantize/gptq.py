@@ -16,8 +16,9 @@ from compress.config import QuantizeConfig
 from compress.errors import RunFailure
 from compress.hessian import as_store
 from compress.primitives import choose_qparams, quantize_codes, resolve_group
+from compress.quantize.floatgrid import FloatGroups
 from compress.quantize.ggml_grid import GridGroups
-from compress.quantize.spine import SIGN, Quantizer, quantizer
+from compress.quantize.spine import FLOAT, SIGN, Quantizer, quantizer
 from compress.qweight import QuantizedWeight
 
 CHOLESKY_TRIES = 4  # damp, then 10x, 100x, 1000x damp
@@ -36,6 +37,7 @@ def gptq(
     overwrite_h: bool = False,
     overwrite_w: bool = False,
     ggml: str | None = None,
+    fp: str | None = None,
 ) -> tuple[QuantizedWeight, float]:
     """Quantize `W` (d_out, d_in) column by column, pushing each rounding error onto later columns.
 
@@ -51,7 +53,8 @@ def gptq(
     front from `W` in original column order, so `g_idx = i // g` holds and no permutation is stored.
     `ggml` (a GGML type name): the groups are that type's llama.cpp blocks instead (`ggml_grid.GridGroups`), each
     fitted by llama.cpp's search weighted by the importance `diag(H) / 2` (the mean squared input, what llama.cpp's
-    imatrix holds); `bits`, `group_size` and `sym` are then the type's.
+    imatrix holds); `bits`, `group_size` and `sym` are then the type's. `fp` (a float element format, "e4m3"): the
+    columns are rounded onto that float grid (`floatgrid.FloatGroups`), the groups' scales max |w| / 448.
 
     Returns `(QuantizedWeight, error)`, `error = sum_j ||W[:,j] - Q[:,j]||^2 / (2 Hinv[j,j]^2)` (the
     paper's Losses; `Hinv` is the upper Cholesky factor of `H^-1`). Since `W - Q = E Hinv` with `E`
@@ -77,7 +80,9 @@ def gptq(
     Hinv = _inverse_cholesky(H, damp)  # in H's storage (on the CPU: packed, half a dense matrix)
     W = W.detach() if overwrite_w and W.dtype == torch.float32 else W.detach().float().clone()
     W[:, dead.to(W.device)] = 0
-    if ggml is not None:
+    if fp is not None:
+        groups = FloatGroups(W, group_size, fp, static=act_order)
+    elif ggml is not None:
         groups = GridGroups(W, ggml, torch.where(dead, torch.zeros_like(diag), diag).cpu() / 2, static=act_order)
     else:
         groups = _Groups.create(W, bits, group_size, sym, static=act_order)
@@ -190,7 +195,7 @@ class GPTQ(Quantizer):
     """Hessians of each block's linears from the quantized-model inputs, then `gptq`."""
 
     needs_hessian = needs_data = True
-    capabilities = frozenset({SIGN})
+    capabilities = frozenset({SIGN, FLOAT})
     batch_size = 2  # windows per forward pass: the block's intermediate activations stay small (docs/scale.md)
 
     def quantize_block(self, data) -> dict[str, QuantizedWeight]:
@@ -203,5 +208,6 @@ class GPTQ(Quantizer):
             shared = sum(h is data.hessians[name] for h in data.hessians.values()) > 1
             out[name] = gptq(lin.weight.data, data.hessians.pop(name), bits=s.bits, group_size=s.group_size,
                              sym=s.sym, damp=c.damp, block_size=c.block_size, act_order=c.act_order,
-                             overwrite_h=not shared, overwrite_w=True, ggml=s.ggml)[0]  # the driver sets the weight next
+                             overwrite_h=not shared, overwrite_w=True, ggml=s.ggml,
+                             fp=s.fp)[0]  # the driver sets the weight next
         return out

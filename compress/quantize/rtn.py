@@ -47,8 +47,8 @@ from pydantic import Field, model_validator
 from compress.config import QuantizeConfig
 from compress.driver import BlockData
 from compress.primitives import SCALE_EPS, assemble_mixed, choose_qparams, fit, group_view, quantize_codes, rtn
-from compress.quantize import ggml_grid
-from compress.quantize.spine import CHUNK_PLAN, SIGN, Quantizer, quantizer
+from compress.quantize import floatgrid, ggml_grid
+from compress.quantize.spine import CHUNK_PLAN, FLOAT, SIGN, Quantizer, quantizer
 from compress.qweight import QuantizedWeight
 
 OPTIMIZE_HELP = ("search each group's fp16 scale and integer zero point for the lowest weight reconstruction error "
@@ -71,7 +71,7 @@ class RTNConfig(QuantizeConfig):
 
 @quantizer(RTNConfig, "round-to-nearest, group-wise, no calibration (`optimize: true`: per-group scale/zero search)")
 class RTN(Quantizer):
-    capabilities = frozenset({CHUNK_PLAN, SIGN})
+    capabilities = frozenset({CHUNK_PLAN, SIGN, FLOAT})
 
     def quantize_block(self, data: BlockData) -> dict[str, QuantizedWeight]:
         opt = getattr(self.cfg, "optimize", False)
@@ -85,6 +85,8 @@ def quantize_layer(W, s, optimize: bool = False) -> QuantizedWeight:
     keep their activation-weighted clipping search; 1-bit sign weights have no scale to search: plain)."""
     if s.ggml is not None:
         return ggml_grid.rtn(W, s.ggml)
+    if s.fp is not None:
+        return floatgrid.rtn(W, s.group_size, s.fp)
     if s.mixed is not None:
         m = s.mixed
         if not optimize:

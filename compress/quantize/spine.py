@@ -19,7 +19,7 @@ from torch import nn
 
 from compress import registry
 from compress.allocate.plan import Plan
-from compress.config import QuantizeConfig
+from compress.config import FLOAT_SCHEMES, QuantizeConfig
 from compress.driver import LayerSpec, run_blockwise, set_weight
 from compress.errors import BadInput
 from compress.eval.report import table
@@ -36,6 +36,7 @@ QUANTIZERS: dict[type, type] = {}  # config class -> quantizer class
 # capabilities a quantizer declares (registry.Entry.capabilities), which the stages before it ask for
 CHUNK_PLAN = "chunk_plan"  # fits a per-chunk allocation plan (column chunks of several widths in one layer)
 SIGN = "sign"  # rounds 1-bit (sign) weights: a 1-bit width of a per-layer plan (`allocate: moe`)
+FLOAT = "float"  # rounds onto a float element grid (`scheme: fp8`: compress/quantize/floatgrid.py)
 
 
 class Quantizer:
@@ -79,7 +80,18 @@ ADAPTED_GROUPS = registry.Section("adapted_groups", _adapted_markdown, collect="
 
 
 def check(adapter, cfg: QuantizeConfig, facts=None) -> QuantizeConfig:
-    """Plan time: the config as it will run on this model (`final_block: auto` resolved)."""
+    """Plan time: the config as it will run on this model (`final_block: auto` resolved); a float scheme refused
+    for a method that rounds only onto integer grids."""
+    fp = FLOAT_SCHEMES.get(cfg.scheme)
+    if fp is not None:
+        if FLOAT not in QUANTIZERS[type(cfg)].capabilities:
+            able = sorted(c.model_fields["method"].default for c, q in QUANTIZERS.items() if FLOAT in q.capabilities)
+            raise BadInput(f"`method: {cfg.method}` rounds onto integer grids only; `scheme: {cfg.scheme}` puts the "
+                           f"weights on the {fp.upper()} float grid: use {' or '.join(able)}")
+        if cfg.final_block not in ("same", "auto"):
+            raise BadInput(f"`final_block: {cfg.final_block}` tunes the last block with AutoRound's integer rounding, "
+                           f"which `scheme: {cfg.scheme}`'s float grid does not have: set `final_block: same`")
+        return cfg.model_copy(update={"final_block": "same"})
     return resolve_final_block(cfg, adapter)
 
 
@@ -162,7 +174,7 @@ def spec_at(name: str, d_in: int, cfg: QuantizeConfig) -> LayerSpec | None:
             skip = o.skip
     if skip:
         return None
-    return fitted(name, d_in, LayerSpec(bits, group_size, sym), cfg.strict_groups)
+    return fitted(name, d_in, LayerSpec(bits, group_size, sym, fp=FLOAT_SCHEMES.get(cfg.scheme)), cfg.strict_groups)
 
 
 def fitted(name: str, d_in: int, spec: LayerSpec, strict: bool) -> LayerSpec:

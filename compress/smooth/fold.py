@@ -137,6 +137,10 @@ def rounded(W: torch.Tensor, spec) -> torch.Tensor:
         from compress.quantize import ggml_grid
 
         return ggml_grid.rtn(W, spec.ggml).dequantize(torch.float32)
+    if getattr(spec, "fp", None) is not None:
+        from compress.quantize import floatgrid
+
+        return floatgrid.rtn(W, spec.group_size, spec.fp).dequantize(torch.float32)
     if spec.bits < 2:
         return fake_quantize(W, spec.bits, spec.group_size, spec.sym)
     d_out, d_in = W.shape

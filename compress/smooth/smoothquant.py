@@ -71,8 +71,8 @@ def check(adapter, cfg: SmoothQuantConfig, facts=None) -> SmoothQuantConfig:
             raise BadInput("smooth/smoothquant searches its scales against the next `quantize` stage; add one after it")
         if facts.scheme not in SCHEME_ACTIVATIONS:
             raise BadInput("smooth/smoothquant moves activation outliers into the weights for a scheme that quantizes "
-                           "activations; the next quantize stage has no `scheme` (set `scheme: w8a8-int8` there) and "
-                           "quantizes weights only: use `smooth/awq` for weight-only quantization")
+                           "activations; the next quantize stage has no `scheme` (set `scheme: w8a8-int8` or `fp8` "
+                           "there) and quantizes weights only: use `smooth/awq` for weight-only quantization")
         skipped = [g for g in cfg.groups if g not in have]
         if skipped:
             facts.notes.append(f"smooth/smoothquant: `{adapter.model_type}` has no {', '.join(skipped)} pair (fused or "

@@ -106,10 +106,13 @@ export: {{formats: [{{format: compressed-tensors, dtype: float32}}]}}
     return p
 
 
-def test_smoothquant_then_gptq_w8a8_resumes_bit_identically(tmp_path):
+@pytest.mark.parametrize("scheme", ["w8a8-int8", "fp8"])
+def test_smoothquant_then_gptq_w8a8_resumes_bit_identically(tmp_path, scheme):
+    """SmoothQuant's search against the scheme's arithmetic (int8 or E4M3 activations and weights) never raises its
+    error, and a resumed run writes the same checkpoint."""
     pytest.importorskip("compressed_tensors", reason="the `export` extra (CI installs it)")
     r = _recipe(tmp_path, ["{stage: smooth, method: smoothquant}",
-                           "{stage: quantize, method: gptq, scheme: w8a8-int8}"])
+                           f"{{stage: quantize, method: gptq, scheme: {scheme}}}"])
     rc, out, err = invoke("run", r, "--output", tmp_path / "o", "--json")
     assert rc == 0, err
     first = tensor_hashes(tmp_path / "o", "compressed-tensors")
@@ -121,4 +124,4 @@ def test_smoothquant_then_gptq_w8a8_resumes_bit_identically(tmp_path):
     assert tensor_hashes(tmp_path / "o", "compressed-tensors") == first
     bad = _recipe(tmp_path, ["{stage: smooth, method: smoothquant}", "{stage: quantize, method: rtn, bits: 8}"])
     rc, _, err = invoke("run", bad, "--output", tmp_path / "b", "--dry-run")
-    assert rc == 1 and "set `scheme: w8a8-int8` there" in err, err
+    assert rc == 1 and "set `scheme: w8a8-int8` or `fp8` there" in err, err
