@@ -8,8 +8,10 @@ from compress (a different transformers lives here).
     python bench/peer_llmcompressor.py JOB.json
 
 JOB.json: {"model", "windows" (a .pt of an (N, L) LongTensor), "out", "method" ("gptq" | "awq+rtn" | "sq+gptq"),
-"bits", "group_size", "sym", "scheme" (null, or "w8a8-int8": llm-compressor's W8A8 preset, GPTQ weights, with
-"sq+gptq" after `SmoothQuantModifier(smoothing_strength=0.8)` as its examples/quantization_w8a8_int8 does)}.
+"bits", "group_size", "sym", "scheme" (null, or "w8a8-int8" / "fp8": llm-compressor's W8A8 / FP8_DYNAMIC preset,
+GPTQ weights ("gptq"), with "sq+gptq" after `SmoothQuantModifier(smoothing_strength=0.8)` as its
+examples/quantization_w8a8_int8 does, or its observer's rounding alone ("rtn": `QuantizationModifier`, as its
+examples/quantization_w8a8_fp8 does))}.
 Writes out/compressed/ (the checkpoint), out/result.json and, weight-only, out/dequantized.safetensors (a scheme's
 checkpoint is scored as served: bench/peers.py loads it with transformers + compressed-tensors).
 """
@@ -92,12 +94,13 @@ def main(job_path: str) -> None:
     windows = torch.load(job["windows"])
     n, seqlen = windows.shape
     ds = Dataset.from_dict({"input_ids": windows.tolist(), "attention_mask": torch.ones_like(windows).tolist()})
-    if job.get("scheme"):  # a weight-and-activation preset (llm-compressor's examples/quantization_w8a8_int8)
-        preset = {"w8a8-int8": "W8A8"}[job["scheme"]]
-        if job["method"] not in ("gptq", "sq+gptq"):
+    if job.get("scheme"):  # a weight-and-activation preset (llm-compressor's examples/quantization_w8a8_int8, _fp8)
+        preset = {"w8a8-int8": "W8A8", "fp8": "FP8_DYNAMIC"}[job["scheme"]]
+        if job["method"] not in ("gptq", "sq+gptq", "rtn"):
             raise SystemExit(f"method {job['method']!r} has no {preset} recipe here")
         recipe = [SmoothQuantModifier(smoothing_strength=0.8)] if job["method"] == "sq+gptq" else []
-        recipe.append(GPTQModifier(targets="Linear", scheme=preset, ignore=["lm_head"]))
+        modifier = QuantizationModifier if job["method"] == "rtn" else GPTQModifier
+        recipe.append(modifier(targets="Linear", scheme=preset, ignore=["lm_head"]))
     else:  # W4A16-style: integer weights in groups, activations untouched, every Linear but the LM head
         scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(
             num_bits=job["bits"], type="int", symmetric=job["sym"], strategy="group", group_size=job["group_size"]))

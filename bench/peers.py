@@ -29,10 +29,12 @@ NNCF (in this environment: `pip install nncf==3.4.0`, OpenVINO backend)
     layers through the FP IR (MatMul names kept by NNCF; the FP weights equal the layers' exactly); bytes: the IR's
     low-bit code, zero-point and scale constants.
 
-`--scheme w8a8-int8` (issue #51): weights and activations instead of a weight setting: int8 per-channel symmetric
-weights, int8 per-token dynamic activations. Cells rtn, gptq, sq+gptq and sq+rtn (`{stage: smooth, method: smoothquant}`,
+`--scheme w8a8-int8` / `--scheme fp8` (issue #51): weights and activations instead of a weight setting: int8 (or FP8
+E4M3) per-channel symmetric weights, int8 (E4M3) per-token dynamic activations. Cells rtn, gptq, sq+gptq and sq+rtn (`{stage: smooth, method: smoothquant}`,
 alpha searched; sq0.8+rtn: `alpha: 0.8`, llm-compressor's example's strength) exported as compressed-tensors; llmc-gptq and llmc-sq+gptq run llm-compressor's W8A8 preset (its
-examples/quantization_w8a8_int8: `SmoothQuantModifier(smoothing_strength=0.8)` then `GPTQModifier(scheme="W8A8")`).
+examples/quantization_w8a8_int8: `SmoothQuantModifier(smoothing_strength=0.8)` then `GPTQModifier(scheme="W8A8")`);
+with fp8 its FP8_DYNAMIC preset, and llmc-rtn its examples/quantization_w8a8_fp8 recipe
+(`QuantizationModifier(targets="Linear", scheme="FP8_DYNAMIC", ignore=["lm_head"])`, data-free).
 Every checkpoint is scored as served: loaded by transformers through compressed-tensors (quantized activations
 included) and evaluated by compress's evaluator; bytes: weight + weight_scale.
 
@@ -55,6 +57,9 @@ its FP weights are a dequantized Q4_1 GGUF grid):
     python -m bench peers --model smollm2-135m-instruct --scheme w8a8-int8 --nsamples 64 --seqlen 256 \
         --seeds 0 --cells rtn,gptq,sq+gptq,llmc-gptq,llmc-sq+gptq --mc-task '' --build-env llmcompressor \
         --json bench/peers-smollm2-w8a8.json --markdown bench/peers-smollm2-w8a8.md
+    python -m bench peers --model smollm2-135m-instruct --scheme fp8 --nsamples 64 --seqlen 256 \
+        --seeds 0 --cells rtn,gptq,sq+gptq,llmc-rtn,llmc-gptq --mc-task '' --build-env llmcompressor \
+        --json bench/peers-smollm2-fp8.json --markdown bench/peers-smollm2-fp8.md
 
 The bench/peers-smollm2-*.md files were made with lighter settings for a 2-core machine (`--nsamples 64 --seqlen
 256 --peer-iters 50 --seeds 0` and a subset of `--cells`; each file's header gives its command), and
@@ -108,15 +113,17 @@ CELLS = {
     "ar": ("auto-round", "AutoRound (its default algorithm)"),
     "ar-rtn": ("auto-round", "AutoRound iters=0 (its RTN, opt-RTN)"),
     "llmc-gptq": ("llm-compressor", "GPTQModifier"),
+    "llmc-rtn": ("llm-compressor", "QuantizationModifier (its observer's rounding; --scheme only)"),
     "llmc-awq": ("llm-compressor", "AWQModifier -> QuantizationModifier (RTN)"),
     "llmc-sq+gptq": ("llm-compressor", "SmoothQuantModifier(smoothing_strength=0.8) -> GPTQModifier"),
     "nncf-awq": ("nncf", "compress_weights awq + scale_estimation (OpenVINO)"),
 }
-DATA_FREE = {"rtn", "rtn-opt"}
+DATA_FREE = {"rtn", "rtn-opt", "llmc-rtn"}
+LLMC_METHODS = {"llmc-gptq": "gptq", "llmc-awq": "awq+rtn", "llmc-sq+gptq": "sq+gptq", "llmc-rtn": "rtn"}
 # with a weight-and-activation `--scheme`: the cells that can run it (the others are weight-only methods or tools), and
 # the cells that only make sense with one (SmoothQuant smooths for quantized activations)
-SCHEME_CELLS = {"rtn", "gptq", "sq+gptq", "sq+rtn", "sq0.8+rtn", "llmc-gptq", "llmc-sq+gptq"}
-NEEDS_SCHEME = {"sq+gptq", "sq+rtn", "sq0.8+rtn", "llmc-sq+gptq"}
+SCHEME_CELLS = {"rtn", "gptq", "sq+gptq", "sq+rtn", "sq0.8+rtn", "llmc-rtn", "llmc-gptq", "llmc-sq+gptq"}
+NEEDS_SCHEME = {"sq+gptq", "sq+rtn", "sq0.8+rtn", "llmc-rtn", "llmc-sq+gptq"}
 METRICS = ("kl", "top1", "ppl_ratio", "ppl", "acc", "acc_norm", "linear_bytes", "effective_bits", "quantize_seconds")
 
 
@@ -223,7 +230,7 @@ def safetensors_bytes(ckpt: Path, suffixes: tuple[str, ...]) -> dict[str, int]:
 
 
 def scheme_bytes(ckpt: Path) -> dict[str, int]:
-    """{layer: bytes of weight + weight_scale} of a compressed-tensors int-quantized checkpoint's quantized layers
+    """{layer: bytes of weight + weight_scale} of a compressed-tensors checkpoint (int- or float-quantized)'s quantized layers
     (those with a weight_scale; the others' `weight` is a dense tensor, not counted)."""
     per = {}
     for suffix in ("weight", "weight_scale"):
@@ -308,7 +315,10 @@ def compress_recipe(path: str, cell: str, s: dict, seed: int) -> dict:
             "calibration": {"sources": [str(VALID)], "nsamples": s["nsamples"], "seqlen": s["seqlen"], "seed": seed},
             "stages": stages,
             "eval": {"data": [str(TEST)], "window": WINDOW, "max_tokens": s["max_tokens"], "generation": {"prompts": 0}},
-            "export": {"formats": ["compressed-tensors" if s.get("scheme") else "hf"]}}
+            # a scheme's checkpoint in float32, as llm-compressor saves the float32 model it quantized: only the
+            # quantization differs (an fp16 export would also round the embeddings and norms, which E4M3's coarse
+            # activation grid turns into a visible KL difference)
+            "export": {"formats": [{"format": "compressed-tensors", "dtype": "float32"} if s.get("scheme") else "hf"]}}
 
 
 def compress_cell(cell: str, path: str, s: dict, seed: int, linears: dict, tmp: Path) -> dict:
@@ -633,8 +643,7 @@ def run_peers(model: str, bits: int, group: int, sym: bool, *, nsamples: int = 1
                     elif cell == "ar-rtn":
                         row = autoround_cell(0, path, s, seed, calib[seed], linears, d)
                     elif tool == "llm-compressor":
-                        row = llmc_cell({"llmc-gptq": "gptq", "llmc-awq": "awq+rtn", "llmc-sq+gptq": "sq+gptq"}[cell], path, s, seed, calib[seed],
-                                        linears, d)
+                        row = llmc_cell(LLMC_METHODS[cell], path, s, seed, calib[seed], linears, d)
                     else:
                         row = nncf_cell(path, s, seed, calib[seed], linears, d)
                     row.update(seed=None if cell in DATA_FREE else seed, cell_seconds=round(time.time() - t, 1))
@@ -726,9 +735,11 @@ def markdown(res: dict) -> str:
                       "compressed-tensors (compress: its `compressed-tensors` export; llm-compressor: its own save), "
                       "loaded by transformers through compressed-tensors (activations quantized as the checkpoint "
                       "says) and scored by compress's evaluator on the same tokens; bytes: weight + weight_scale of "
-                      "the quantized layers. llm-compressor runs its W8A8 preset (`GPTQModifier(scheme=\"W8A8\")`, "
+                      "the quantized layers. llm-compressor runs its "
+                      f"{ {'fp8': 'FP8_DYNAMIC'}.get(m['scheme'], 'W8A8') } preset: `GPTQModifier` (llmc-gptq; "
                       "after `SmoothQuantModifier(smoothing_strength=0.8)` in llmc-sq+gptq, as its "
-                      "examples/quantization_w8a8_int8 does)."]
+                      "examples/quantization_w8a8_int8 does) or `QuantizationModifier` (llmc-rtn, as its "
+                      "examples/quantization_w8a8_fp8 does)."]
     return "\n".join(lines) + "\n"
 
 

@@ -147,26 +147,27 @@ def test_each_finished_cell_is_saved_as_it_lands(tmp_path, monkeypatch):
 
 
 @pytest.mark.e2e
-def test_peers_w8a8_scheme_scores_checkpoints_as_served(tmp_path, monkeypatch):
-    """`--scheme w8a8-int8`: compress's rtn, gptq and SmoothQuant + GPTQ cells export compressed-tensors, scored as
-    served (transformers + compressed-tensors, activations quantized per token), which agrees with the run's own
-    evaluation; weight-only cells are rows with the reason, and SmoothQuant without a scheme is refused."""
+@pytest.mark.parametrize("scheme,ours", [("w8a8-int8", ("rtn", "gptq", "sq+gptq")), ("fp8", ("rtn", "gptq"))])
+def test_peers_w8a8_scheme_scores_checkpoints_as_served(tmp_path, monkeypatch, scheme, ours):
+    """`--scheme w8a8-int8` / `fp8`: compress's rtn, gptq and SmoothQuant + GPTQ cells export compressed-tensors,
+    scored as served (transformers + compressed-tensors, activations quantized per token), which agrees with the
+    run's own evaluation; weight-only cells are rows with the reason, and SmoothQuant without a scheme is refused."""
     monkeypatch.setenv("COMPRESS_ENGINES", str(tmp_path / "engines"))
-    run = ["rtn", "gptq", "sq+gptq", "awq+gptq", "llmc-sq+gptq"]
-    rc, out, err = lab("peers", *TINY, "--scheme", "w8a8-int8", "--cells", ",".join(run), "--mc-task", "",
+    run = [*ours, "awq+gptq", "llmc-sq+gptq"]
+    rc, out, err = lab("peers", *TINY, "--scheme", scheme, "--cells", ",".join(run), "--mc-task", "",
                        "--json", tmp_path / "p.json", "--markdown", tmp_path / "p.md")
     assert rc == 0, err
     res = json.loads((tmp_path / "p.json").read_text())
-    assert (res["meta"]["scheme"], res["meta"]["bits"], res["meta"]["group_size"]) == ("w8a8-int8", 8, -1)
+    assert (res["meta"]["scheme"], res["meta"]["bits"], res["meta"]["group_size"]) == (scheme, 8, -1)
     cells = {c["cell"]: c for c in res["cells"]}
-    for name in ("rtn", "gptq", "sq+gptq"):
+    for name in ours:
         assert cells[name]["status"] == "ok", (name, cells[name].get("reason"))
         r = cells[name]["runs"][0]
         assert r["kl"] == pytest.approx(r["run_kl"], rel=2e-3, abs=1e-5)  # served arithmetic == the run's evaluation
         assert 8 < r["effective_bits"] < 8.6 and r["bytes_from"] == "compressed-tensors: weight + weight_scale"
     assert cells["awq+gptq"]["status"] == "not available" and "weight-only cell" in cells["awq+gptq"]["reason"]
     assert cells["llmc-sq+gptq"]["status"] == "not available"  # its environment is not built here
-    assert (tmp_path / "p.md").read_text().startswith("# Peers: stories-llama-1m W8A8-INT8")
+    assert (tmp_path / "p.md").read_text().startswith(f"# Peers: stories-llama-1m {scheme.upper()}")
     rc, out, err = lab("peers", *TINY, "--cells", "sq+gptq", "--mc-task", "", "--json", tmp_path / "q.json")
     assert rc == 0, err
     q = {c["cell"]: c for c in json.loads((tmp_path / "q.json").read_text())["cells"]}
