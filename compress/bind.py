@@ -22,6 +22,7 @@ from typing import Callable
 from pydantic import BaseModel
 
 from compress import registry
+from compress.config import WEIGHT_ONLY_SCHEMES
 from compress.errors import BadInput
 from compress.handoff import ModelSpec, name
 from compress.quantize.spine import adapted_groups, group_for, planned_layers
@@ -198,9 +199,11 @@ def _check_schemes(stages: list[Bound], formats: list[str], stream: bool = False
         b = schemed[0]
         other = [f for f in formats if f not in carry]
         if other:
-            raise BadInput(f"stage {b.index} quantizes activations too (`scheme: {b.cfg.scheme}`), which "
-                           f"{', '.join(other)} cannot carry (weights only): export `{', '.join(carry) or 'compressed-tensors'}`"
-                           " instead, or drop `scheme` for a weight-only checkpoint")
+            what = ("quantizes activations too" if b.cfg.scheme not in WEIGHT_ONLY_SCHEMES else
+                    "rounds onto the NVFP4 float grid")
+            raise BadInput(f"stage {b.index} {what} (`scheme: {b.cfg.scheme}`), which "
+                           f"{', '.join(other)} cannot carry: export `{', '.join(carry) or 'compressed-tensors'}`"
+                           " instead, or drop `scheme` for an integer weight-only checkpoint")
         if len({(c.cfg.scheme, c.cfg.activations) for c in schemed}) > 1 or len(schemed) != len(quantize):
             raise BadInput("every quantize stage of a run with an activation `scheme` needs the same scheme and "
                            "`activations`")
@@ -210,7 +213,8 @@ def _check_schemes(stages: list[Bound], formats: list[str], stream: bool = False
                            "dynamic` (scales computed at run time) or load the model whole")
     elif carry and quantize:
         raise BadInput(f"export {carry[0]} writes checkpoints with activation quantization: give the quantize stage "
-                       "`scheme: w8a8-int8` (or `fp8`), or export weight-only checkpoints with `hf`")
+                       "`scheme: w8a8-int8` (or `fp8`, `nvfp4a16`), or export integer weight-only checkpoints with "
+                       "`hf`")
 
 
 def _check_grids(stages: list[Bound], formats: list[str]) -> None:

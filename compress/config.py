@@ -66,9 +66,11 @@ FINAL_BLOCK_HELP = ("objective of the last decoder block: `same` (the method's o
 
 
 # the weight grid each scheme fixes; FLOAT_SCHEMES: the float element format of a scheme's weights (floatgrid.py)
-SCHEMES = {"w8a8-int8": {"bits": 8, "group_size": -1, "sym": True}, "fp8": {"bits": 8, "group_size": -1, "sym": True}}
-FLOAT_SCHEMES = {"fp8": "e4m3"}
-Scheme = Literal["w8a8-int8", "fp8"]
+SCHEMES = {"w8a8-int8": {"bits": 8, "group_size": -1, "sym": True}, "fp8": {"bits": 8, "group_size": -1, "sym": True},
+           "nvfp4a16": {"bits": 4, "group_size": 16, "sym": True}}
+FLOAT_SCHEMES = {"fp8": "e4m3", "nvfp4a16": "e2m1"}
+WEIGHT_ONLY_SCHEMES = ("nvfp4a16",)  # schemes that leave the activations in full precision
+Scheme = Literal["w8a8-int8", "fp8", "nvfp4a16"]
 
 
 class QuantizeConfig(StrictModel):
@@ -102,8 +104,9 @@ class QuantizeConfig(StrictModel):
         None, description="a weight-and-activation format (docs/formats.md#w8a8-int8): `w8a8-int8` is int8 weights per "
                           "output channel (bits 8, group_size -1, sym, set for you) and int8 activations per token, "
                           "quantized at run time; `fp8` the same with FP8 E4M3 weights and activations (methods rtn "
-                          "and gptq; docs/formats.md#fp8); the evaluation computes with them, and only the "
-                          "`compressed-tensors` export carries them")
+                          "and gptq; docs/formats.md#fp8); `nvfp4a16` NVFP4 E2M1 weights in groups of 16 with E4M3 "
+                          "scales and an fp32 scale per tensor, activations untouched (docs/formats.md#nvfp4); the "
+                          "evaluation computes with them, and only the `compressed-tensors` export carries them")
 
     activations: Literal["dynamic", "static"] = Field(
         "dynamic", description="with a `scheme`: dynamic (a scale per token, computed at run time from the token) or "
@@ -116,9 +119,11 @@ class QuantizeConfig(StrictModel):
     @classmethod
     def _scheme(cls, v):
         """A scheme fixes the weights' grid: it fills bits / group_size / sym, and refuses other values for them."""
-        if isinstance(v, dict) and v.get("scheme") is None and v.get("activations", "dynamic") != "dynamic":
-            raise ValueError(f"`activations: {v['activations']}` quantizes activations: give a `scheme` "
-                             "(w8a8-int8) too")
+        if isinstance(v, dict) and v.get("scheme") in (None, *WEIGHT_ONLY_SCHEMES) and \
+                v.get("activations", "dynamic") != "dynamic":
+            raise ValueError(f"`activations: {v['activations']}` quantizes activations: give a `scheme` that does "
+                             "(w8a8-int8, fp8)" + (f"; `{v['scheme']}` leaves them in full precision"
+                                                   if v.get("scheme") else " too"))
         if not isinstance(v, dict) or v.get("scheme") is None:
             return v
         fixed = SCHEMES.get(v["scheme"])

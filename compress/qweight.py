@@ -39,9 +39,10 @@ ggml's codes made unsigned (Q8_0 q+128, Q3_K q+4, Q6_K q+32) with the type's fix
 evaluation sees exactly what the file holds. Only the gguf export stores such a weight packed; the other exports
 write it dense (`export/hf.dense_reason`).
 
-Float grids (`fp`, compress/quantize/floatgrid.py; `scheme: fp8`): `codes` are the bit patterns of a float element
-format (E4M3), `zeros` 0 and never read, `W_hat = scales * E4M3(codes)` per group; only the compressed-tensors export
-stores such a weight (`float-quantized`).
+Float grids (`fp`, compress/quantize/floatgrid.py; `scheme: fp8`, `nvfp4a16`): `codes` are the codes of a float
+element format (E4M3 bit patterns; E2M1 sign bit 8 | the index of the magnitude in `E2M1`), `zeros` 0 and never
+read, `W_hat = scales * element(codes)` per group (NVFP4: `scales` are the E4M3 group scales divided by the fp32
+`global_scale`); only the compressed-tensors export stores such a weight.
 """
 
 from __future__ import annotations
@@ -54,7 +55,18 @@ import torch
 
 SCALE_BITS = 16  # scales are stored as fp16
 KEEP_BITS = 16  # a mixed-precision chunk kept in fp16
-FLOAT_ELEMENTS = {"e4m3": torch.float8_e4m3fn}  # the float element formats `fp` names (their codes' dtype)
+FLOAT_ELEMENTS = {"e4m3": torch.float8_e4m3fn}  # float element formats `fp` names with a torch dtype (their codes')
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # the magnitudes of FP4 E2M1 by index (codes: sign bit 8 | index)
+FLOAT_SCALE_BITS = {"e4m3": 16, "e2m1": 8}  # a stored group scale: fp16, or NVFP4's E4M3
+GLOBAL_SCALE_BITS = 32  # NVFP4's fp32 scale per tensor
+
+
+def decode_float(codes: torch.Tensor, fmt: str) -> torch.Tensor:
+    """The fp32 values of float element codes (`fp`: "e4m3" bit patterns, "e2m1" sign | index)."""
+    if fmt == "e2m1":
+        mag = torch.tensor(E2M1, dtype=torch.float32, device=codes.device)[(codes & 7).long()]
+        return torch.where(codes & 8 > 0, -mag, mag)
+    return codes.view(FLOAT_ELEMENTS[fmt]).float()
 
 
 def unit_storage_bits(d_out: int, width: int, group: int, bits: int, sym: bool, map_bits: int = 0) -> int:
@@ -94,7 +106,8 @@ class QuantizedWeight:
     kept: torch.Tensor | None = None  # fp16-representable values of the kept chunks, (d_out, kept columns)
     map_bits: int = 0  # plan metadata per chunk, counted in storage_bits
     grid: Any = None  # kernels.ggml.GGMLParams: llama.cpp blocks of that type (module docstring)
-    fp: str | None = None  # a float element format ("e4m3"): codes are its bit patterns (module docstring)
+    fp: str | None = None  # a float element format ("e4m3", "e2m1"): codes are its codes (module docstring)
+    global_scale: float | None = None  # NVFP4 (e2m1): the fp32 per-tensor scale; `scales` already divided by it
 
     def __post_init__(self):
         if not 1 <= self.bits <= 8:
@@ -191,7 +204,7 @@ class QuantizedWeight:
         if self.fp is not None:  # the elements' values times their group's scale
             s = self.scales.to(torch.float32).repeat_interleave(g, dim=1)[:, :d_in]
             for r in row_chunks(d_out, d_in):
-                out[r] = self.codes[r].view(FLOAT_ELEMENTS[self.fp]).float().mul_(s[r])
+                out[r] = decode_float(self.codes[r], self.fp).mul_(s[r])
             return out
         s, z = self.scales.to(torch.float32), self.zeros.to(torch.float32)
         if self.bits == 1:
@@ -223,6 +236,9 @@ class QuantizedWeight:
             from compress.kernels import ggml
 
             return self.out_features * ggml.bytes_per_row(self.grid.type, self.in_features) * 8
+        if self.fp is not None:
+            return (self.codes.numel() * self.bits + self.out_features * self.n_groups * FLOAT_SCALE_BITS[self.fp]
+                    + (GLOBAL_SCALE_BITS if self.global_scale is not None else 0))
         if self.mixed:
             return sum(unit_storage_bits(self.out_features, e - s, self.group, b, self.sym, self.map_bits)
                        for (s, e), b in zip(self.chunk_bounds(), self.chunk_bits))
@@ -251,6 +267,8 @@ def qweights_to_tensors(qweights: dict[str, QuantizedWeight]) -> tuple[dict[str,
                 tensors[f"{name}.kept"] = qw.kept.contiguous()
         if qw.fp is not None:
             meta[name]["fp"] = qw.fp
+            if qw.global_scale is not None:
+                meta[name]["global_scale"] = qw.global_scale
         if qw.grid is not None:
             meta[name]["ggml"] = qw.grid.type.name
             for f in GRID_FIELDS:

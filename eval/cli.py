@@ -26,6 +26,19 @@ def _ffn_mass(model, tau: float | None) -> None:
         raise BadInput("--ffn-mass needs a model with PrunePath FFNs (`prune: prunepath`); this one has none")
 
 
+def _weight_only_float(config) -> dict:
+    """An NVFP4 weight-only compressed-tensors checkpoint (`scheme: nvfp4a16`) is dequantized at load: the library's
+    lazy decompression unpacks to bfloat16, which an fp32 model cannot multiply (the weights are then bf16-rounded
+    values of the exact ones, 2^-9 relative: docs/formats.md#nvfp4). Other checkpoints: no option."""
+    qc = getattr(config, "quantization_config", None) or {}
+    fmt = qc.get("format") if isinstance(qc, dict) else getattr(qc, "format", None)
+    if fmt != "nvfp4-pack-quantized":
+        return {}
+    from transformers.utils.quantization_config import CompressedTensorsConfig
+
+    return {"quantization_config": CompressedTensorsConfig(dequantize=True)}
+
+
 def _load(path: str, backend: str = "auto", device: str = "auto"):
     """(model, tokenizer). A packed `hf` export runs on our kernels (`backend`: auto, cpu, cpu-a8, triton,
     reference; compress/export/runtime.py) unless `backend` is `transformers` (auto-round's loader);
@@ -57,7 +70,8 @@ def _load(path: str, backend: str = "auto", device: str = "auto"):
         else:
             config = AutoConfig.from_pretrained(src, **kw)
             encoder = getattr(ARCHS.get(config.model_type), "kind", None) == "encoder"
-            model = (AutoModel if encoder else AutoModelForCausalLM).from_pretrained(src, dtype="auto", **kw)
+            model = (AutoModel if encoder else AutoModelForCausalLM).from_pretrained(src, dtype="auto", **kw,
+                                                                                    **_weight_only_float(config))
             # auto-round casts a packed model to fp16 on CPU and its `.float()` refuses quantized models;
             # nn.Module.float restores fp32 compute (see compress/export/hf.py).
             model = torch.nn.Module.float(model).eval()

@@ -7,6 +7,14 @@ run evaluated), `weight_scale` its (d_out, 1) per-channel scales in the export d
 per activation setting naming its layers, with `input_activations` int8 per token, dynamic, or (`activations:
 static`) int8 per tensor with each layer's calibrated `input_scale` (shape (1,), the export dtype). Unquantized tensors
 (embeddings, norms, the LM head) are in the export dtype, a tied head stays tied.
+
+`fp8` is written as `float-quantized`: each `weight` is `float8_e4m3fn` (the very bit patterns the run evaluated),
+`weight_scale` (d_out, 1) in the export dtype, weights and activations `type: float` (llm-compressor's `FP8_DYNAMIC`
+preset; static: its `FP8` one, with `input_scale`).
+
+`nvfp4a16` is written as `nvfp4-pack-quantized` (llm-compressor's `NVFP4A16` preset): `weight_packed` uint8 (d_out,
+d_in / 2), two E2M1 codes a byte (the first column in the low nibble), `weight_scale` float8_e4m3fn (d_out, d_in /
+16), `weight_global_scale` fp32 (1,), weights `strategy: tensor_group, group_size: 16`, no `input_activations`.
 """
 
 from __future__ import annotations
@@ -21,45 +29,69 @@ from compress.files import staged_directory
 from compress.qweight import QuantizedWeight
 from compress.quantize.activations import ActivationSpec
 
-FORMATS = {"int": "int-quantized", "float": "float-quantized"}  # compressed-tensors' format of each weight type
+# compressed-tensors' format and `weights` arguments of each weight kind (`kind`)
+FORMATS = {"int": "int-quantized", "e4m3": "float-quantized", "e2m1": "nvfp4-pack-quantized"}
+WEIGHT_ARGS = {
+    "int": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "dynamic": False},
+    "e4m3": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel", "dynamic": False},
+    "e2m1": {"num_bits": 4, "type": "float", "symmetric": True, "group_size": 16, "strategy": "tensor_group",
+             "dynamic": False, "scale_dtype": "torch.float8_e4m3fn"},  # llm-compressor's NVFP4A16 preset
+}
+
+
+def kind(qw) -> str:
+    """The weight kind of a LayerSpec or QuantizedWeight: its float element format, else "int"."""
+    return getattr(qw, "fp", None) or "int"
 
 
 def check_layer(name: str, qw) -> str | None:
-    """Why `name` (a LayerSpec or a QuantizedWeight) cannot be written as an 8-bit per-channel layer, int8 or FP8
-    E4M3 (None: it can)."""
-    if qw.bits != 8 or qw.group_size != -1 or not qw.sym or getattr(qw, "fp", None) not in (None, "e4m3"):
-        return (f"`{name}` is {qw.bits}-bit, group {qw.group_size}, {'sym' if qw.sym else 'asym'}: this export writes "
-                "8-bit per-channel symmetric weights (`scheme: w8a8-int8` or `scheme: fp8`)")
-    return None
+    """Why `name` (a LayerSpec or a QuantizedWeight) cannot be written by this export (None: it can): an 8-bit
+    per-channel symmetric layer, int8 or FP8 E4M3, or an NVFP4 one (E2M1 in groups of 16)."""
+    k = kind(qw)
+    if k == "e2m1" and qw.bits == 4 and qw.group_size == 16:
+        return None
+    if k != "e2m1" and qw.bits == 8 and qw.group_size == -1 and qw.sym:
+        return None
+    return (f"`{name}` is {qw.bits}-bit, group {qw.group_size}, {'sym' if qw.sym else 'asym'}: this export writes "
+            "the weights of a `scheme` (w8a8-int8, fp8: 8-bit per-channel symmetric; nvfp4a16)")
 
 
-def stored_weight(qw: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weight (d_out, d_in): int8, or float8_e4m3fn for an fp8 weight; scale (d_out, 1)) with weight * scale ==
-    qw.dequantize()."""
+def stored_tensors(qw: QuantizedWeight) -> dict[str, torch.Tensor]:
+    """The layer's tensors as compressed-tensors stores them, exactly the run's weights: int8 `weight` (codes minus
+    128) or float8_e4m3fn `weight`, with (d_out, 1) `weight_scale` (fp32 here: the export casts it); NVFP4:
+    `weight_packed` (two E2M1 codes a byte, the first in the low nibble), float8_e4m3fn `weight_scale` per 16
+    columns and the fp32 `weight_global_scale`."""
     if (why := check_layer("layer", qw)) is not None or qw.mixed or qw.grid is not None:
-        raise ValueError(why or "a mixed-precision or llama.cpp-grid weight is not an 8-bit per-channel layer")
-    if qw.fp is not None:
-        return qw.codes.view(torch.float8_e4m3fn), qw.scales.reshape(-1, 1)
+        raise ValueError(why or "a mixed-precision or llama.cpp-grid weight is not a compressed-tensors layer")
+    k = kind(qw)
+    if k == "e2m1":
+        g = torch.tensor([qw.global_scale], dtype=torch.float32)
+        s8 = (qw.scales * g).to(torch.float8_e4m3fn)
+        if not torch.equal(s8.float() / g, qw.scales):
+            raise ValueError("an NVFP4 weight's scales times its global scale are not E4M3 values")
+        return {"weight_packed": qw.codes[:, 0::2] | (qw.codes[:, 1::2] << 4), "weight_scale": s8,
+                "weight_global_scale": g}
+    if k == "e4m3":
+        return {"weight": qw.codes.view(torch.float8_e4m3fn), "weight_scale": qw.scales.reshape(-1, 1)}
     if not bool((qw.zeros == 128).all()):
         raise ValueError("a symmetric 8-bit weight has its zero point at 128")
-    return (qw.codes.to(torch.int16) - 128).to(torch.int8), qw.scales.reshape(-1, 1)
+    return {"weight": (qw.codes.to(torch.int16) - 128).to(torch.int8), "weight_scale": qw.scales.reshape(-1, 1)}
 
 
-def quantization_config(acts: dict[str, ActivationSpec], ignore: list[str]) -> dict:
-    """One `config_groups` group per activation setting (static layers share one: their scales are tensors); the
-    weights have the activations' element type (int8 with int8, E4M3 with E4M3: one scheme per run)."""
+def quantization_config(kinds: dict[str, str], acts: dict[str, ActivationSpec], ignore: list[str]) -> dict:
+    """One `config_groups` group per (weight kind, activation setting) (static layers share one: their scales are
+    tensors; a weight-only scheme's layers have no `input_activations`); one weight kind per checkpoint (one scheme
+    per run), which names the format."""
+    settings = {n: (k, None if n not in acts else replace(acts[n], scale=None)) for n, k in kinds.items()}
     groups = {}
-    settings = {n: replace(s, scale=None) for n, s in acts.items()}  # a static layer's own scale is a tensor
-    for setting in dict.fromkeys(settings.values()):
+    for k, setting in dict.fromkeys(settings.values()):
         groups[f"group_{len(groups)}"] = {
-            "targets": sorted(n for n, s in settings.items() if s == setting),
-            "weights": {"num_bits": 8, "type": setting.type, "symmetric": True, "strategy": "channel",
-                        "dynamic": False},
-            "input_activations": setting.as_compressed_tensors()}
-    types = {s.type for s in settings.values()}
-    if len(types) > 1:
-        raise ValueError(f"one scheme per checkpoint: activations of types {sorted(types)}")
-    return {"quant_method": "compressed-tensors", "format": FORMATS[types.pop() if types else "int"],
+            "targets": sorted(n for n, v in settings.items() if v == (k, setting)), "weights": WEIGHT_ARGS[k],
+            **({"input_activations": setting.as_compressed_tensors()} if setting is not None else {})}
+    found = set(kinds.values())
+    if len(found) > 1:
+        raise ValueError(f"one scheme per checkpoint: weights of kinds {sorted(found)}")
+    return {"quant_method": "compressed-tensors", "format": FORMATS[found.pop() if found else "int"],
             "quantization_status": "compressed", "config_groups": groups, "ignore": ignore, "kv_cache_scheme": None}
 
 
@@ -67,28 +99,29 @@ def export_compressed_tensors(model, qweights: dict[str, QuantizedWeight], acts:
                               tokenizer, out_dir, *, dtype: str = "float16", meta: dict | None = None) -> dict:
     """Write `model` (its quantized linears holding `qw.dequantize()`) with `qweights` as int8 / FP8 and the activation
     settings `acts` ({layer: spec}, every quantized layer) to `out_dir`; returns files, bytes, dtype."""
-    missing = sorted(set(qweights) - set(acts))
+    kinds = {n: kind(qw) for n, qw in qweights.items()}
+    missing = sorted(n for n, k in kinds.items() if k != "e2m1" and n not in acts)
     if missing:
         raise ValueError(f"layers quantized without an activation scheme: {missing[:3]}")
     state = _cast(model.state_dict(), DTYPES[dtype])
     for name, qw in qweights.items():
-        if (qw.fp is not None) != (acts[name].type == "float"):
-            raise ValueError(f"`{name}`: {qw.fp or 'int8'} weights with {acts[name].type} activations")
-        w, s = stored_weight(qw)
-        state[f"{name}.weight"] = w
-        state[f"{name}.weight_scale"] = s.to(DTYPES[dtype])
-        if not acts[name].dynamic:  # a static input scale, calibrated (already a value of `dtype`)
+        if name in acts and (kinds[name] == "e4m3") != (acts[name].type == "float"):
+            raise ValueError(f"`{name}`: {kinds[name]} weights with {acts[name].type} activations")
+        del state[f"{name}.weight"]
+        for key, t in stored_tensors(qw).items():  # 8-bit scales in the export dtype, NVFP4's as they are
+            state[f"{name}.{key}"] = t.to(DTYPES[dtype]) if key == "weight_scale" and t.dtype == torch.float32 else t
+        if name in acts and not acts[name].dynamic:  # a static input scale, calibrated (already a value of `dtype`)
             state[f"{name}.input_scale"] = torch.tensor([acts[name].scale], dtype=DTYPES[dtype])
     linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
     ignore = [n for n in linears if n not in qweights]
     out_dir = Path(out_dir)
     with staged_directory(out_dir, marker="config.json") as tmp:
         model.save_pretrained(tmp, state_dict=state, max_shard_size=MAX_SHARD)
-        _patch_config(tmp, {"quantization_config": quantization_config(acts, ignore), "dtype": dtype,
+        _patch_config(tmp, {"quantization_config": quantization_config(kinds, acts, ignore), "dtype": dtype,
                             "compress": {"format": "compressed-tensors", "version": FORMAT_VERSION,
                                          "meta": meta or {}}})
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
     files = sorted(p for p in out_dir.rglob("*") if p.is_file())
     return {"files": [str(p) for p in files], "bytes": sum(p.stat().st_size for p in files), "dtype": dtype,
-            "format": quantization_config(acts, [])["format"], "layers": len(qweights)}
+            "format": quantization_config(kinds, acts, [])["format"], "layers": len(qweights)}

@@ -50,8 +50,9 @@ STATIC_ACTIVATIONS = {k: replace(v, strategy="tensor", dynamic=False) for k, v i
 
 
 def spec_of(scheme: str | None, activations: str = "dynamic") -> ActivationSpec | None:
-    """The activation setting of a quantize stage's `scheme` and `activations` (None: weight-only)."""
-    if scheme is None:
+    """The activation setting of a quantize stage's `scheme` and `activations` (None: weight-only, with no scheme or
+    a weight-only one: nvfp4a16)."""
+    if scheme not in SCHEME_ACTIVATIONS:
         return None
     return (STATIC_ACTIVATIONS if activations == "static" else SCHEME_ACTIVATIONS)[scheme]
 
@@ -90,8 +91,8 @@ def quantized_inputs(model: nn.Module, layers: dict[str, ActivationSpec]):
 def scheme_layers(stages, qweights) -> dict[str, ActivationSpec]:
     """{layer: ActivationSpec} of every layer a quantize stage with an activation scheme rounded: `stages` are the
     bound stages (their configs as run), `qweights` the QuantizedWeights hand-offs (`.stage`, `.weights`)."""
-    specs = {b.key: spec_of(b.cfg.scheme, b.cfg.activations) for b in stages
-             if b.cfg.stage == "quantize" and getattr(b.cfg, "scheme", None) is not None}
+    specs = {b.key: spec for b in stages if b.cfg.stage == "quantize"
+             and (spec := spec_of(getattr(b.cfg, "scheme", None), b.cfg.activations)) is not None}
     return {name: specs[q.stage] for q in qweights if q.stage in specs for name in q.weights}
 
 

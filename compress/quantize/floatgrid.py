@@ -1,16 +1,27 @@
-"""Rounding onto a float grid: FP8 E4M3 weights (`scheme: fp8`, docs/formats.md#fp8).
+"""Rounding onto a float grid: FP8 E4M3 weights (`scheme: fp8`, docs/formats.md#fp8) and NVFP4 E2M1 weights
+(`scheme: nvfp4a16`, docs/formats.md#nvfp4).
 
 A weight on a float grid keeps the `QuantizedWeight` layout with `fp` naming the element format: `codes` are the
-elements' bit patterns (E4M3: one byte, `torch.float8_e4m3fn` viewed as uint8), `scales` one per group
-(fp16-representable, positive), `zeros` 0 and never read, and
+elements' bit patterns (E4M3: one byte, `torch.float8_e4m3fn` viewed as uint8; E2M1: four bits, sign then the index
+of the magnitude in 0, 0.5, 1, 1.5, 2, 3, 4, 6), `scales` one per group, `zeros` 0 and never read, and
 
-    W_hat[o, i] = scales[o, i // g] * E4M3(codes[o, i])
+    W_hat[o, i] = scales[o, i // g] * element(codes[o, i])
 
-The scale is compressed-tensors' symmetric float observer, `max |w| / 448` over the group (448: E4M3's largest
-finite value, the half range its `calculate_range` gives), rounded to fp16 as the export stores it; an element is
-`clamp(w / s, -448, 448)` cast to E4M3 (round to nearest even, torch's cast, as compressed-tensors casts), so a
-layer RTN rounds is bit for bit the weight llm-compressor's `FP8_DYNAMIC` writes from the same `W`.
-GPTQ rounds column by column on the same grid (`FloatGroups`, `gptq._Groups`' interface) with error propagation.
+The scales are compressed-tensors' symmetric float observer's, so a layer RTN rounds is bit for bit the weight
+llm-compressor writes from the same `W`:
+
+- E4M3 (`fp8`): `s = max |w| / 448` per output channel (448: E4M3's largest finite value, the half range its
+  `calculate_range` gives), rounded to fp16 as the export stores it; an element is `clamp(w / s, -448, 448)` cast to
+  E4M3 (round to nearest even, torch's cast, as compressed-tensors casts).
+- NVFP4 (`nvfp4a16`): a global fp32 scale per tensor `G = 448 * 6 / max |W|` (the layers vLLM fuses, q/k/v and
+  gate/up, share the smallest of theirs, as llm-compressor makes them: `global_scales`), a scale per 16 columns
+  `s8 = E4M3(G max |w| / 6)` (a zero becomes 0.125, compressed-tensors' eps), the effective scale `s = s8 / G` (fp32)
+  held in `scales` and `G` in `global_scale`; an element is `clamp(w / s, -6, 6)` rounded to the nearest E2M1 value
+  with compressed-tensors' `cast_to_fp4` ties (0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4,
+  5 -> 4).
+
+GPTQ rounds column by column on the same grids (`FloatGroups`, `gptq._Groups`' interface) with error propagation, the
+global scale fixed from `W` before it starts.
 """
 
 from __future__ import annotations
@@ -20,18 +31,24 @@ from dataclasses import dataclass
 import torch
 
 from compress.primitives import SCALE_EPS, group_view, resolve_group
-from compress.qweight import FLOAT_ELEMENTS, QuantizedWeight
+from compress.qweight import FLOAT_ELEMENTS, QuantizedWeight, decode_float
+
+# |x| above each bound moves to the next index (`>` for the bounds a tie stays below, `>=` for those it moves above)
+E2M1_UP = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
+FP8_MAX = 448.0
+FP8_EPS = 0.125  # compressed-tensors' replacement for an E4M3 scale that rounded to 0
 
 
 @dataclass(frozen=True)
 class FloatFormat:
     name: str
-    dtype: torch.dtype
     max: float  # the largest finite value
     bits: int
+    group: int  # the group its scheme scales (-1: per output channel)
+    scale_bits: int  # a stored group scale's bits (fp16; NVFP4: E4M3)
 
 
-FORMATS = {"e4m3": FloatFormat("e4m3", FLOAT_ELEMENTS["e4m3"], 448.0, 8)}
+FORMATS = {"e4m3": FloatFormat("e4m3", FP8_MAX, 8, -1, 16), "e2m1": FloatFormat("e2m1", 6.0, 4, 16, 8)}
 
 
 def fmt_of(name: str) -> FloatFormat:
@@ -41,46 +58,94 @@ def fmt_of(name: str) -> FloatFormat:
         raise ValueError(f"unknown float element format `{name}` (known: {', '.join(FORMATS)})") from None
 
 
-def scales(W: torch.Tensor, group_size: int, fmt: str) -> torch.Tensor:
-    """Per-group scales (d_out, n_groups): max |w| / max of the format, fp16-rounded, at least SCALE_EPS."""
+def global_scale(W: torch.Tensor) -> float:
+    """NVFP4's per-tensor scale `448 * 6 / max |W|` (compressed-tensors' `generate_gparam`), fp32."""
+    top = W.detach().abs().amax().float().clamp(min=torch.finfo(torch.float32).tiny)
+    g = torch.nan_to_num(FP8_MAX * 6.0 / top, nan=1.0, posinf=1.0, neginf=1.0)
+    return float(g)
+
+
+def global_scales(weights: dict[str, torch.Tensor]) -> dict[str, float]:
+    """{layer: global scale} of E2M1 layers, the layers vLLM fuses into one (q/k/v, gate/up) sharing the smallest
+    (one scale for the fused weight, as llm-compressor's `update_fused_layer_weight_global_scales` sets them)."""
+    from compress.export.layouts import fused_group
+
+    own = {n: global_scale(w) for n, w in weights.items()}
+    shared: dict[str, float] = {}
+    for n, g in own.items():
+        key = fused_group(n)
+        shared[key] = min(g, shared.get(key, g))
+    return {n: shared[fused_group(n)] for n in own}
+
+
+def block_global_scales(data) -> dict[str, float]:
+    """`global_scales` of a block's E2M1 layers (a driver BlockData: its linears and their specs)."""
+    return global_scales({n: lin.weight.data for n, lin in data.linears.items()
+                          if getattr(data.specs[n], "fp", None) == "e2m1"})
+
+
+def scales(W: torch.Tensor, group_size: int, fmt: str, gscale: float | None = None) -> torch.Tensor:
+    """Per-group effective scales (d_out, n_groups), fp32 (module docstring): E4M3 max |w| / 448 fp16-rounded; E2M1
+    E4M3(G max |w| / 6) / G with `gscale` G."""
     f = fmt_of(fmt)
-    Wg = group_view(W.float(), resolve_group(W.shape[1], group_size))
-    return (Wg.abs().amax(-1) / f.max).half().float().clamp(min=SCALE_EPS)
+    top = group_view(W.float(), resolve_group(W.shape[1], group_size)).abs().amax(-1)
+    if fmt == "e2m1":
+        if gscale is None:
+            raise ValueError("E2M1 (NVFP4) scales need the tensor's global scale")
+        g = torch.tensor(gscale, dtype=torch.float32)
+        s8 = (g * (top / f.max)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
+        return torch.where(s8 == 0, torch.tensor(FP8_EPS), s8) / g
+    return (top / f.max).half().float().clamp(min=SCALE_EPS)
 
 
 def encode(x: torch.Tensor, fmt: str) -> torch.Tensor:
-    """Bit patterns (uint8) of `x` (already divided by its scale) rounded to the format, saturating at its max."""
+    """Codes (uint8) of `x` (already divided by its scale) rounded to the format, saturating at its max."""
     f = fmt_of(fmt)
-    return x.float().clamp(-f.max, f.max).to(f.dtype).view(torch.uint8)
+    x = x.float().clamp(-f.max, f.max)
+    if fmt == "e2m1":
+        a = x.abs()
+        idx = torch.zeros_like(a, dtype=torch.uint8)
+        for bound, inclusive in E2M1_UP:
+            idx += (a >= bound if inclusive else a > bound).to(torch.uint8)
+        return idx | ((x < 0).to(torch.uint8) << 3)
+    return x.to(FLOAT_ELEMENTS[fmt]).view(torch.uint8)
 
 
-def decode(codes: torch.Tensor, fmt: str) -> torch.Tensor:
-    """The fp32 values of bit patterns `codes`."""
-    return codes.view(fmt_of(fmt).dtype).float()
+decode = decode_float  # the fp32 values of codes (compress/qweight.py owns the rule)
 
 
 def _per_column(s: torch.Tensor, d_in: int, g: int) -> torch.Tensor:
     return s.repeat_interleave(g, dim=1)[:, :d_in]
 
 
-def rtn(W: torch.Tensor, group_size: int, fmt: str) -> QuantizedWeight:
-    """Round to nearest on the float grid (module docstring)."""
+def rtn(W: torch.Tensor, group_size: int, fmt: str, gscale: float | None = None) -> QuantizedWeight:
+    """Round to nearest on the float grid (module docstring); `gscale`: an E2M1 layer's global scale (default: its
+    own)."""
     d_out, d_in = W.shape
-    s = scales(W, group_size, fmt)
+    if fmt == "e2m1" and gscale is None:
+        gscale = global_scale(W)
+    s = scales(W, group_size, fmt, gscale)
     codes = encode(W.float() / _per_column(s, d_in, resolve_group(d_in, group_size)), fmt)
+    return _weight(codes, s, group_size, fmt, gscale)
+
+
+def _weight(codes, s, group_size, fmt, gscale) -> QuantizedWeight:
     return QuantizedWeight(codes=codes, scales=s, zeros=torch.zeros_like(s, dtype=torch.uint8),
-                           bits=fmt_of(fmt).bits, group_size=group_size, sym=True, fp=fmt)
+                           bits=fmt_of(fmt).bits, group_size=group_size, sym=True, fp=fmt,
+                           global_scale=gscale if fmt == "e2m1" else None)
 
 
 class FloatGroups:
     """GPTQ's per-group state (`gptq._Groups`' interface) on a float grid: each group's scale from the error-updated
-    weights at its first column (all up front with `static`, as act_order and per-channel groups have)."""
+    weights at its first column (all up front with `static`, as act_order and per-channel groups have); an E2M1
+    layer's global scale fixed from `W` (or given: a fused group's)."""
 
-    def __init__(self, W: torch.Tensor, group_size: int, fmt: str, static: bool):
+    def __init__(self, W: torch.Tensor, group_size: int, fmt: str, static: bool, gscale: float | None = None):
         self.fmt, self.group_size = fmt, group_size
+        self.gscale = (gscale if gscale is not None else global_scale(W)) if fmt == "e2m1" else None
         self.g = resolve_group(W.shape[1], group_size)
         self.static = static or group_size == -1
-        self.S = scales(W, group_size, fmt)
+        self.S = scales(W, group_size, fmt, self.gscale)
 
     def aligned_block(self, block_size: int) -> int:
         return block_size if self.static else max(1, block_size // self.g) * self.g
@@ -88,7 +153,7 @@ class FloatGroups:
     def refresh(self, j: int, W_rest: torch.Tensor) -> None:
         if not self.static and j % self.g == 0:
             k = j // self.g
-            self.S[:, k:k + 1] = scales(W_rest[:, :self.g], -1, self.fmt)
+            self.S[:, k:k + 1] = scales(W_rest[:, :self.g], -1, self.fmt, self.gscale)
 
     def quantize(self, w: torch.Tensor, j: int) -> tuple[torch.Tensor, torch.Tensor]:
         s = self.S[:, j // self.g]
@@ -96,5 +161,4 @@ class FloatGroups:
         return c, decode(c, self.fmt) * s
 
     def quantized_weight(self, codes: torch.Tensor) -> QuantizedWeight:
-        return QuantizedWeight(codes=codes, scales=self.S, zeros=torch.zeros_like(self.S, dtype=torch.uint8),
-                               bits=fmt_of(self.fmt).bits, group_size=self.group_size, sym=True, fp=self.fmt)
+        return _weight(codes, self.S, self.group_size, self.fmt, self.gscale)

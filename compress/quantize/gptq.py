@@ -16,7 +16,7 @@ from compress.config import QuantizeConfig
 from compress.errors import RunFailure
 from compress.hessian import as_store
 from compress.primitives import choose_qparams, quantize_codes, resolve_group
-from compress.quantize.floatgrid import FloatGroups
+from compress.quantize.floatgrid import FloatGroups, block_global_scales
 from compress.quantize.ggml_grid import GridGroups
 from compress.quantize.spine import FLOAT, SIGN, Quantizer, quantizer
 from compress.qweight import QuantizedWeight
@@ -38,6 +38,7 @@ def gptq(
     overwrite_w: bool = False,
     ggml: str | None = None,
     fp: str | None = None,
+    gscale: float | None = None,
 ) -> tuple[QuantizedWeight, float]:
     """Quantize `W` (d_out, d_in) column by column, pushing each rounding error onto later columns.
 
@@ -54,7 +55,8 @@ def gptq(
     `ggml` (a GGML type name): the groups are that type's llama.cpp blocks instead (`ggml_grid.GridGroups`), each
     fitted by llama.cpp's search weighted by the importance `diag(H) / 2` (the mean squared input, what llama.cpp's
     imatrix holds); `bits`, `group_size` and `sym` are then the type's. `fp` (a float element format, "e4m3"): the
-    columns are rounded onto that float grid (`floatgrid.FloatGroups`), the groups' scales max |w| / 448.
+    columns are rounded onto that float grid (`floatgrid.FloatGroups`; E2M1: `gscale`, the tensor's global scale,
+    default its own).
 
     Returns `(QuantizedWeight, error)`, `error = sum_j ||W[:,j] - Q[:,j]||^2 / (2 Hinv[j,j]^2)` (the
     paper's Losses; `Hinv` is the upper Cholesky factor of `H^-1`). Since `W - Q = E Hinv` with `E`
@@ -81,7 +83,7 @@ def gptq(
     W = W.detach() if overwrite_w and W.dtype == torch.float32 else W.detach().float().clone()
     W[:, dead.to(W.device)] = 0
     if fp is not None:
-        groups = FloatGroups(W, group_size, fp, static=act_order)
+        groups = FloatGroups(W, group_size, fp, static=act_order, gscale=gscale)
     elif ggml is not None:
         groups = GridGroups(W, ggml, torch.where(dead, torch.zeros_like(diag), diag).cpu() / 2, static=act_order)
     else:
@@ -201,6 +203,7 @@ class GPTQ(Quantizer):
     def quantize_block(self, data) -> dict[str, QuantizedWeight]:
         c = self.cfg
         out = {}
+        gs = block_global_scales(data)  # NVFP4: q/k/v and gate/up share one
         for name, lin in data.linears.items():  # each Hessian is consumed: freed once its last layer is done
             s = data.specs[name]
             # q/k/v, gate/up share one tensor (collect_hessians): only its last user may consume it; the popped
@@ -209,5 +212,5 @@ class GPTQ(Quantizer):
             out[name] = gptq(lin.weight.data, data.hessians.pop(name), bits=s.bits, group_size=s.group_size,
                              sym=s.sym, damp=c.damp, block_size=c.block_size, act_order=c.act_order,
                              overwrite_h=not shared, overwrite_w=True, ggml=s.ggml,
-                             fp=s.fp)[0]  # the driver sets the weight next
+                             fp=s.fp, gscale=gs.get(name))[0]  # the driver sets the weight next
         return out

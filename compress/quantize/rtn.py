@@ -75,10 +75,12 @@ class RTN(Quantizer):
 
     def quantize_block(self, data: BlockData) -> dict[str, QuantizedWeight]:
         opt = getattr(self.cfg, "optimize", False)
-        return {name: quantize_layer(lin.weight.data, data.specs[name], opt) for name, lin in data.linears.items()}
+        gs = floatgrid.block_global_scales(data)  # NVFP4: q/k/v and gate/up share one
+        return {name: quantize_layer(lin.weight.data, data.specs[name], opt, gs.get(name))
+                for name, lin in data.linears.items()}
 
 
-def quantize_layer(W, s, optimize: bool = False) -> QuantizedWeight:
+def quantize_layer(W, s, optimize: bool = False, gscale: float | None = None) -> QuantizedWeight:
     """RTN at the layer's bits, or, with an allocation plan, each chunk fitted with its own option, or on the layer's
     llama.cpp grid (`gguf`: llama.cpp's own fit and rounding without an importance matrix). `optimize`: the
     optimised RTN of this module's docstring, for a uniform layer and for a plan's `minmax` chunks (`clip` chunks
@@ -86,7 +88,7 @@ def quantize_layer(W, s, optimize: bool = False) -> QuantizedWeight:
     if s.ggml is not None:
         return ggml_grid.rtn(W, s.ggml)
     if s.fp is not None:
-        return floatgrid.rtn(W, s.group_size, s.fp)
+        return floatgrid.rtn(W, s.group_size, s.fp, gscale)
     if s.mixed is not None:
         m = s.mixed
         if not optimize:

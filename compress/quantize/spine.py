@@ -174,7 +174,12 @@ def spec_at(name: str, d_in: int, cfg: QuantizeConfig) -> LayerSpec | None:
             skip = o.skip
     if skip:
         return None
-    return fitted(name, d_in, LayerSpec(bits, group_size, sym, fp=FLOAT_SCHEMES.get(cfg.scheme)), cfg.strict_groups)
+    fp = FLOAT_SCHEMES.get(cfg.scheme)
+    if fp is not None and group_size != -1 and d_in % group_size:
+        raise BadInput(f"layer `{name}`: `scheme: {cfg.scheme}` scales groups of {group_size} columns, which do not "
+                       f"divide its {d_in} (compressed-tensors needs whole groups): skip it with an override "
+                       f"(`{{pattern: '{name}$', skip: true}}`)")
+    return fitted(name, d_in, LayerSpec(bits, group_size, sym, fp=fp), cfg.strict_groups)
 
 
 def fitted(name: str, d_in: int, spec: LayerSpec, strict: bool) -> LayerSpec:

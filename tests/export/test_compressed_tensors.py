@@ -57,16 +57,17 @@ def test_exports_that_cannot_carry_activations_are_refused_at_plan_time(tmp_path
 
 
 def test_stored_weights_are_the_evaluated_weights_exactly():
-    from compress.export.compressed_tensors import stored_weight
+    from compress.export.compressed_tensors import stored_tensors
     from compress.quantize.rtn import rtn
 
     W = torch.randn(48, 96, generator=torch.Generator().manual_seed(0))
     qw = rtn(W, 8, -1, True)
-    w, s = stored_weight(qw)
+    t = stored_tensors(qw)
+    w, s = t["weight"], t["weight_scale"]
     assert w.dtype == torch.int8 and s.shape == (48, 1)
     assert torch.equal(w.float() * s, qw.dequantize())
     with pytest.raises(ValueError, match="8-bit per-channel"):
-        stored_weight(rtn(W, 4, 32, True))
+        stored_tensors(rtn(W, 4, 32, True))
 
 
 @pytest.mark.parametrize("method,scheme", [("rtn", "w8a8-int8"), ("gptq", "w8a8-int8"), ("gptq", "fp8")])
@@ -176,7 +177,7 @@ def test_fp8_weights_are_compressed_tensors_own_rounding():
     from compressed_tensors.quantization.lifecycle.forward import quantize
     from compressed_tensors.quantization.utils import calculate_qparams
 
-    from compress.export.compressed_tensors import stored_weight
+    from compress.export.compressed_tensors import stored_tensors
     from compress.qweight import qweights_to_tensors, tensors_to_qweights
     from compress.quantize import floatgrid
     from compress.quantize.gptq import gptq
@@ -190,7 +191,8 @@ def test_fp8_weights_are_compressed_tensors_own_rounding():
     s = s.half().float()  # the export dtype's scale
     assert torch.equal(qw.scales, s)
     assert torch.equal(quantize(W, s, z, args, dtype=torch.float8_e4m3fn).view(torch.uint8), qw.codes)
-    w, scale = stored_weight(qw)
+    t = stored_tensors(qw)
+    w, scale = t["weight"], t["weight_scale"]
     assert w.dtype == torch.float8_e4m3fn and torch.equal(w.float() * scale, qw.dequantize())
     assert qw.effective_bits() == 8 + 16 / 128
     back = tensors_to_qweights(*qweights_to_tensors({"l": qw}))["l"]
@@ -216,3 +218,93 @@ def test_fp8_is_refused_where_it_cannot_run(tmp_path):
     assert rc == 1 and "`scheme: fp8`" in err and "hf cannot carry" in err, err
     rc, out, err = invoke("run", recipe(tmp_path, "gptq", "scheme: fp8"), "--dry-run", "--json")
     assert rc == 0, err
+
+
+def test_nvfp4_weights_are_compressed_tensors_own_rounding():
+    """`scheme: nvfp4a16`: RTN gives bit for bit the packed E2M1 codes, E4M3 group scales and global scale of
+    compressed-tensors' own NVFP4A16 observer and packer (a zero group included), q/k/v share one global scale (the
+    smallest, as llm-compressor fuses them for vLLM), and GPTQ on the same grid lowers the output error."""
+    from compressed_tensors.compressors.nvfp4.helpers import quantize_and_pack_fp4
+    from compressed_tensors.quantization.quant_scheme import NVFP4A16
+    from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam
+
+    from compress.export.compressed_tensors import stored_tensors
+    from compress.qweight import qweights_to_tensors, tensors_to_qweights
+    from compress.quantize import floatgrid
+    from compress.quantize.gptq import gptq
+
+    g = torch.Generator().manual_seed(0)
+    W = torch.randn(64, 128, generator=g) * 0.05
+    W[2, :16] = 0
+    gs = generate_gparam(W.min(), W.max())
+    Wg = W.reshape(64, -1, 16)
+    s, _ = calculate_qparams(Wg.amin(-1), Wg.amax(-1), NVFP4A16["weights"], global_scale=gs)
+    qw = floatgrid.rtn(W, 16, "e2m1")
+    assert qw.global_scale == float(gs) and torch.equal(qw.scales, s.float() / gs)
+    t = stored_tensors(qw)
+    assert torch.equal(t["weight_packed"], quantize_and_pack_fp4(W, s, gs, None, 16))
+    assert t["weight_scale"].dtype == torch.float8_e4m3fn and torch.equal(t["weight_scale"].float(), s.float())
+    assert qw.effective_bits() == 4 + 8 / 16 + 32 / W.numel()
+    back = tensors_to_qweights(*qweights_to_tensors({"l": qw}))["l"]
+    assert back.global_scale == qw.global_scale and torch.equal(back.dequantize(), qw.dequantize())
+
+    shared = floatgrid.global_scales({"m.q_proj": W, "m.k_proj": 3 * W, "m.o_proj": W})
+    assert shared["m.q_proj"] == shared["m.k_proj"] == floatgrid.global_scale(3 * W)
+    assert shared["m.o_proj"] == floatgrid.global_scale(W) > shared["m.q_proj"]  # not fused: its own
+
+    X = torch.randn(512, 128, generator=g)
+    H = 2 * X.T @ X / 512
+    qg, _ = gptq(W, H, bits=4, group_size=16, sym=True, fp="e2m1")
+    err = {k: float(((X @ (q.dequantize() - W).T) ** 2).sum()) for k, q in (("rtn", qw), ("gptq", qg))}
+    assert err["gptq"] < 0.95 * err["rtn"], err
+    assert qg.global_scale == qw.global_scale and torch.equal(stored_tensors(qg)["weight_scale"].float() /
+                                                              qg.global_scale, qg.scales)
+
+
+@pytest.mark.parametrize("method", ["rtn", "gptq"])
+def test_nvfp4_export_loads_in_transformers(tmp_path, method):
+    """The `nvfp4-pack-quantized` export: transformers (through compressed-tensors, which unpacks to bfloat16) holds
+    exactly compress's weights rounded to bfloat16, so in bfloat16 both compute the same logits; `compress eval` of the
+    export gives the run's KL to 1% (its weights bf16-rounded); activations stay in full precision, and `activations:
+    static` is refused for this weight-only scheme."""
+    from transformers import AutoModelForCausalLM
+
+    from compress.export.hf import load_tensors
+    from compress.qweight import decode_float
+
+    out = tmp_path / "out"
+    rc, stdout, err = invoke("run", recipe(tmp_path, method, "scheme: nvfp4a16"), "-o", out, "--json")
+    assert rc == 0, err
+    report = json.loads(stdout)
+    assert "activations" not in report and 4.5 < report["size"]["effective_bits"] < 4.52
+    ct = out / "compressed-tensors"
+    cfg = json.loads((ct / "config.json").read_text())["quantization_config"]
+    assert cfg["format"] == "nvfp4-pack-quantized"
+    group = cfg["config_groups"]["group_0"]
+    assert "input_activations" not in group and len(group["targets"]) == 28
+    assert group["weights"]["strategy"] == "tensor_group" and group["weights"]["group_size"] == 16
+    tensors = load_tensors(ct)
+    theirs = AutoModelForCausalLM.from_pretrained(ct, dtype=torch.bfloat16).eval()
+    ours = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.bfloat16).eval()  # its rotary tables in fp32
+    with torch.no_grad():
+        for name in group["targets"]:  # compress's exact fp32 weights, rounded to bfloat16 by the copy
+            p = tensors[f"{name}.weight_packed"]
+            codes = torch.stack([p & 15, p >> 4], -1).reshape(p.shape[0], -1)
+            s = tensors[f"{name}.weight_scale"].float() / tensors[f"{name}.weight_global_scale"]
+            assert len(set(tensors[f"{name}.weight_global_scale"].tolist())) == 1
+            ours.get_submodule(name).weight.copy_(decode_float(codes, "e2m1") * s.repeat_interleave(16, 1))
+        ids = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(0))
+        b = theirs(ids).logits  # the first forward decompresses the weights
+        for name in group["targets"]:
+            assert torch.equal(theirs.get_submodule(name).weight, ours.get_submodule(name).weight), name
+        a = ours(ids).logits
+    assert torch.equal(a, b)
+    gs = [float(tensors[f"model.layers.0.self_attn.{p}_proj.weight_global_scale"]) for p in "qkv"]
+    assert gs[0] == gs[1] == gs[2]  # vLLM fuses q/k/v into one weight with one global scale
+    rc, stdout, err = invoke("eval", ct, "--reference", MODEL, "--data", "bundled:botchan-eval", "--max-tokens",
+                             "1024", "--gen-prompts", "0", "--json")
+    assert rc == 0, err
+    ev, run = json.loads(stdout)["botchan-eval.txt"], report["eval"]["botchan-eval.txt"]
+    assert ev["kl"] == pytest.approx(run["kl"], rel=1e-2)
+    rc, _, err = invoke("run", recipe(tmp_path, method, "scheme: nvfp4a16, activations: static"), "--dry-run")
+    assert rc == 1 and "leaves them in full precision" in err, err

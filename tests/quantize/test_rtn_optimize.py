@@ -111,7 +111,7 @@ def test_allocation_plan_chunks():
     W = _weights("heavy", rows=32, cols=256, seed=5)
     options = [(2, "minmax"), (3, "clip"), (16, "keep"), (4, "minmax")]
     mixed = SimpleNamespace(options=options, chunk_size=64, energy=None, map_bits=2)
-    spec = SimpleNamespace(ggml=None, mixed=mixed, group_size=32, sym=False, bits=4)
+    spec = SimpleNamespace(ggml=None, fp=None, mixed=mixed, group_size=32, sym=False, bits=4)
     opt, plain = quantize_layer(W, spec, optimize=True), fit_mixed(W, options, 64, 32, False, None, 2)
     assert opt.chunk_bits == plain.chunk_bits and opt.storage_bits() == plain.storage_bits()
     d_opt, d_plain = (W - opt.dequantize()) ** 2, (W - plain.dequantize()) ** 2
