@@ -8,7 +8,8 @@ from compress (a different transformers lives here).
     python bench/peer_llmcompressor.py JOB.json
 
 JOB.json: {"model", "windows" (a .pt of an (N, L) LongTensor), "out", "method" ("gptq" | "awq+rtn" | "sq+gptq"),
-"bits", "group_size", "sym", "scheme" (null, or "w8a8-int8" / "fp8": llm-compressor's W8A8 / FP8_DYNAMIC preset,
+"bits", "group_size", "sym", "scheme" (null, or "w8a8-int8" / "fp8" / "nvfp4a16": llm-compressor's W8A8 /
+FP8_DYNAMIC / NVFP4A16 preset,
 GPTQ weights ("gptq"), with "sq+gptq" after `SmoothQuantModifier(smoothing_strength=0.8)` as its
 examples/quantization_w8a8_int8 does, or its observer's rounding alone ("rtn": `QuantizationModifier`, as its
 examples/quantization_w8a8_fp8 does))}.
@@ -95,7 +96,7 @@ def main(job_path: str) -> None:
     n, seqlen = windows.shape
     ds = Dataset.from_dict({"input_ids": windows.tolist(), "attention_mask": torch.ones_like(windows).tolist()})
     if job.get("scheme"):  # a weight-and-activation preset (llm-compressor's examples/quantization_w8a8_int8, _fp8)
-        preset = {"w8a8-int8": "W8A8", "fp8": "FP8_DYNAMIC"}[job["scheme"]]
+        preset = {"w8a8-int8": "W8A8", "fp8": "FP8_DYNAMIC", "nvfp4a16": "NVFP4A16"}[job["scheme"]]
         if job["method"] not in ("gptq", "sq+gptq", "rtn"):
             raise SystemExit(f"method {job['method']!r} has no {preset} recipe here")
         recipe = [SmoothQuantModifier(smoothing_strength=0.8)] if job["method"] == "sq+gptq" else []

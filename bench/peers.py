@@ -29,12 +29,15 @@ NNCF (in this environment: `pip install nncf==3.4.0`, OpenVINO backend)
     layers through the FP IR (MatMul names kept by NNCF; the FP weights equal the layers' exactly); bytes: the IR's
     low-bit code, zero-point and scale constants.
 
-`--scheme w8a8-int8` / `--scheme fp8` (issue #51): weights and activations instead of a weight setting: int8 (or FP8
-E4M3) per-channel symmetric weights, int8 (E4M3) per-token dynamic activations. Cells rtn, gptq, sq+gptq and sq+rtn (`{stage: smooth, method: smoothquant}`,
+`--scheme w8a8-int8` / `fp8` / `nvfp4a16` (issue #51): a scheme instead of a weight setting: int8 (or FP8 E4M3)
+per-channel symmetric weights, int8 (E4M3) per-token dynamic activations; or NVFP4 weights (E2M1, groups of 16,
+E4M3 scales, fp32 global scale), activations untouched. Cells rtn, gptq, sq+gptq and sq+rtn (`{stage: smooth, method: smoothquant}`,
 alpha searched; sq0.8+rtn: `alpha: 0.8`, llm-compressor's example's strength) exported as compressed-tensors; llmc-gptq and llmc-sq+gptq run llm-compressor's W8A8 preset (its
 examples/quantization_w8a8_int8: `SmoothQuantModifier(smoothing_strength=0.8)` then `GPTQModifier(scheme="W8A8")`);
 with fp8 its FP8_DYNAMIC preset, and llmc-rtn its examples/quantization_w8a8_fp8 recipe
-(`QuantizationModifier(targets="Linear", scheme="FP8_DYNAMIC", ignore=["lm_head"])`, data-free).
+(`QuantizationModifier(targets="Linear", scheme="FP8_DYNAMIC", ignore=["lm_head"])`, data-free); with nvfp4a16 its
+NVFP4A16 preset the same ways (its examples/quantization_w4a16_fp4). NVFP4 checkpoints are scored as `compress eval`
+loads them: dequantized at load by compressed-tensors (bf16-rounded weights), the same path for every tool.
 Every checkpoint is scored as served: loaded by transformers through compressed-tensors (quantized activations
 included) and evaluated by compress's evaluator; bytes: weight + weight_scale.
 
@@ -60,6 +63,9 @@ its FP weights are a dequantized Q4_1 GGUF grid):
     python -m bench peers --model smollm2-135m-instruct --scheme fp8 --nsamples 64 --seqlen 256 \
         --seeds 0 --cells rtn,gptq,sq+gptq,llmc-rtn,llmc-gptq --mc-task '' --build-env llmcompressor \
         --json bench/peers-smollm2-fp8.json --markdown bench/peers-smollm2-fp8.md
+    python -m bench peers --model smollm2-135m-instruct --scheme nvfp4a16 --nsamples 64 --seqlen 256 \
+        --seeds 0 --cells rtn,gptq,llmc-rtn,llmc-gptq --mc-task '' --build-env llmcompressor \
+        --json bench/peers-smollm2-nvfp4a16.json --markdown bench/peers-smollm2-nvfp4a16.md
 
 The bench/peers-smollm2-*.md files were made with lighter settings for a 2-core machine (`--nsamples 64 --seqlen
 256 --peer-iters 50 --seeds 0` and a subset of `--cells`; each file's header gives its command), and
@@ -230,10 +236,11 @@ def safetensors_bytes(ckpt: Path, suffixes: tuple[str, ...]) -> dict[str, int]:
 
 
 def scheme_bytes(ckpt: Path) -> dict[str, int]:
-    """{layer: bytes of weight + weight_scale} of a compressed-tensors checkpoint (int- or float-quantized)'s quantized layers
-    (those with a weight_scale; the others' `weight` is a dense tensor, not counted)."""
+    """{layer: bytes of its weight (or NVFP4's weight_packed + weight_global_scale) + weight_scale} of a
+    compressed-tensors checkpoint's quantized layers (those with a weight_scale; the others' `weight` is a dense
+    tensor, not counted)."""
     per = {}
-    for suffix in ("weight", "weight_scale"):
+    for suffix in ("weight", "weight_packed", "weight_global_scale", "weight_scale"):
         for layer, n in safetensors_bytes(ckpt, (suffix,)).items():
             per.setdefault(layer, {})[suffix] = n
     return {layer: sum(v.values()) for layer, v in per.items() if "weight_scale" in v}
@@ -341,7 +348,7 @@ def compress_cell(cell: str, path: str, s: dict, seed: int, linears: dict, tmp: 
         if s.get("scheme"):  # scored as the peer's checkpoint is: loaded by transformers + compressed-tensors
             ckpt = Path(rep["exports"]["compressed-tensors"])
             row = score(str(ckpt), path, s)
-            row.update(size_of(scheme_bytes(ckpt), linears), bytes_from="compressed-tensors: weight + weight_scale",
+            row.update(size_of(scheme_bytes(ckpt), linears), bytes_from="compressed-tensors: weight (NVFP4: packed + global scale) + weight_scale",
                        quantize_seconds=round(sum(st["seconds"] for st in rep["stages"]
                                                   if st["name"] in ("quantize", "smooth")), 2),
                        run_kl=next(iter(rep["eval"].values()))["kl"])
@@ -425,7 +432,7 @@ def llmc_cell(method: str, path: str, s: dict, seed: int, calib, linears: dict, 
             row = score(str(ckpt), path, s)
             row.update(size_of(scheme_bytes(ckpt), linears), quantize_seconds=res["seconds"],
                        versions=res["versions"], patched=res["patched"], recipe=res["recipe"],
-                       bytes_from="compressed-tensors: weight + weight_scale")
+                       bytes_from="compressed-tensors: weight (NVFP4: packed + global scale) + weight_scale")
             return row
         row = score_weights(load_file(str(work / "out" / "dequantized.safetensors")), path, s, work)
         row.update(size_of(res["stored_bytes"], linears))
@@ -736,7 +743,8 @@ def markdown(res: dict) -> str:
                       "loaded by transformers through compressed-tensors (activations quantized as the checkpoint "
                       "says) and scored by compress's evaluator on the same tokens; bytes: weight + weight_scale of "
                       "the quantized layers. llm-compressor runs its "
-                      f"{ {'fp8': 'FP8_DYNAMIC'}.get(m['scheme'], 'W8A8') } preset: `GPTQModifier` (llmc-gptq; "
+                      f"{ {'fp8': 'FP8_DYNAMIC', 'nvfp4a16': 'NVFP4A16'}.get(m['scheme'], 'W8A8') } preset: "
+                      "`GPTQModifier` (llmc-gptq; "
                       "after `SmoothQuantModifier(smoothing_strength=0.8)` in llmc-sq+gptq, as its "
                       "examples/quantization_w8a8_int8 does) or `QuantizationModifier` (llmc-rtn, as its "
                       "examples/quantization_w8a8_fp8 does)."]
