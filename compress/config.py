@@ -103,9 +103,9 @@ class QuantizeConfig(StrictModel):
     scheme: Optional[Scheme] = Field(
         None, description="a weight-and-activation format (docs/formats.md#w8a8-int8): `w8a8-int8` is int8 weights per "
                           "output channel (bits 8, group_size -1, sym, set for you) and int8 activations per token, "
-                          "quantized at run time; `fp8` the same with FP8 E4M3 weights and activations (methods rtn "
-                          "and gptq; docs/formats.md#fp8); `nvfp4a16` NVFP4 E2M1 weights in groups of 16 with E4M3 "
-                          "scales and an fp32 scale per tensor, activations untouched (docs/formats.md#nvfp4); the "
+                          "quantized at run time; `fp8` the same with FP8 E4M3 weights and activations (methods rtn, "
+                          "gptq, autoround; docs/formats.md#fp8); `nvfp4a16` NVFP4 E2M1 weights in groups of 16 "
+                          "with E4M3 scales and an fp32 scale per tensor, activations untouched (docs/formats.md#nvfp4); the "
                           "evaluation computes with them, and only the `compressed-tensors` export carries them")
 
     activations: Literal["dynamic", "static"] = Field(

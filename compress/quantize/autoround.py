@@ -8,7 +8,7 @@ import torch
 
 from compress.driver import BlockData
 from compress.quantize.signround import AutoRoundConfig, signround_block
-from compress.quantize.spine import CHUNK_PLAN, Quantizer, quantizer
+from compress.quantize.spine import CHUNK_PLAN, FLOAT, Quantizer, quantizer
 from compress.qweight import QuantizedWeight
 
 __all__ = ["AutoRound", "AutoRoundConfig"]
@@ -17,7 +17,7 @@ __all__ = ["AutoRound", "AutoRoundConfig"]
 @quantizer(AutoRoundConfig, "AutoRound sign-gradient rounding (Intel auto-round)")
 class AutoRound(Quantizer):
     needs_fp_targets = needs_data = True
-    capabilities = frozenset({CHUNK_PLAN})
+    capabilities = frozenset({CHUNK_PLAN, FLOAT})
 
     def __init__(self, cfg: AutoRoundConfig):
         super().__init__(cfg)

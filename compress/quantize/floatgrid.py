@@ -114,6 +114,21 @@ def encode(x: torch.Tensor, fmt: str) -> torch.Tensor:
 decode = decode_float  # the fp32 values of codes (compress/qweight.py owns the rule)
 
 
+def round_ste(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    """`x` (divided by its scale) rounded to the format's values, clamped to its range, with a straight-through
+    gradient (AutoRound's rounding): E2M1 in steps of 0.5 below 2, 1 below 4, 2 above (torch's half-to-even ties,
+    `encode`'s), E4M3 by torch's cast."""
+    f = fmt_of(fmt)
+    x = x.clamp(-f.max, f.max)
+    if fmt == "e2m1":
+        a = x.abs()
+        step = torch.where(a < 2, 0.5, torch.where(a < 4, 1.0, 2.0))
+        q = torch.sign(x) * torch.round(a / step) * step
+    else:
+        q = x.to(FLOAT_ELEMENTS[fmt]).float()
+    return x + (q - x).detach()
+
+
 def _per_column(s: torch.Tensor, d_in: int, g: int) -> torch.Tensor:
     return s.repeat_interleave(g, dim=1)[:, :d_in]
 
@@ -126,10 +141,11 @@ def rtn(W: torch.Tensor, group_size: int, fmt: str, gscale: float | None = None)
         gscale = global_scale(W)
     s = scales(W, group_size, fmt, gscale)
     codes = encode(W.float() / _per_column(s, d_in, resolve_group(d_in, group_size)), fmt)
-    return _weight(codes, s, group_size, fmt, gscale)
+    return weight(codes, s, group_size, fmt, gscale)
 
 
-def _weight(codes, s, group_size, fmt, gscale) -> QuantizedWeight:
+def weight(codes, s, group_size, fmt, gscale) -> QuantizedWeight:
+    """The QuantizedWeight of float-grid codes with their group scales (and NVFP4 global scale)."""
     return QuantizedWeight(codes=codes, scales=s, zeros=torch.zeros_like(s, dtype=torch.uint8),
                            bits=fmt_of(fmt).bits, group_size=group_size, sym=True, fp=fmt,
                            global_scale=gscale if fmt == "e2m1" else None)
@@ -161,4 +177,4 @@ class FloatGroups:
         return c, decode(c, self.fmt) * s
 
     def quantized_weight(self, codes: torch.Tensor) -> QuantizedWeight:
-        return _weight(codes, self.S, self.group_size, self.fmt, self.gscale)
+        return weight(codes, self.S, self.group_size, self.fmt, self.gscale)

@@ -183,9 +183,48 @@ class _GridTuned:
         return ggml_grid.to_qweight(self.grid, q.to(torch.int16).numpy())
 
 
-def _tuned(W: torch.Tensor, spec: LayerSpec, minmax: bool, imatrix=None):
+class _FloatTuned:
+    """A layer on a float grid (`scheme: fp8`, `nvfp4a16`; compress/quantize/floatgrid.py): the group scales fixed
+    by the format's observer (NVFP4: under the fused layers' shared global scale), then only a rounding offset V per
+    weight tuned, added to w / s before the element's rounding (auto-round's `nv_fp4` / fp8 arithmetic: x / s + V,
+    clamped, rounded with a straight-through gradient). The range tuning (alpha, beta) is not applied: the scales
+    stay the observer's, as the export's checkers expect them."""
+
+    def __init__(self, W: torch.Tensor, spec: LayerSpec, gscale: float | None):
+        from compress.quantize import floatgrid
+
+        self.W, self.spec, self.gscale = W.float(), spec, gscale
+        if spec.fp == "e2m1" and gscale is None:
+            self.gscale = floatgrid.global_scale(self.W)
+        self.s = floatgrid.scales(self.W, spec.group_size, spec.fp, self.gscale)
+        g = resolve_group(W.shape[1], spec.group_size)
+        self.s_col = self.s.repeat_interleave(g, dim=1)[:, : W.shape[1]]
+        self.V = torch.zeros_like(self.W, requires_grad=True)
+
+    def params(self):
+        return [self.V]
+
+    def qdq(self, V=None):
+        from compress.quantize import floatgrid
+
+        return (floatgrid.round_ste(self.W / self.s_col + (self.V if V is None else V), self.spec.fp) * self.s_col,)
+
+    def snapshot(self):
+        return (self.V.detach().clone(),)
+
+    def to_qweight(self, V) -> QuantizedWeight:
+        from compress.quantize import floatgrid
+
+        with torch.no_grad():
+            codes = floatgrid.encode(self.W / self.s_col + V, self.spec.fp)
+        return floatgrid.weight(codes, self.s, self.spec.group_size, self.spec.fp, self.gscale)
+
+
+def _tuned(W: torch.Tensor, spec: LayerSpec, minmax: bool, imatrix=None, gscale=None):
     if spec.ggml is not None:
         return _GridTuned(W, spec, imatrix)
+    if getattr(spec, "fp", None) is not None:
+        return _FloatTuned(W, spec, gscale)
     return _MixedTuned(W, spec, minmax) if spec.mixed is not None else _Tuned(W, spec, minmax)
 
 
@@ -215,9 +254,12 @@ def input_importance(data: BlockData, names) -> dict[str, torch.Tensor]:
 
 def signround_block(data: BlockData, cfg: AutoRoundConfig) -> dict[str, QuantizedWeight]:
     """Tune one block; returns the best QuantizedWeight of each linear in `data.linears`."""
+    from compress.quantize.floatgrid import block_global_scales
+
     grid = [n for n in data.linears if data.specs[n].ggml is not None]
     imatrix = input_importance(data, grid) if grid else {}
-    tuned = {n: _tuned(lin.weight.data, data.specs[n], cfg.minmax_tuning, imatrix.get(n))
+    gs = block_global_scales(data)  # NVFP4: q/k/v and gate/up share one
+    tuned = {n: _tuned(lin.weight.data, data.specs[n], cfg.minmax_tuning, imatrix.get(n), gs.get(n))
              for n, lin in data.linears.items()}
     inputs = data.inputs if cfg.quanted_input else data.fp_inputs
     originals = {n: lin.forward for n, lin in data.linears.items()}

@@ -83,15 +83,10 @@ def check(adapter, cfg: QuantizeConfig, facts=None) -> QuantizeConfig:
     """Plan time: the config as it will run on this model (`final_block: auto` resolved); a float scheme refused
     for a method that rounds only onto integer grids."""
     fp = FLOAT_SCHEMES.get(cfg.scheme)
-    if fp is not None:
-        if FLOAT not in QUANTIZERS[type(cfg)].capabilities:
-            able = sorted(c.model_fields["method"].default for c, q in QUANTIZERS.items() if FLOAT in q.capabilities)
-            raise BadInput(f"`method: {cfg.method}` rounds onto integer grids only; `scheme: {cfg.scheme}` puts the "
-                           f"weights on the {fp.upper()} float grid: use {' or '.join(able)}")
-        if cfg.final_block not in ("same", "auto"):
-            raise BadInput(f"`final_block: {cfg.final_block}` tunes the last block with AutoRound's integer rounding, "
-                           f"which `scheme: {cfg.scheme}`'s float grid does not have: set `final_block: same`")
-        return cfg.model_copy(update={"final_block": "same"})
+    if fp is not None and FLOAT not in QUANTIZERS[type(cfg)].capabilities:
+        able = sorted(c.model_fields["method"].default for c, q in QUANTIZERS.items() if FLOAT in q.capabilities)
+        raise BadInput(f"`method: {cfg.method}` rounds onto integer grids only; `scheme: {cfg.scheme}` puts the "
+                       f"weights on the {fp.upper()} float grid: use {', '.join(able)}")
     return resolve_final_block(cfg, adapter)
 
 

@@ -207,13 +207,18 @@ def test_fp8_weights_are_compressed_tensors_own_rounding():
     assert torch.equal(floatgrid.decode(on_grid, "e4m3") * qg.scales, qg.dequantize())
 
 
-def test_fp8_is_refused_where_it_cannot_run(tmp_path):
-    """A method without a float grid (AutoRound), an LFQ final block, and an export that cannot carry it are refused
-    at plan time, naming what can."""
-    rc, _, err = invoke("run", recipe(tmp_path, "autoround", "scheme: fp8"), "--dry-run")
-    assert rc == 1 and "rounds onto integer grids only" in err and "gptq or rtn" in err, err
-    rc, _, err = invoke("run", recipe(tmp_path, "gptq", "scheme: fp8, final_block: lfq"), "--dry-run")
-    assert rc == 1 and "final_block: same" in err, err
+def test_fp8_is_refused_where_it_cannot_run(tmp_path, monkeypatch):
+    """A method without a float grid (a quantizer that does not declare FLOAT) and an export that cannot carry it are
+    refused at plan time, naming what can; AutoRound and an LFQ final block plan."""
+    from compress.quantize.rtn import RTN
+
+    for method in ("autoround", "gptq"):
+        rc, _, err = invoke("run", recipe(tmp_path, method, "scheme: fp8, final_block: lfq"), "--dry-run")
+        assert rc == 0, err
+    monkeypatch.setattr(RTN, "capabilities", frozenset())
+    rc, _, err = invoke("run", recipe(tmp_path, "rtn", "scheme: fp8"), "--dry-run")
+    assert rc == 1 and "rounds onto integer grids only" in err and "autoround, gptq" in err, err
+    monkeypatch.undo()
     rc, _, err = invoke("run", recipe(tmp_path, "rtn", "scheme: fp8", fmt="hf"), "--dry-run")
     assert rc == 1 and "`scheme: fp8`" in err and "hf cannot carry" in err, err
     rc, out, err = invoke("run", recipe(tmp_path, "gptq", "scheme: fp8"), "--dry-run", "--json")
@@ -308,3 +313,37 @@ def test_nvfp4_export_loads_in_transformers(tmp_path, method):
     assert ev["kl"] == pytest.approx(run["kl"], rel=1e-2)
     rc, _, err = invoke("run", recipe(tmp_path, method, "scheme: nvfp4a16, activations: static"), "--dry-run")
     assert rc == 1 and "leaves them in full precision" in err, err
+
+
+@pytest.mark.parametrize("scheme", ["fp8", "nvfp4a16"])
+def test_autoround_tunes_the_float_grid(scheme):
+    """AutoRound on a float grid: the scales are the observer's (RTN's), the tuned rounding offsets move some codes
+    to the other neighbouring grid value, never off the grid, and lower the block's output error against RTN."""
+    from compress.driver import BlockData, LayerSpec
+    from compress.quantize import floatgrid
+    from compress.quantize.signround import AutoRoundConfig, signround_block
+
+    g = torch.Generator().manual_seed(0)
+    lin = torch.nn.Linear(64, 32, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(32, 64, generator=g) * 0.05)
+    block = torch.nn.Sequential(lin)
+    fp, group = {"fp8": ("e4m3", -1), "nvfp4a16": ("e2m1", 16)}[scheme]
+    spec = LayerSpec(8 if fp == "e4m3" else 4, group, True, fp=fp)
+    channels = 1 + torch.rand(64, generator=g) * 4  # a few loud input channels, the same in every batch
+    xs = [torch.randn(4, 16, 64, generator=g) * channels for _ in range(4)]
+    with torch.no_grad():
+        targets = [lin(x) for x in xs]
+    W = lin.weight.data.clone()
+    data = BlockData(index=0, block=block, linears={"0": lin}, specs={"0": spec}, inputs=xs, kwargs=[{}] * 4,
+                     fp_targets=targets)
+    qw = signround_block(data, AutoRoundConfig(bits=spec.bits, group_size=group, iters=200, final_block="same"))["0"]
+    ref = floatgrid.rtn(W, group, fp)
+    assert qw.fp == fp and torch.equal(qw.scales, ref.scales) and qw.global_scale == ref.global_scale
+    assert 0 < int((qw.codes != ref.codes).sum()) < W.numel() // 4
+    s = qw.scales.repeat_interleave(W.shape[1] // qw.n_groups, 1)
+    assert torch.equal(floatgrid.decode(floatgrid.encode(qw.dequantize() / s, fp), fp) * s, qw.dequantize())
+
+    def err(q):
+        return sum(float(((x @ (q.dequantize() - W).T) ** 2).sum()) for x in xs)
+    assert err(qw) < err(ref)
