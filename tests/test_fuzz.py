@@ -127,4 +127,5 @@ def test_fuzzed_recipes_and_options_plan_or_fail_cleanly():
 @pytest.mark.slow
 def test_fuzzed_recipes_and_options_plan_or_fail_cleanly_thousands():
     os.environ.pop("COMPRESS_FUZZ_UNSET", None)
-    _fuzz(5000)()
+    # 2,000 cases (5,000 until 2026-12-07): about 0.2 s a case on 2 cores, 5,000 held CI's slow step ~15 minutes
+    _fuzz(2000)()
