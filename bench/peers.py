@@ -31,7 +31,7 @@ NNCF (in this environment: `pip install nncf==3.4.0`, OpenVINO backend)
 
 `--scheme w8a8-int8` / `fp8` / `nvfp4a16` (issue #51): a scheme instead of a weight setting: int8 (or FP8 E4M3)
 per-channel symmetric weights, int8 (E4M3) per-token dynamic activations; or NVFP4 weights (E2M1, groups of 16,
-E4M3 scales, fp32 global scale), activations untouched. Cells rtn, gptq, sq+gptq and sq+rtn (`{stage: smooth, method: smoothquant}`,
+E4M3 scales, fp32 global scale), activations untouched. Cells rtn, gptq, autoround, sq+gptq and sq+rtn (`{stage: smooth, method: smoothquant}`,
 alpha searched; sq0.8+rtn: `alpha: 0.8`, llm-compressor's example's strength) exported as compressed-tensors; llmc-gptq and llmc-sq+gptq run llm-compressor's W8A8 preset (its
 examples/quantization_w8a8_int8: `SmoothQuantModifier(smoothing_strength=0.8)` then `GPTQModifier(scheme="W8A8")`);
 with fp8 its FP8_DYNAMIC preset, and llmc-rtn its examples/quantization_w8a8_fp8 recipe
@@ -128,7 +128,7 @@ DATA_FREE = {"rtn", "rtn-opt", "llmc-rtn"}
 LLMC_METHODS = {"llmc-gptq": "gptq", "llmc-awq": "awq+rtn", "llmc-sq+gptq": "sq+gptq", "llmc-rtn": "rtn"}
 # with a weight-and-activation `--scheme`: the cells that can run it (the others are weight-only methods or tools), and
 # the cells that only make sense with one (SmoothQuant smooths for quantized activations)
-SCHEME_CELLS = {"rtn", "gptq", "sq+gptq", "sq+rtn", "sq0.8+rtn", "llmc-rtn", "llmc-gptq", "llmc-sq+gptq"}
+SCHEME_CELLS = {"rtn", "gptq", "autoround", "sq+gptq", "sq+rtn", "sq0.8+rtn", "llmc-rtn", "llmc-gptq", "llmc-sq+gptq"}
 NEEDS_SCHEME = {"sq+gptq", "sq+rtn", "sq0.8+rtn", "llmc-rtn", "llmc-sq+gptq"}
 METRICS = ("kl", "top1", "ppl_ratio", "ppl", "acc", "acc_norm", "linear_bytes", "effective_bits", "quantize_seconds")
 
