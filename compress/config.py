@@ -67,10 +67,11 @@ FINAL_BLOCK_HELP = ("objective of the last decoder block: `same` (the method's o
 
 # the weight grid each scheme fixes; FLOAT_SCHEMES: the float element format of a scheme's weights (floatgrid.py)
 SCHEMES = {"w8a8-int8": {"bits": 8, "group_size": -1, "sym": True}, "fp8": {"bits": 8, "group_size": -1, "sym": True},
-           "nvfp4a16": {"bits": 4, "group_size": 16, "sym": True}}
-FLOAT_SCHEMES = {"fp8": "e4m3", "nvfp4a16": "e2m1"}
-WEIGHT_ONLY_SCHEMES = ("nvfp4a16",)  # schemes that leave the activations in full precision
-Scheme = Literal["w8a8-int8", "fp8", "nvfp4a16"]
+           "nvfp4a16": {"bits": 4, "group_size": 16, "sym": True},
+           "mxfp4a16": {"bits": 4, "group_size": 32, "sym": True}}
+FLOAT_SCHEMES = {"fp8": "e4m3", "nvfp4a16": "e2m1", "mxfp4a16": "mxfp4"}
+WEIGHT_ONLY_SCHEMES = ("nvfp4a16", "mxfp4a16")  # schemes that leave the activations in full precision
+Scheme = Literal["w8a8-int8", "fp8", "nvfp4a16", "mxfp4a16"]
 
 
 class QuantizeConfig(StrictModel):
@@ -105,8 +106,9 @@ class QuantizeConfig(StrictModel):
                           "output channel (bits 8, group_size -1, sym, set for you) and int8 activations per token, "
                           "quantized at run time; `fp8` the same with FP8 E4M3 weights and activations (methods rtn, "
                           "gptq, autoround; docs/formats.md#fp8); `nvfp4a16` NVFP4 E2M1 weights in groups of 16 "
-                          "with E4M3 scales and an fp32 scale per tensor, activations untouched (docs/formats.md#nvfp4); the "
-                          "evaluation computes with them, and only the `compressed-tensors` export carries them")
+                          "with E4M3 scales and an fp32 scale per tensor, activations untouched "
+                          "(docs/formats.md#nvfp4); `mxfp4a16` E2M1 in groups of 32 with power-of-two (E8M0) scales; "
+                          "the evaluation computes with them, and only the `compressed-tensors` export carries them")
 
     activations: Literal["dynamic", "static"] = Field(
         "dynamic", description="with a `scheme`: dynamic (a scale per token, computed at run time from the token) or "

@@ -42,7 +42,8 @@ write it dense (`export/hf.dense_reason`).
 Float grids (`fp`, compress/quantize/floatgrid.py; `scheme: fp8`, `nvfp4a16`): `codes` are the codes of a float
 element format (E4M3 bit patterns; E2M1 sign bit 8 | the index of the magnitude in `E2M1`), `zeros` 0 and never
 read, `W_hat = scales * element(codes)` per group (NVFP4: `scales` are the E4M3 group scales divided by the fp32
-`global_scale`); only the compressed-tensors export stores such a weight.
+`global_scale`; MXFP4 (`fp: mxfp4`, E2M1 codes): powers of two, E8M0); only the compressed-tensors export stores
+such a weight.
 """
 
 from __future__ import annotations
@@ -57,13 +58,13 @@ SCALE_BITS = 16  # scales are stored as fp16
 KEEP_BITS = 16  # a mixed-precision chunk kept in fp16
 FLOAT_ELEMENTS = {"e4m3": torch.float8_e4m3fn}  # float element formats `fp` names with a torch dtype (their codes')
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # the magnitudes of FP4 E2M1 by index (codes: sign bit 8 | index)
-FLOAT_SCALE_BITS = {"e4m3": 16, "e2m1": 8}  # a stored group scale: fp16, or NVFP4's E4M3
+FLOAT_SCALE_BITS = {"e4m3": 16, "e2m1": 8, "mxfp4": 8}  # a stored group scale: fp16, NVFP4's E4M3, MXFP4's E8M0
 GLOBAL_SCALE_BITS = 32  # NVFP4's fp32 scale per tensor
 
 
 def decode_float(codes: torch.Tensor, fmt: str) -> torch.Tensor:
-    """The fp32 values of float element codes (`fp`: "e4m3" bit patterns, "e2m1" sign | index)."""
-    if fmt == "e2m1":
+    """The fp32 values of float element codes (`fp`: "e4m3" bit patterns, "e2m1" / "mxfp4" sign | index)."""
+    if fmt in ("e2m1", "mxfp4"):
         mag = torch.tensor(E2M1, dtype=torch.float32, device=codes.device)[(codes & 7).long()]
         return torch.where(codes & 8 > 0, -mag, mag)
     return codes.view(FLOAT_ELEMENTS[fmt]).float()
@@ -106,7 +107,7 @@ class QuantizedWeight:
     kept: torch.Tensor | None = None  # fp16-representable values of the kept chunks, (d_out, kept columns)
     map_bits: int = 0  # plan metadata per chunk, counted in storage_bits
     grid: Any = None  # kernels.ggml.GGMLParams: llama.cpp blocks of that type (module docstring)
-    fp: str | None = None  # a float element format ("e4m3", "e2m1"): codes are its codes (module docstring)
+    fp: str | None = None  # a float grid ("e4m3", "e2m1" = NVFP4, "mxfp4"): codes are its codes (module docstring)
     global_scale: float | None = None  # NVFP4 (e2m1): the fp32 per-tensor scale; `scales` already divided by it
 
     def __post_init__(self):

@@ -27,12 +27,13 @@ def _ffn_mass(model, tau: float | None) -> None:
 
 
 def _weight_only_float(config) -> dict:
-    """An NVFP4 weight-only compressed-tensors checkpoint (`scheme: nvfp4a16`) is dequantized at load: the library's
-    lazy decompression unpacks to bfloat16, which an fp32 model cannot multiply (the weights are then bf16-rounded
-    values of the exact ones, 2^-9 relative: docs/formats.md#nvfp4). Other checkpoints: no option."""
+    """An FP4 weight-only compressed-tensors checkpoint (`scheme: nvfp4a16`, `mxfp4a16`) is dequantized at load: the
+    library's lazy decompression unpacks to bfloat16, which an fp32 model cannot multiply (the weights are then
+    bf16-rounded values of the exact ones, 2^-9 relative, NVFP4; MXFP4's are exact: docs/formats.md#nvfp4). Other
+    checkpoints: no option."""
     qc = getattr(config, "quantization_config", None) or {}
     fmt = qc.get("format") if isinstance(qc, dict) else getattr(qc, "format", None)
-    if fmt != "nvfp4-pack-quantized":
+    if fmt not in ("nvfp4-pack-quantized", "mxfp4-pack-quantized"):
         return {}
     from transformers.utils.quantization_config import CompressedTensorsConfig
 

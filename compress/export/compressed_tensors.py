@@ -15,6 +15,8 @@ preset; static: its `FP8` one, with `input_scale`).
 `nvfp4a16` is written as `nvfp4-pack-quantized` (llm-compressor's `NVFP4A16` preset): `weight_packed` uint8 (d_out,
 d_in / 2), two E2M1 codes a byte (the first column in the low nibble), `weight_scale` float8_e4m3fn (d_out, d_in /
 16), `weight_global_scale` fp32 (1,), weights `strategy: tensor_group, group_size: 16`, no `input_activations`.
+`mxfp4a16` as `mxfp4-pack-quantized` (its `MXFP4A16`): the same packing, `weight_scale` uint8 E8M0 exponents (d_out,
+d_in / 32), `strategy: group, group_size: 32`.
 """
 
 from __future__ import annotations
@@ -30,12 +32,16 @@ from compress.qweight import QuantizedWeight
 from compress.quantize.activations import ActivationSpec
 
 # compressed-tensors' format and `weights` arguments of each weight kind (`kind`)
-FORMATS = {"int": "int-quantized", "e4m3": "float-quantized", "e2m1": "nvfp4-pack-quantized"}
+FORMATS = {"int": "int-quantized", "e4m3": "float-quantized", "e2m1": "nvfp4-pack-quantized",
+           "mxfp4": "mxfp4-pack-quantized"}
+FP4 = {"e2m1": 16, "mxfp4": 32}  # the E2M1 kinds (weight-only schemes) and their groups
 WEIGHT_ARGS = {
     "int": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "dynamic": False},
     "e4m3": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel", "dynamic": False},
     "e2m1": {"num_bits": 4, "type": "float", "symmetric": True, "group_size": 16, "strategy": "tensor_group",
              "dynamic": False, "scale_dtype": "torch.float8_e4m3fn"},  # llm-compressor's NVFP4A16 preset
+    "mxfp4": {"num_bits": 4, "type": "float", "symmetric": True, "group_size": 32, "strategy": "group",
+              "dynamic": False, "scale_dtype": "torch.uint8"},  # its MXFP4A16 preset
 }
 
 
@@ -48,12 +54,12 @@ def check_layer(name: str, qw) -> str | None:
     """Why `name` (a LayerSpec or a QuantizedWeight) cannot be written by this export (None: it can): an 8-bit
     per-channel symmetric layer, int8 or FP8 E4M3, or an NVFP4 one (E2M1 in groups of 16)."""
     k = kind(qw)
-    if k == "e2m1" and qw.bits == 4 and qw.group_size == 16:
+    if k in FP4 and qw.bits == 4 and qw.group_size == FP4[k]:
         return None
-    if k != "e2m1" and qw.bits == 8 and qw.group_size == -1 and qw.sym:
+    if k not in FP4 and qw.bits == 8 and qw.group_size == -1 and qw.sym:
         return None
     return (f"`{name}` is {qw.bits}-bit, group {qw.group_size}, {'sym' if qw.sym else 'asym'}: this export writes "
-            "the weights of a `scheme` (w8a8-int8, fp8: 8-bit per-channel symmetric; nvfp4a16)")
+            "the weights of a `scheme` (w8a8-int8, fp8: 8-bit per-channel symmetric; nvfp4a16, mxfp4a16)")
 
 
 def stored_tensors(qw: QuantizedWeight) -> dict[str, torch.Tensor]:
@@ -69,13 +75,19 @@ def stored_tensors(qw: QuantizedWeight) -> dict[str, torch.Tensor]:
         s8 = (qw.scales * g).to(torch.float8_e4m3fn)
         if not torch.equal(s8.float() / g, qw.scales):
             raise ValueError("an NVFP4 weight's scales times its global scale are not E4M3 values")
-        return {"weight_packed": qw.codes[:, 0::2] | (qw.codes[:, 1::2] << 4), "weight_scale": s8,
-                "weight_global_scale": g}
+        return {"weight_packed": _packed(qw), "weight_scale": s8, "weight_global_scale": g}
+    if k == "mxfp4":  # E8M0: the biased exponent of each power-of-two scale
+        return {"weight_packed": _packed(qw), "weight_scale": (torch.log2(qw.scales) + 127).to(torch.uint8)}
     if k == "e4m3":
         return {"weight": qw.codes.view(torch.float8_e4m3fn), "weight_scale": qw.scales.reshape(-1, 1)}
     if not bool((qw.zeros == 128).all()):
         raise ValueError("a symmetric 8-bit weight has its zero point at 128")
     return {"weight": (qw.codes.to(torch.int16) - 128).to(torch.int8), "weight_scale": qw.scales.reshape(-1, 1)}
+
+
+def _packed(qw: QuantizedWeight) -> torch.Tensor:
+    """Two E2M1 codes a byte, the first column in the low nibble (compressed-tensors' `pack_fp4_to_uint8`)."""
+    return qw.codes[:, 0::2] | (qw.codes[:, 1::2] << 4)
 
 
 def quantization_config(kinds: dict[str, str], acts: dict[str, ActivationSpec], ignore: list[str]) -> dict:
@@ -100,7 +112,7 @@ def export_compressed_tensors(model, qweights: dict[str, QuantizedWeight], acts:
     """Write `model` (its quantized linears holding `qw.dequantize()`) with `qweights` as int8 / FP8 and the activation
     settings `acts` ({layer: spec}, every quantized layer) to `out_dir`; returns files, bytes, dtype."""
     kinds = {n: kind(qw) for n, qw in qweights.items()}
-    missing = sorted(n for n, k in kinds.items() if k != "e2m1" and n not in acts)
+    missing = sorted(n for n, k in kinds.items() if k not in FP4 and n not in acts)
     if missing:
         raise ValueError(f"layers quantized without an activation scheme: {missing[:3]}")
     state = _cast(model.state_dict(), DTYPES[dtype])

@@ -48,7 +48,9 @@ class FloatFormat:
     scale_bits: int  # a stored group scale's bits (fp16; NVFP4: E4M3)
 
 
-FORMATS = {"e4m3": FloatFormat("e4m3", FP8_MAX, 8, -1, 16), "e2m1": FloatFormat("e2m1", 6.0, 4, 16, 8)}
+FORMATS = {"e4m3": FloatFormat("e4m3", FP8_MAX, 8, -1, 16), "e2m1": FloatFormat("e2m1", 6.0, 4, 16, 8),
+           "mxfp4": FloatFormat("mxfp4", 6.0, 4, 32, 8)}
+E2M1_ELEMENTS = ("e2m1", "mxfp4")  # the grids of E2M1 elements (NVFP4, MXFP4)
 
 
 def fmt_of(name: str) -> FloatFormat:
@@ -89,6 +91,8 @@ def scales(W: torch.Tensor, group_size: int, fmt: str, gscale: float | None = No
     E4M3(G max |w| / 6) / G with `gscale` G."""
     f = fmt_of(fmt)
     top = group_view(W.float(), resolve_group(W.shape[1], group_size)).abs().amax(-1)
+    if fmt == "mxfp4":
+        return mx_scales(top)
     if fmt == "e2m1":
         if gscale is None:
             raise ValueError("E2M1 (NVFP4) scales need the tensor's global scale")
@@ -98,11 +102,21 @@ def scales(W: torch.Tensor, group_size: int, fmt: str, gscale: float | None = No
     return (top / f.max).half().float().clamp(min=SCALE_EPS)
 
 
+def mx_scales(top: torch.Tensor) -> torch.Tensor:
+    """MXFP4's power-of-two scales of groups whose max |w| is `top` (compressed-tensors' `generate_mx_scales`): the
+    max rounded to a power of two (up from 1.5 times one: E2M1's one mantissa bit), its exponent less 2 (E2M1's max
+    is 6 < 2^3), as a biased E8M0 exponent clamped to [0, 255]."""
+    bits = top.float().contiguous().view(torch.int32)
+    p2 = ((bits + (1 << 21)) & ~((1 << 23) - 1)).view(torch.float32)  # fp32: 23 mantissa bits, E2M1's 1 kept
+    e = (127 + torch.floor(torch.log2(p2)) - 2).clamp(0, 255)
+    return torch.exp2(e - 127)
+
+
 def encode(x: torch.Tensor, fmt: str) -> torch.Tensor:
     """Codes (uint8) of `x` (already divided by its scale) rounded to the format, saturating at its max."""
     f = fmt_of(fmt)
     x = x.float().clamp(-f.max, f.max)
-    if fmt == "e2m1":
+    if fmt in E2M1_ELEMENTS:
         a = x.abs()
         idx = torch.zeros_like(a, dtype=torch.uint8)
         for bound, inclusive in E2M1_UP:
@@ -120,7 +134,7 @@ def round_ste(x: torch.Tensor, fmt: str) -> torch.Tensor:
     `encode`'s), E4M3 by torch's cast."""
     f = fmt_of(fmt)
     x = x.clamp(-f.max, f.max)
-    if fmt == "e2m1":
+    if fmt in E2M1_ELEMENTS:
         a = x.abs()
         step = torch.where(a < 2, 0.5, torch.where(a < 4, 1.0, 2.0))
         q = torch.sign(x) * torch.round(a / step) * step

@@ -12,7 +12,8 @@ from types import SimpleNamespace
 from compress.errors import BadInput
 from compress.serve import rules
 
-SCHEME_OF_FORMAT = {"int-quantized": "w8a8-int8", "float-quantized": "fp8", "nvfp4-pack-quantized": "nvfp4a16"}  # a compressed-tensors export's format
+SCHEME_OF_FORMAT = {"int-quantized": "w8a8-int8", "float-quantized": "fp8", "nvfp4-pack-quantized": "nvfp4a16",
+                    "mxfp4-pack-quantized": "mxfp4a16"}  # a compressed-tensors export's format
 
 
 def planned(adapter, export_spec, quantized, widths: set, mixed: bool, scheme: str | None = None) -> rules.Checkpoint:

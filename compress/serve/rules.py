@@ -150,8 +150,8 @@ def _scheme_dtype(ckpt: Checkpoint) -> list[Problem]:
 
 
 def vllm_cpu(ckpt: Checkpoint) -> list[Problem]:
-    if ckpt.scheme in ("fp8", "nvfp4a16"):
-        what = "FP8 W8A8" if ckpt.scheme == "fp8" else "NVFP4"
+    if ckpt.scheme in ("fp8", "nvfp4a16", "mxfp4a16"):
+        what = {"fp8": "FP8 W8A8", "nvfp4a16": "NVFP4", "mxfp4a16": "MXFP4"}[ckpt.scheme]
         return [Problem(f"{what} has no kernel in vLLM's CPU build (CUDA GPUs)", "scheme: w8a8-int8")]
     if ckpt.scheme:
         return _scheme_dtype(ckpt)
@@ -183,8 +183,8 @@ def vllm_cuda(ckpt: Checkpoint) -> list[Problem]:
 
 
 def sglang(ckpt: Checkpoint) -> list[Problem]:
-    if ckpt.scheme == "nvfp4a16":
-        return [Problem("SGLang's compressed-tensors schemes have NVFP4 as W4A4 only (Blackwell), not weight-only",
+    if ckpt.scheme in ("nvfp4a16", "mxfp4a16"):
+        return [Problem("SGLang's compressed-tensors schemes have FP4 as W4A4 only (Blackwell), not weight-only",
                         "scheme: fp8")]
     if ckpt.scheme:
         return _scheme_dtype(ckpt)

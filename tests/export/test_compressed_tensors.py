@@ -347,3 +347,42 @@ def test_autoround_tunes_the_float_grid(scheme):
     def err(q):
         return sum(float(((x @ (q.dequantize() - W).T) ** 2).sum()) for x in xs)
     assert err(qw) < err(ref)
+
+
+def test_mxfp4_weights_are_compressed_tensors_own_rounding(tmp_path):
+    """`scheme: mxfp4a16`: RTN gives bit for bit the packed E2M1 codes and E8M0 scales of compressed-tensors' MXFP4A16
+    observer and packer (a zero group and a loud group included); the export loads in transformers and `compress
+    eval` of it gives the run's KL (power-of-two scales: exact in bfloat16)."""
+    from compressed_tensors.compressors.mx_utils import compress_mx_scale
+    from compressed_tensors.compressors.nvfp4.helpers import quantize_and_pack_fp4
+    from compressed_tensors.quantization.quant_scheme import MXFP4A16
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    from compress.export.compressed_tensors import stored_tensors
+    from compress.quantize import floatgrid
+
+    W = torch.randn(64, 128, generator=torch.Generator().manual_seed(0)) * 0.05
+    W[2, :32] = 0
+    W[3, 32:64] *= 100
+    Wg = W.reshape(64, -1, 32)
+    s, _ = calculate_qparams(Wg.amin(-1), Wg.amax(-1), MXFP4A16["weights"])
+    qw = floatgrid.rtn(W, 32, "mxfp4")
+    assert torch.equal(qw.scales, s.float()) and qw.global_scale is None
+    t = stored_tensors(qw)
+    assert torch.equal(t["weight_packed"], quantize_and_pack_fp4(W, s, None, None, 32))
+    assert torch.equal(t["weight_scale"], compress_mx_scale(s, torch.uint8))
+    assert qw.effective_bits() == 4 + 8 / 32
+
+    out = tmp_path / "out"
+    rc, stdout, err = invoke("run", recipe(tmp_path, "gptq", "scheme: mxfp4a16"), "-o", out, "--json")
+    assert rc == 0, err
+    report = json.loads(stdout)
+    ct = out / "compressed-tensors"
+    cfg = json.loads((ct / "config.json").read_text())["quantization_config"]
+    assert cfg["format"] == "mxfp4-pack-quantized"
+    assert cfg["config_groups"]["group_0"]["weights"]["group_size"] == 32
+    rc, stdout, err = invoke("eval", ct, "--reference", MODEL, "--data", "bundled:botchan-eval", "--max-tokens",
+                             "1024", "--gen-prompts", "0", "--json")
+    assert rc == 0, err
+    ev, run = json.loads(stdout)["botchan-eval.txt"], report["eval"]["botchan-eval.txt"]
+    assert ev["kl"] == pytest.approx(run["kl"], rel=1e-4)

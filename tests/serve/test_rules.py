@@ -87,8 +87,9 @@ def test_weight_and_activation_schemes_are_served_from_the_compressed_tensors_ex
     assert "no kernel in vLLM's CPU build" in why("vllm-cpu", Checkpoint([], scheme="fp8"))
     assert "scheme: w8a8-int8" in why("vllm-cpu", Checkpoint([], scheme="fp8"))
     assert "not compressed-tensors" in why("tgi", Checkpoint([], scheme="w8a8-int8"))
-    nv = rules.table(Checkpoint([], scheme="nvfp4a16"))
-    assert [e for e, p in nv.items() if not p] == ["vllm", "transformers"]
+    for fp4 in ("nvfp4a16", "mxfp4a16"):
+        rows = rules.table(Checkpoint([], scheme=fp4))
+        assert [e for e, p in rows.items() if not p] == ["vllm", "transformers"]
     f32 = Checkpoint([], scheme="w8a8-int8", scheme_dtype="float32")
     assert "compressed-tensors dtype: float16" in why("vllm", f32) and why("transformers", f32) == ""
 
