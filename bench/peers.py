@@ -109,6 +109,7 @@ CELLS = {
     "rtn": ("compress", "rtn"),
     "rtn-opt": ("compress", "rtn, optimize: true"),
     "gptq": ("compress", "gptq"),
+    "gptq-ao": ("compress", "gptq, act_order: true (columns by decreasing diag(H), llm-compressor's actorder static)"),
     "autoround": ("compress", "autoround (final_block: same)"),
     "awq+gptq": ("compress", "smooth awq -> gptq"),
     "awq+autoround": ("compress", "smooth awq -> autoround (final_block: same)"),
@@ -128,7 +129,8 @@ DATA_FREE = {"rtn", "rtn-opt", "llmc-rtn"}
 LLMC_METHODS = {"llmc-gptq": "gptq", "llmc-awq": "awq+rtn", "llmc-sq+gptq": "sq+gptq", "llmc-rtn": "rtn"}
 # with a weight-and-activation `--scheme`: the cells that can run it (the others are weight-only methods or tools), and
 # the cells that only make sense with one (SmoothQuant smooths for quantized activations)
-SCHEME_CELLS = {"rtn", "gptq", "autoround", "sq+gptq", "sq+rtn", "sq0.8+rtn", "llmc-rtn", "llmc-gptq", "llmc-sq+gptq"}
+SCHEME_CELLS = {"rtn", "gptq", "gptq-ao", "autoround",
+                "sq+gptq", "sq+rtn", "sq0.8+rtn", "llmc-rtn", "llmc-gptq", "llmc-sq+gptq"}
 NEEDS_SCHEME = {"sq+gptq", "sq+rtn", "sq0.8+rtn", "llmc-rtn", "llmc-sq+gptq"}
 METRICS = ("kl", "top1", "ppl_ratio", "ppl", "acc", "acc_norm", "linear_bytes", "effective_bits", "quantize_seconds")
 
@@ -304,7 +306,7 @@ def score_weights(weights: dict, path: str, s: dict, tmp: Path) -> dict:
 # -- compress cells -------------------------------------------------------------------------------------------------
 
 def compress_recipe(path: str, cell: str, s: dict, seed: int) -> dict:
-    method = {"rtn": "rtn", "rtn-opt": "rtn", "gptq": "gptq", "autoround": "autoround", "awq+gptq": "gptq",
+    method = {"rtn": "rtn", "rtn-opt": "rtn", "gptq": "gptq", "gptq-ao": "gptq", "autoround": "autoround", "awq+gptq": "gptq",
               "awq+autoround": "autoround", "autoround+lfq": "autoround", "sq+gptq": "gptq", "sq+rtn": "rtn",
               "sq0.8+rtn": "rtn"}[cell]
     q = {"stage": "quantize", "method": method, "bits": s["bits"], "group_size": s["group_size"], "sym": s["sym"]}
@@ -312,6 +314,8 @@ def compress_recipe(path: str, cell: str, s: dict, seed: int) -> dict:
         q = {"stage": "quantize", "method": method, "scheme": s["scheme"]}
     if cell == "rtn-opt":
         q["optimize"] = True
+    if cell == "gptq-ao":
+        q["act_order"] = True
     if method == "autoround":
         q.update(iters=s["peer_iters"], final_block="lfq" if cell == "autoround+lfq" else "same")
     smooth = "awq" if cell.startswith("awq+") else "smoothquant" if cell.startswith("sq") else None
