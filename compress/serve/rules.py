@@ -39,7 +39,8 @@ A weight-and-activation scheme (`scheme: w8a8-int8` / `fp8`) is written only as 
   W8A8 on Ada, Hopper and AMD GPUs only).
 * vllm (CUDA): W8A8 INT8 through CUTLASS scaled_mm from Turing (SM 7.5) on; FP8 W8A8 from Ada (SM 8.9), and on
   Turing / Ampere as weight-only FP8 Marlin (W8A16: activations not quantized there, so not the run's arithmetic);
-  NVFP4 weights (`CompressedTensorsW4A16Fp4`, FP4 Marlin).
+  NVFP4 and MXFP4 weights (`CompressedTensorsW4A16Fp4`, `CompressedTensorsW4A16Mxfp4`, chosen in
+  `CompressedTensorsConfig._get_scheme_from_parts` for weight-only FP4).
 * sglang: compressed-tensors W8A8 INT8 and FP8 on CUDA; NVFP4 only as W4A4 on Blackwell.
 * tgi: quant_method gptq or awq only: no compressed-tensors.
 * transformers (verified): the `compressed-tensors` library decompresses the weights and quantizes the activations as
