@@ -313,6 +313,8 @@ def test_nvfp4_export_loads_in_transformers(tmp_path, method):
     assert ev["kl"] == pytest.approx(run["kl"], rel=1e-2)
     rc, _, err = invoke("run", recipe(tmp_path, method, "scheme: nvfp4a16, activations: static"), "--dry-run")
     assert rc == 1 and "leaves them in full precision" in err, err
+    rc, _, err = invoke("run", recipe(tmp_path, method, "scheme: nvfp4a16", fmt="hf"), "--dry-run")
+    assert rc == 1 and "rounds onto the NVFP4 float grid" in err and "export `compressed-tensors`" in err, err
 
 
 @pytest.mark.parametrize("scheme", ["fp8", "nvfp4a16"])
