@@ -3,13 +3,14 @@ and transformers loads through the `compressed-tensors` library, carrying the ac
 
 `w8a8-int8` is written as compressed-tensors' `int-quantized` format: each quantized linear's `weight` is int8 (the
 code minus 128: compress's symmetric 8-bit grid has its zero point at 128, so the values are exactly the ones the
-run evaluated), `weight_scale` its (d_out, 1) per-channel scales in the export dtype, and one `config_groups` group
+run evaluated), `weight_scale` its (d_out, 1) per-channel scales in float32 (exact whatever the export dtype: a
+bfloat16 one would round compress's fp16 scales; vLLM holds them in float32), and one `config_groups` group
 per activation setting naming its layers, with `input_activations` int8 per token, dynamic, or (`activations:
 static`) int8 per tensor with each layer's calibrated `input_scale` (shape (1,), the export dtype). Unquantized tensors
 (embeddings, norms, the LM head) are in the export dtype, a tied head stays tied.
 
 `fp8` is written as `float-quantized`: each `weight` is `float8_e4m3fn` (the very bit patterns the run evaluated),
-`weight_scale` (d_out, 1) in the export dtype, weights and activations `type: float` (llm-compressor's `FP8_DYNAMIC`
+`weight_scale` (d_out, 1) in float32, weights and activations `type: float` (llm-compressor's `FP8_DYNAMIC`
 preset; static: its `FP8` one, with `input_scale`).
 
 `nvfp4a16` is written as `nvfp4-pack-quantized` (llm-compressor's `NVFP4A16` preset): `weight_packed` uint8 (d_out,
@@ -64,7 +65,7 @@ def check_layer(name: str, qw) -> str | None:
 
 def stored_tensors(qw: QuantizedWeight) -> dict[str, torch.Tensor]:
     """The layer's tensors as compressed-tensors stores them, exactly the run's weights: int8 `weight` (codes minus
-    128) or float8_e4m3fn `weight`, with (d_out, 1) `weight_scale` (fp32 here: the export casts it); NVFP4:
+    128) or float8_e4m3fn `weight`, with (d_out, 1) float32 `weight_scale`; NVFP4:
     `weight_packed` (two E2M1 codes a byte, the first in the low nibble), float8_e4m3fn `weight_scale` per 16
     columns and the fp32 `weight_global_scale`."""
     if (why := check_layer("layer", qw)) is not None or qw.mixed or qw.grid is not None:
@@ -120,8 +121,8 @@ def export_compressed_tensors(model, qweights: dict[str, QuantizedWeight], acts:
         if name in acts and (kinds[name] == "e4m3") != (acts[name].type == "float"):
             raise ValueError(f"`{name}`: {kinds[name]} weights with {acts[name].type} activations")
         del state[f"{name}.weight"]
-        for key, t in stored_tensors(qw).items():  # 8-bit scales in the export dtype, NVFP4's as they are
-            state[f"{name}.{key}"] = t.to(DTYPES[dtype]) if key == "weight_scale" and t.dtype == torch.float32 else t
+        for key, t in stored_tensors(qw).items():  # every scale exact: float32, E4M3 or E8M0 as the format says
+            state[f"{name}.{key}"] = t
         if name in acts and not acts[name].dynamic:  # a static input scale, calibrated (already a value of `dtype`)
             state[f"{name}.input_scale"] = torch.tensor([acts[name].scale], dtype=DTYPES[dtype])
     linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]

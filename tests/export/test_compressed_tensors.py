@@ -388,3 +388,21 @@ def test_mxfp4_weights_are_compressed_tensors_own_rounding(tmp_path):
     assert rc == 0, err
     ev, run = json.loads(stdout)["botchan-eval.txt"], report["eval"]["botchan-eval.txt"]
     assert ev["kl"] == pytest.approx(run["kl"], rel=1e-4)
+
+
+def test_scales_are_stored_exactly_in_a_half_precision_export(tmp_path):
+    """A float16 export keeps the unquantized tensors in float16 and every weight scale in float32 (the exact value
+    the run evaluated, whatever the export dtype), which transformers reads back."""
+    from compress.export.hf import load_tensors
+
+    out = tmp_path / "out"
+    rc, stdout, err = invoke("run", recipe(tmp_path, "rtn", fmt="compressed-tensors"), "-o", out, "--json")
+    assert rc == 0, err
+    tensors = load_tensors(out / "compressed-tensors")
+    assert tensors["model.layers.0.mlp.down_proj.weight_scale"].dtype == torch.float32
+    assert tensors["model.embed_tokens.weight"].dtype == torch.float16
+    rc, ev, err = invoke("eval", out / "compressed-tensors", "--reference", MODEL, "--data", "bundled:botchan-eval",
+                         "--max-tokens", "1024", "--gen-prompts", "0", "--json")
+    assert rc == 0, err
+    run = json.loads(stdout)["eval"]["botchan-eval.txt"]["kl"]
+    assert json.loads(ev)["botchan-eval.txt"]["kl"] == pytest.approx(run, rel=0.05)
