@@ -143,7 +143,8 @@ def round_ste(x: torch.Tensor, fmt: str) -> torch.Tensor:
     return x + (q - x).detach()
 
 
-def _per_column(s: torch.Tensor, d_in: int, g: int) -> torch.Tensor:
+def per_column(s: torch.Tensor, d_in: int, g: int) -> torch.Tensor:
+    """Group scales (rows, n_groups) spread over the `d_in` columns their groups of `g` cover."""
     return s.repeat_interleave(g, dim=1)[:, :d_in]
 
 
@@ -154,7 +155,7 @@ def rtn(W: torch.Tensor, group_size: int, fmt: str, gscale: float | None = None)
     if fmt == "e2m1" and gscale is None:
         gscale = global_scale(W)
     s = scales(W, group_size, fmt, gscale)
-    codes = encode(W.float() / _per_column(s, d_in, resolve_group(d_in, group_size)), fmt)
+    codes = encode(W.float() / per_column(s, d_in, resolve_group(d_in, group_size)), fmt)
     return weight(codes, s, group_size, fmt, gscale)
 
 

@@ -197,8 +197,7 @@ class _FloatTuned:
         if spec.fp == "e2m1" and gscale is None:
             self.gscale = floatgrid.global_scale(self.W)
         self.s = floatgrid.scales(self.W, spec.group_size, spec.fp, self.gscale)
-        g = resolve_group(W.shape[1], spec.group_size)
-        self.s_col = self.s.repeat_interleave(g, dim=1)[:, : W.shape[1]]
+        self.s_col = floatgrid.per_column(self.s, W.shape[1], resolve_group(W.shape[1], spec.group_size))
         self.V = torch.zeros_like(self.W, requires_grad=True)
 
     def params(self):
