@@ -128,9 +128,9 @@ class QuantizeConfig(StrictModel):
                                                    if v.get("scheme") else " too"))
         if not isinstance(v, dict) or v.get("scheme") is None:
             return v
-        fixed = SCHEMES.get(v["scheme"])
+        fixed = SCHEMES.get(v["scheme"]) if isinstance(v["scheme"], str) else None
         if fixed is None:
-            return v  # the Literal reports the unknown name
+            return v  # the Literal reports the unknown name (or the wrong type)
         clash = [f"{k}: {v[k]}" for k, want in fixed.items() if k in v and v[k] != want]
         if clash:
             raise ValueError(f"`scheme: {v['scheme']}` sets {', '.join(f'{k}: {w}' for k, w in fixed.items())}; "

@@ -43,8 +43,9 @@ def test_the_scheme_fixes_the_weight_grid():
         with pytest.raises(ValueError, match=match):
             Recipe.model_validate({**BASE, "stages": [{"stage": "quantize", "method": "rtn", "scheme": "w8a8-int8",
                                                        **extra}]})
-    with pytest.raises(ValueError):
-        Recipe.model_validate({**BASE, "stages": [{"stage": "quantize", "method": "rtn", "scheme": "w4a4"}]})
+    for wrong in ("w4a4", [], {"a": 1}):  # a list or a mapping once raised TypeError (found by the fuzz test)
+        with pytest.raises(ValueError, match="Input should be 'w8a8-int8'"):
+            Recipe.model_validate({**BASE, "stages": [{"stage": "quantize", "method": "rtn", "scheme": wrong}]})
 
 
 def test_exports_that_cannot_carry_activations_are_refused_at_plan_time(tmp_path):
