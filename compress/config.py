@@ -68,10 +68,11 @@ FINAL_BLOCK_HELP = ("objective of the last decoder block: `same` (the method's o
 # the weight grid each scheme fixes; FLOAT_SCHEMES: the float element format of a scheme's weights (floatgrid.py)
 SCHEMES = {"w8a8-int8": {"bits": 8, "group_size": -1, "sym": True}, "fp8": {"bits": 8, "group_size": -1, "sym": True},
            "nvfp4a16": {"bits": 4, "group_size": 16, "sym": True},
-           "mxfp4a16": {"bits": 4, "group_size": 32, "sym": True}}
+           "mxfp4a16": {"bits": 4, "group_size": 32, "sym": True},
+           **{k: {"bits": 4, "group_size": 128, "sym": True} for k in ("w4a8-int8", "w4a8-fp8", "w4a4")}}
 FLOAT_SCHEMES = {"fp8": "e4m3", "nvfp4a16": "e2m1", "mxfp4a16": "mxfp4"}
 WEIGHT_ONLY_SCHEMES = ("nvfp4a16", "mxfp4a16")  # schemes that leave the activations in full precision
-Scheme = Literal["w8a8-int8", "fp8", "nvfp4a16", "mxfp4a16"]
+Scheme = Literal["w8a8-int8", "fp8", "nvfp4a16", "mxfp4a16", "w4a8-int8", "w4a8-fp8", "w4a4"]
 
 
 class QuantizeConfig(StrictModel):
@@ -108,6 +109,8 @@ class QuantizeConfig(StrictModel):
                           "gptq, autoround; docs/formats.md#fp8); `nvfp4a16` NVFP4 E2M1 weights in groups of 16 "
                           "with E4M3 scales and an fp32 scale per tensor, activations untouched "
                           "(docs/formats.md#nvfp4); `mxfp4a16` E2M1 in groups of 32 with power-of-two (E8M0) scales; "
+                          "`w4a8-int8`, `w4a8-fp8`, `w4a4`: int4 weights in groups of 128 (sym) with int8, FP8 or "
+                          "int4 activations per token (docs/formats.md#w4a8-and-w4a4); "
                           "the evaluation computes with them, and only the `compressed-tensors` export carries them")
 
     activations: Literal["dynamic", "static"] = Field(
@@ -124,8 +127,8 @@ class QuantizeConfig(StrictModel):
         if isinstance(v, dict) and v.get("scheme") in (None, *WEIGHT_ONLY_SCHEMES) and \
                 v.get("activations", "dynamic") != "dynamic":
             raise ValueError(f"`activations: {v['activations']}` quantizes activations: give a `scheme` that does "
-                             "(w8a8-int8, fp8)" + (f"; `{v['scheme']}` leaves them in full precision"
-                                                   if v.get("scheme") else " too"))
+                             "(w8a8-int8, fp8, w4a8-int8, w4a8-fp8, w4a4)"
+                             + (f"; `{v['scheme']}` leaves them in full precision" if v.get("scheme") else " too"))
         if not isinstance(v, dict) or v.get("scheme") is None:
             return v
         fixed = SCHEMES.get(v["scheme"]) if isinstance(v["scheme"], str) else None

@@ -18,6 +18,13 @@ d_in / 2), two E2M1 codes a byte (the first column in the low nibble), `weight_s
 16), `weight_global_scale` fp32 (1,), weights `strategy: tensor_group, group_size: 16`, no `input_activations`.
 `mxfp4a16` as `mxfp4-pack-quantized` (its `MXFP4A16`): the same packing, `weight_scale` uint8 E8M0 exponents (d_out,
 d_in / 32), `strategy: group, group_size: 32`.
+
+`w4a8-int8`, `w4a8-fp8` and `w4a4` are written as `int-quantized` too, the format compressed-tensors itself chooses
+for llm-compressor's W4A8, W4AFP8 and W4A4 presets (`infer_module_format`; vLLM's `CompressedTensorsW4A8Int` reads only
+it): `weight` int8 holding the 4-bit values (codes minus 8: compress's symmetric 4-bit grid has its zero point at 8),
+`weight_scale` (d_out, d_in / group) float32, weights `strategy: group` with the layer's group size (a layer whose
+width 128 does not divide keeps the plan's adapted group, in a config group of its own); `input_activations` int8,
+FP8 or int4 per token.
 """
 
 from __future__ import annotations
@@ -33,11 +40,12 @@ from compress.qweight import QuantizedWeight
 from compress.quantize.activations import ActivationSpec
 
 # compressed-tensors' format and `weights` arguments of each weight kind (`kind`)
-FORMATS = {"int": "int-quantized", "e4m3": "float-quantized", "e2m1": "nvfp4-pack-quantized",
-           "mxfp4": "mxfp4-pack-quantized"}
+FORMATS = {"int": "int-quantized", "int4": "int-quantized", "e4m3": "float-quantized",
+           "e2m1": "nvfp4-pack-quantized", "mxfp4": "mxfp4-pack-quantized"}
 FP4 = {"e2m1": 16, "mxfp4": 32}  # the E2M1 kinds (weight-only schemes) and their groups
 WEIGHT_ARGS = {
     "int": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "dynamic": False},
+    "int4": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "dynamic": False},  # + group_size
     "e4m3": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel", "dynamic": False},
     "e2m1": {"num_bits": 4, "type": "float", "symmetric": True, "group_size": 16, "strategy": "tensor_group",
              "dynamic": False, "scale_dtype": "torch.float8_e4m3fn"},  # llm-compressor's NVFP4A16 preset
@@ -47,20 +55,29 @@ WEIGHT_ARGS = {
 
 
 def kind(qw) -> str:
-    """The weight kind of a LayerSpec or QuantizedWeight: its float element format, else "int"."""
-    return getattr(qw, "fp", None) or "int"
+    """The weight kind of a LayerSpec or QuantizedWeight: its float element format, else "int" (8-bit) or "int4"."""
+    return getattr(qw, "fp", None) or ("int4" if qw.bits == 4 else "int")
+
+
+def weight_args(qw) -> dict:
+    """The compressed-tensors `weights` arguments of a layer (its group size for int4)."""
+    k = kind(qw)
+    return {**WEIGHT_ARGS[k], "group_size": qw.group_size} if k == "int4" else WEIGHT_ARGS[k]
 
 
 def check_layer(name: str, qw) -> str | None:
     """Why `name` (a LayerSpec or a QuantizedWeight) cannot be written by this export (None: it can): an 8-bit
-    per-channel symmetric layer, int8 or FP8 E4M3, or an NVFP4 one (E2M1 in groups of 16)."""
+    per-channel symmetric layer, int8 or FP8 E4M3, a 4-bit symmetric grouped one, or an NVFP4 / MXFP4 one."""
     k = kind(qw)
     if k in FP4 and qw.bits == 4 and qw.group_size == FP4[k]:
         return None
     if k not in FP4 and qw.bits == 8 and qw.group_size == -1 and qw.sym:
         return None
+    if k == "int4" and qw.group_size > 0 and qw.sym:
+        return None
     return (f"`{name}` is {qw.bits}-bit, group {qw.group_size}, {'sym' if qw.sym else 'asym'}: this export writes "
-            "the weights of a `scheme` (w8a8-int8, fp8: 8-bit per-channel symmetric; nvfp4a16, mxfp4a16)")
+            "the weights of a `scheme` (w8a8-int8, fp8: 8-bit per-channel symmetric; w4a8-int8, w4a8-fp8, w4a4: "
+            "4-bit grouped symmetric; nvfp4a16, mxfp4a16)")
 
 
 def stored_tensors(qw: QuantizedWeight) -> dict[str, torch.Tensor]:
@@ -81,6 +98,10 @@ def stored_tensors(qw: QuantizedWeight) -> dict[str, torch.Tensor]:
         return {"weight_packed": _packed(qw), "weight_scale": (torch.log2(qw.scales) + 127).to(torch.uint8)}
     if k == "e4m3":
         return {"weight": qw.codes.view(torch.float8_e4m3fn), "weight_scale": qw.scales.reshape(-1, 1)}
+    if k == "int4":
+        if not bool((qw.zeros == 8).all()):
+            raise ValueError("a symmetric 4-bit weight has its zero point at 8")
+        return {"weight": (qw.codes.to(torch.int16) - 8).to(torch.int8), "weight_scale": qw.scales.float()}
     if not bool((qw.zeros == 128).all()):
         raise ValueError("a symmetric 8-bit weight has its zero point at 128")
     return {"weight": (qw.codes.to(torch.int16) - 128).to(torch.int8), "weight_scale": qw.scales.reshape(-1, 1)}
@@ -91,21 +112,38 @@ def _packed(qw: QuantizedWeight) -> torch.Tensor:
     return qw.codes[:, 0::2] | (qw.codes[:, 1::2] << 4)
 
 
-def quantization_config(kinds: dict[str, str], acts: dict[str, ActivationSpec], ignore: list[str]) -> dict:
-    """One `config_groups` group per (weight kind, activation setting) (static layers share one: their scales are
-    tensors; a weight-only scheme's layers have no `input_activations`); one weight kind per checkpoint (one scheme
-    per run), which names the format."""
-    settings = {n: (k, None if n not in acts else replace(acts[n], scale=None)) for n, k in kinds.items()}
+def _kind_of_args(args: dict) -> str:
+    return next(k for k, a in WEIGHT_ARGS.items() if all(args.get(f) == v for f, v in a.items()))
+
+
+def quantization_config(weights: dict[str, dict], acts: dict[str, ActivationSpec], ignore: list[str]) -> dict:
+    """One `config_groups` group per (`weights` arguments, activation setting) (static layers share one: their scales
+    are tensors; a weight-only scheme's layers have no `input_activations`); one weight kind per checkpoint (one
+    scheme per run), which names the format."""
+    settings = {n: (tuple(args.items()), None if n not in acts else replace(acts[n], scale=None))
+                for n, args in weights.items()}
     groups = {}
-    for k, setting in dict.fromkeys(settings.values()):
+    for args, setting in dict.fromkeys(settings.values()):
         groups[f"group_{len(groups)}"] = {
-            "targets": sorted(n for n, v in settings.items() if v == (k, setting)), "weights": WEIGHT_ARGS[k],
-            **({"input_activations": setting.as_compressed_tensors()} if setting is not None else {})}
-    found = set(kinds.values())
+            "targets": sorted(n for n, v in settings.items() if v == (args, setting)), "weights": dict(args),
+            **({"input_activations": setting.as_compressed_tensors()} if setting is not None else {}),
+            "format": FORMATS[_kind_of_args(dict(args))]}
+    found = {_kind_of_args(a) for a in weights.values()}
     if len(found) > 1:
         raise ValueError(f"one scheme per checkpoint: weights of kinds {sorted(found)}")
     return {"quant_method": "compressed-tensors", "format": FORMATS[found.pop() if found else "int"],
             "quantization_status": "compressed", "config_groups": groups, "ignore": ignore, "kv_cache_scheme": None}
+
+
+def scheme_of(qweights: dict, acts: dict[str, ActivationSpec]) -> str | None:
+    """The `scheme` whose weights and activations these are (None: no quantized layer)."""
+    name = next(iter(qweights), None)
+    if name is None:
+        return None
+    k, a = kind(qweights[name]), acts.get(name)
+    if k == "int4":
+        return "w4a4" if a.bits == 4 else "w4a8-fp8" if a.type == "float" else "w4a8-int8"
+    return {"int": "w8a8-int8", "e4m3": "fp8", "e2m1": "nvfp4a16", "mxfp4": "mxfp4a16"}[k]
 
 
 def export_compressed_tensors(model, qweights: dict[str, QuantizedWeight], acts: dict[str, ActivationSpec],
@@ -118,23 +156,25 @@ def export_compressed_tensors(model, qweights: dict[str, QuantizedWeight], acts:
         raise ValueError(f"layers quantized without an activation scheme: {missing[:3]}")
     state = _cast(model.state_dict(), DTYPES[dtype])
     for name, qw in qweights.items():
-        if name in acts and (kinds[name] == "e4m3") != (acts[name].type == "float"):
+        if name in acts and kinds[name] != "int4" and (kinds[name] == "e4m3") != (acts[name].type == "float"):
             raise ValueError(f"`{name}`: {kinds[name]} weights with {acts[name].type} activations")
         del state[f"{name}.weight"]
         for key, t in stored_tensors(qw).items():  # every scale exact: float32, E4M3 or E8M0 as the format says
             state[f"{name}.{key}"] = t
         if name in acts and not acts[name].dynamic:  # a static input scale, calibrated (already a value of `dtype`)
             state[f"{name}.input_scale"] = torch.tensor([acts[name].scale], dtype=DTYPES[dtype])
+    weights = {n: weight_args(qw) for n, qw in qweights.items()}
     linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
     ignore = [n for n in linears if n not in qweights]
     out_dir = Path(out_dir)
     with staged_directory(out_dir, marker="config.json") as tmp:
         model.save_pretrained(tmp, state_dict=state, max_shard_size=MAX_SHARD)
-        _patch_config(tmp, {"quantization_config": quantization_config(kinds, acts, ignore), "dtype": dtype,
+        _patch_config(tmp, {"quantization_config": quantization_config(weights, acts, ignore), "dtype": dtype,
                             "compress": {"format": "compressed-tensors", "version": FORMAT_VERSION,
                                          "meta": meta or {}}})
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
     files = sorted(p for p in out_dir.rglob("*") if p.is_file())
     return {"files": [str(p) for p in files], "bytes": sum(p.stat().st_size for p in files), "dtype": dtype,
-            "format": quantization_config(kinds, acts, [])["format"], "layers": len(qweights)}
+            "format": FORMATS[kinds[next(iter(kinds))]] if kinds else FORMATS["int"], "scheme": scheme_of(qweights, acts),
+            "layers": len(qweights)}

@@ -45,7 +45,9 @@ class ActivationSpec:
 
 
 FP8_MAX = 448.0  # E4M3's largest finite value
-SCHEME_ACTIVATIONS = {"w8a8-int8": ActivationSpec(), "fp8": ActivationSpec(type="float")}
+SCHEME_ACTIVATIONS = {"w8a8-int8": ActivationSpec(), "fp8": ActivationSpec(type="float"),
+                      "w4a8-int8": ActivationSpec(), "w4a8-fp8": ActivationSpec(type="float"),
+                      "w4a4": ActivationSpec(bits=4)}
 STATIC_ACTIVATIONS = {k: replace(v, strategy="tensor", dynamic=False) for k, v in SCHEME_ACTIVATIONS.items()}
 
 

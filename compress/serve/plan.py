@@ -12,10 +12,6 @@ from types import SimpleNamespace
 from compress.errors import BadInput
 from compress.serve import rules
 
-SCHEME_OF_FORMAT = {"int-quantized": "w8a8-int8", "float-quantized": "fp8", "nvfp4-pack-quantized": "nvfp4a16",
-                    "mxfp4-pack-quantized": "mxfp4a16"}  # a compressed-tensors export's format
-
-
 def planned(adapter, export_spec, quantized, widths: set, mixed: bool, scheme: str | None = None) -> rules.Checkpoint:
     """The checkpoint the plan will write (`quantized`: the bind step's (index, method, rounding, {name: LayerSpec})
     of every quantize stage; `widths`: every width a layer may end up with; `mixed`: an allocation plan gives
@@ -79,7 +75,7 @@ def written(qweights: dict, exports: dict, model_type: str) -> rules.Checkpoint:
         packing=hf.get("packing"), dtype=hf.get("dtype", "float16"), model_type=model_type,
         experts=any(".experts." in n for n in packed),
         graphs={k: {"genai": _runs_genai(k, v)} for k, v in exports.items() if k in ("onnx", "openvino")},
-        gguf=(exports.get("gguf") or {}).get("type"), scheme=SCHEME_OF_FORMAT.get(ct.get("format")),
+        gguf=(exports.get("gguf") or {}).get("type"), scheme=ct.get("scheme"),
         scheme_dtype=ct.get("dtype", "float16"))
 
 

@@ -45,6 +45,13 @@ A weight-and-activation scheme (`scheme: w8a8-int8` / `fp8`) is written only as 
 * tgi: quant_method gptq or awq only: no compressed-tensors.
 * transformers (verified): the `compressed-tensors` library decompresses the weights and quantizes the activations as
   the run evaluated them (tests/export/test_compressed_tensors.py).
+
+`w4a8-int8`, `w4a8-fp8` and `w4a4` (int4 weights in `int-quantized`, the layout compressed-tensors chooses for them)
+run in transformers only. vLLM's source (read, not run): `CompressedTensorsW4A8Int` takes this layout, on CPU through
+`Dynamic4bitLinearKernel` (Arm's KleidiAI kernel; on x86 PyTorch's reference kernel), which quantizes activations
+asymmetric per row whatever the checkpoint says, so not the evaluated arithmetic; on compute capability 9.0 a W4A8
+layer goes to `CompressedTensorsW4A8Fp8` first, whatever its activation type, and that reads the `pack-quantized`
+layout; no scheme takes int4 activations. SGLang: not checked.
 """
 
 from __future__ import annotations
@@ -150,7 +157,17 @@ def _scheme_dtype(ckpt: Checkpoint) -> list[Problem]:
                                                          "export compressed-tensors dtype: float16")]
 
 
+W4 = ("w4a8-int8", "w4a8-fp8", "w4a4")  # int4 weights with int8 / FP8 / int4 activations (int-quantized)
+
+
+def _w4(engine: str) -> list[Problem]:
+    return [Problem(f"{engine} does not run int4 weights with quantized activations as the run evaluated them "
+                    "(docs/serving.md#w4a8-and-w4a4)", "scheme: w8a8-int8 (or fp8)")]
+
+
 def vllm_cpu(ckpt: Checkpoint) -> list[Problem]:
+    if ckpt.scheme in W4:
+        return _w4("vLLM's CPU build")
     if ckpt.scheme in ("fp8", "nvfp4a16", "mxfp4a16"):
         what = {"fp8": "FP8 W8A8", "nvfp4a16": "NVFP4", "mxfp4a16": "MXFP4"}[ckpt.scheme]
         return [Problem(f"{what} has no kernel in vLLM's CPU build (CUDA GPUs)", "scheme: w8a8-int8")]
@@ -170,6 +187,8 @@ def vllm_cpu(ckpt: Checkpoint) -> list[Problem]:
 
 
 def vllm_cuda(ckpt: Checkpoint) -> list[Problem]:
+    if ckpt.scheme in W4:
+        return _w4("vLLM")
     if ckpt.scheme:
         return _scheme_dtype(ckpt)
     out = _hf_needed(ckpt)
@@ -187,6 +206,8 @@ def sglang(ckpt: Checkpoint) -> list[Problem]:
     if ckpt.scheme in ("nvfp4a16", "mxfp4a16"):
         return [Problem("SGLang's compressed-tensors schemes have FP4 as W4A4 only (Blackwell), not weight-only",
                         "scheme: fp8")]
+    if ckpt.scheme in W4:
+        return _w4("SGLang")
     if ckpt.scheme:
         return _scheme_dtype(ckpt)
     out = _hf_needed(ckpt)

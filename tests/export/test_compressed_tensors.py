@@ -43,7 +43,7 @@ def test_the_scheme_fixes_the_weight_grid():
         with pytest.raises(ValueError, match=match):
             Recipe.model_validate({**BASE, "stages": [{"stage": "quantize", "method": "rtn", "scheme": "w8a8-int8",
                                                        **extra}]})
-    for wrong in ("w4a4", [], {"a": 1}):  # a list or a mapping once raised TypeError (found by the fuzz test)
+    for wrong in ("w4a16", [], {"a": 1}):  # a list or a mapping once raised TypeError (found by the fuzz test)
         with pytest.raises(ValueError, match="Input should be 'w8a8-int8'"):
             Recipe.model_validate({**BASE, "stages": [{"stage": "quantize", "method": "rtn", "scheme": wrong}]})
 
@@ -68,7 +68,7 @@ def test_stored_weights_are_the_evaluated_weights_exactly():
     assert w.dtype == torch.int8 and s.shape == (48, 1)
     assert torch.equal(w.float() * s, qw.dequantize())
     with pytest.raises(ValueError, match="8-bit per-channel"):
-        stored_tensors(rtn(W, 4, 32, True))
+        stored_tensors(rtn(W, 8, 32, True))
 
 
 @pytest.mark.parametrize("method,scheme", [("rtn", "w8a8-int8"), ("gptq", "w8a8-int8"), ("gptq", "fp8")])
@@ -407,3 +407,76 @@ def test_scales_are_stored_exactly_in_a_half_precision_export(tmp_path):
     assert rc == 0, err
     run = json.loads(stdout)["eval"]["botchan-eval.txt"]["kl"]
     assert json.loads(ev)["botchan-eval.txt"]["kl"] == pytest.approx(run, rel=0.05)
+
+
+def test_int4_weights_are_compressed_tensors_own_layout():
+    """`w4a8-int8` / `w4a8-fp8` / `w4a4` weights: compressed-tensors' own `int-quantized` compression of the run's
+    dequantized weight (the format it infers for the W4A8 / W4AFP8 / W4A4 presets), scales float32 per group."""
+    from compressed_tensors.compressors.format import infer_module_format
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    from compressed_tensors.quantization.lifecycle.forward import quantize
+    from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
+
+    from compress.export.compressed_tensors import FORMATS, stored_tensors
+    from compress.quantize.rtn import rtn
+
+    for preset in ("W4A8", "W4AFP8", "W4A4"):
+        scheme = QuantizationScheme(targets=["Linear"], **PRESET_SCHEMES[preset])
+        assert infer_module_format(torch.nn.Linear, scheme).value == FORMATS["int4"]
+    W = torch.randn(48, 200, generator=torch.Generator().manual_seed(0))
+    W[3, :40] = 0  # a zero group
+    qw = rtn(W, 4, 40, True)
+    t = stored_tensors(qw)
+    assert t["weight"].dtype == torch.int8 and t["weight_scale"].dtype == torch.float32
+    assert t["weight_scale"].shape == (48, 5) and int(t["weight"].min()) >= -8 and int(t["weight"].max()) <= 7
+    args = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=40)
+    theirs = quantize(qw.dequantize(), t["weight_scale"], torch.zeros_like(t["weight_scale"], dtype=torch.int8),
+                      args, dtype=torch.int8)
+    assert torch.equal(theirs, t["weight"])
+    assert torch.equal(t["weight"].float() * t["weight_scale"].repeat_interleave(40, 1), qw.dequantize())
+    with pytest.raises(ValueError, match="4-bit grouped symmetric"):
+        stored_tensors(rtn(W, 4, 40, False))
+
+
+@pytest.mark.parametrize("method,scheme", [("gptq", "w4a8-int8"), ("rtn", "w4a8-fp8"), ("rtn", "w4a4")])
+def test_int4_schemes_load_in_transformers_as_evaluated(tmp_path, method, scheme):
+    """W4A8 (int8 or FP8 activations) and W4A4: transformers' load of the `int-quantized` export computes the run's
+    logits (compress's dequantized weights with its activation hooks), and `compress eval` of it gives the run's KL."""
+    from transformers import AutoModelForCausalLM
+
+    from compress.export.hf import load_tensors
+    from compress.quantize.activations import SCHEME_ACTIVATIONS, quantized_inputs
+
+    out = tmp_path / "out"
+    rc, stdout, err = invoke("run", recipe(tmp_path, method, f"scheme: {scheme}"), "-o", out, "--json")
+    assert rc == 0, err
+    report = json.loads(stdout)
+    ct = out / "compressed-tensors"
+    cfg = json.loads((ct / "config.json").read_text())["quantization_config"]
+    assert cfg["format"] == "int-quantized" and len(cfg["config_groups"]) == 1
+    group = cfg["config_groups"]["group_0"]
+    spec = SCHEME_ACTIVATIONS[scheme]
+    assert group["weights"] == {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+                                "dynamic": False, "group_size": 128} and group["format"] == "int-quantized"
+    assert group["input_activations"] == {"num_bits": spec.bits, "type": spec.type, "symmetric": True,
+                                          "strategy": "token", "dynamic": True} and len(group["targets"]) == 28
+    tensors = load_tensors(ct)
+    theirs = torch.nn.Module.float(AutoModelForCausalLM.from_pretrained(ct)).eval()
+    ours = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name in group["targets"]:  # compress's dequantized weights (int4 values in int8), its activation hooks
+            q = tensors[f"{name}.weight"]
+            assert q.dtype == torch.int8 and -8 <= int(q.min()) and int(q.max()) <= 7
+            ours.get_submodule(name).weight.copy_(q * tensors[f"{name}.weight_scale"].repeat_interleave(128, 1))
+        ids = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(0))
+        with quantized_inputs(ours, dict.fromkeys(group["targets"], spec)):
+            a = ours(ids).logits
+        b = theirs(ids).logits
+        plain = ours(ids).logits
+    assert (a - b).abs().max() <= 1e-5 * a.abs().max(), float((a - b).abs().max())
+    assert (plain - b).abs().max() > 100 * (a - b).abs().max()
+    rc, stdout, err = invoke("eval", ct, "--reference", MODEL, "--data", "bundled:botchan-eval", "--max-tokens",
+                             "1024", "--gen-prompts", "0", "--json")
+    assert rc == 0, err
+    ev, run = json.loads(stdout)["botchan-eval.txt"], report["eval"]["botchan-eval.txt"]
+    assert ev["kl"] == pytest.approx(run["kl"], rel=1e-3, abs=1e-6) and ev["top1"] == pytest.approx(run["top1"])

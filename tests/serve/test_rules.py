@@ -90,6 +90,10 @@ def test_weight_and_activation_schemes_are_served_from_the_compressed_tensors_ex
     for fp4 in ("nvfp4a16", "mxfp4a16"):
         rows = rules.table(Checkpoint([], scheme=fp4))
         assert [e for e, p in rows.items() if not p] == ["vllm", "transformers"]
+    for w4 in ("w4a8-int8", "w4a8-fp8", "w4a4"):  # int4 weights with quantized activations: transformers only
+        rows = rules.table(Checkpoint([], scheme=w4))
+        assert [e for e, p in rows.items() if not p] == ["transformers"], w4
+        assert "scheme: w8a8-int8" in why("vllm-cpu", Checkpoint([], scheme=w4))
     f32 = Checkpoint([], scheme="w8a8-int8", scheme_dtype="float32")
     assert "compressed-tensors dtype: float16" in why("vllm", f32) and why("transformers", f32) == ""
 
