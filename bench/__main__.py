@@ -248,14 +248,16 @@ def bench_peers(
                                    "(auto-round's own default: 200)"),
     cells: Optional[str] = typer.Option(None, "--cells", help="comma-separated cells to run (the others are rows "
                                         "marked not run): rtn, rtn-opt, gptq, autoround, awq+gptq, awq+autoround, "
-                                        "autoround+lfq, sq+gptq, sq+rtn, sq0.8+rtn, ar, ar-rtn, llmc-gptq, llmc-awq, llmc-sq+gptq, nncf-awq"),
+                                        "autoround+lfq, sq+gptq, sq+rtn, sq0.8+rtn, walsh+gptq, walsh+rtn, ar, ar-rtn, "
+                                        "llmc-gptq, llmc-awq, llmc-sq+gptq, nncf-awq"),
     mc_task: str = typer.Option("sst2_mc", "--mc-task", help="log-likelihood multiple-choice task every cell is "
                                 "also scored on (a bundled name, a task YAML or a JSONL; '' for none)"),
     mc_limit: Optional[int] = typer.Option(None, "--mc-limit", min=1, help="--mc-task: its first N documents"),
     build_env: Optional[List[str]] = typer.Option(None, "--build-env", help="first build (or reuse) a peer's own "
                                                   "environment: llmcompressor (repeatable)"),
     scheme: Optional[str] = typer.Option(None, "--scheme", help="a weight-and-activation scheme instead of a weight "
-                                         "setting: w8a8-int8 (cells rtn, gptq, sq+gptq, sq+rtn, sq0.8+rtn, llmc-gptq, "
+                                         "setting: w8a8-int8, fp8, nvfp4a16, mxfp4a16, w4a8-int8, w4a8-fp8, w4a4 "
+                                         "(cells rtn, gptq, sq+gptq, sq+rtn, sq0.8+rtn, walsh+gptq, llmc-gptq, "
                                          "llmc-sq+gptq; "
                                          "checkpoints scored as served, through transformers + compressed-tensors)"),
 ):

@@ -116,6 +116,8 @@ CELLS = {
     "sq+gptq": ("compress", "smooth smoothquant (alpha searched) -> gptq"),
     "sq+rtn": ("compress", "smooth smoothquant (alpha searched) -> rtn"),
     "sq0.8+rtn": ("compress", "smooth smoothquant (alpha: 0.8, llm-compressor's example) -> rtn"),
+    "walsh+gptq": ("compress", "rotate walsh (fused, mode none: QuaRot's R1 + per-head R2, no online R4) -> gptq"),
+    "walsh+rtn": ("compress", "rotate walsh (fused, mode none) -> rtn"),
     "autoround+lfq": ("compress", "autoround, final_block: lfq"),
     "ar": ("auto-round", "AutoRound (its default algorithm)"),
     "ar-rtn": ("auto-round", "AutoRound iters=0 (its RTN, opt-RTN)"),
@@ -129,8 +131,10 @@ DATA_FREE = {"rtn", "rtn-opt", "llmc-rtn"}
 LLMC_METHODS = {"llmc-gptq": "gptq", "llmc-awq": "awq+rtn", "llmc-sq+gptq": "sq+gptq", "llmc-rtn": "rtn"}
 # with a weight-and-activation `--scheme`: the cells that can run it (the others are weight-only methods or tools), and
 # the cells that only make sense with one (SmoothQuant smooths for quantized activations)
-SCHEME_CELLS = {"rtn", "gptq", "gptq-ao", "autoround",
+SCHEME_CELLS = {"rtn", "gptq", "gptq-ao", "autoround", "walsh+gptq", "walsh+rtn",
                 "sq+gptq", "sq+rtn", "sq0.8+rtn", "llmc-rtn", "llmc-gptq", "llmc-sq+gptq"}
+LLMC_PRESETS = {"w8a8-int8": "W8A8", "fp8": "FP8_DYNAMIC", "nvfp4a16": "NVFP4A16", "mxfp4a16": "MXFP4A16",
+                "w4a8-int8": "W4A8", "w4a8-fp8": "W4AFP8", "w4a4": "W4A4"}  # llm-compressor's preset of each scheme
 NEEDS_SCHEME = {"sq+gptq", "sq+rtn", "sq0.8+rtn", "llmc-rtn", "llmc-sq+gptq"}
 METRICS = ("kl", "top1", "ppl_ratio", "ppl", "acc", "acc_norm", "linear_bytes", "effective_bits", "quantize_seconds")
 
@@ -308,7 +312,7 @@ def score_weights(weights: dict, path: str, s: dict, tmp: Path) -> dict:
 def compress_recipe(path: str, cell: str, s: dict, seed: int) -> dict:
     method = {"rtn": "rtn", "rtn-opt": "rtn", "gptq": "gptq", "gptq-ao": "gptq", "autoround": "autoround", "awq+gptq": "gptq",
               "awq+autoround": "autoround", "autoround+lfq": "autoround", "sq+gptq": "gptq", "sq+rtn": "rtn",
-              "sq0.8+rtn": "rtn"}[cell]
+              "sq0.8+rtn": "rtn", "walsh+gptq": "gptq", "walsh+rtn": "rtn"}[cell]
     q = {"stage": "quantize", "method": method, "bits": s["bits"], "group_size": s["group_size"], "sym": s["sym"]}
     if s.get("scheme"):  # the scheme fixes the weights' grid
         q = {"stage": "quantize", "method": method, "scheme": s["scheme"]}
@@ -321,6 +325,8 @@ def compress_recipe(path: str, cell: str, s: dict, seed: int) -> dict:
     smooth = "awq" if cell.startswith("awq+") else "smoothquant" if cell.startswith("sq") else None
     first = {"stage": "smooth", "method": smooth, **({"alpha": 0.8} if cell.startswith("sq0.8") else {})}
     stages = ([first] if smooth else []) + [q]
+    if cell.startswith("walsh+"):
+        stages.insert(0, {"stage": "rotate", "method": "walsh", "fused": True, "mode": "none"})
     return {"version": 1, "description": f"bench peers: {cell} W{s['bits']} g{s['group_size']}",
             "model": {"path": path, "dtype": "float32"},
             "calibration": {"sources": [str(VALID)], "nsamples": s["nsamples"], "seqlen": s["seqlen"], "seed": seed},
@@ -747,7 +753,7 @@ def markdown(res: dict) -> str:
                       "loaded by transformers through compressed-tensors (activations quantized as the checkpoint "
                       "says) and scored by compress's evaluator on the same tokens; bytes: weight + weight_scale of "
                       "the quantized layers. llm-compressor runs its "
-                      f"{ {'fp8': 'FP8_DYNAMIC', 'nvfp4a16': 'NVFP4A16'}.get(m['scheme'], 'W8A8') } preset: "
+                      f"{LLMC_PRESETS[m['scheme']]} preset: "
                       "`GPTQModifier` (llmc-gptq; "
                       "after `SmoothQuantModifier(smoothing_strength=0.8)` in llmc-sq+gptq, as its "
                       "examples/quantization_w8a8_int8 does) or `QuantizationModifier` (llmc-rtn, as its "

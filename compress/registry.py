@@ -36,6 +36,7 @@ METHOD_MODULES = (
     "compress.prune.heal",
     "compress.prune.prunepath",
     "compress.rotation.walsh",
+    "compress.rotation.infoquant",
     "compress.rotation.autoround_hadamard",
     "compress.smooth.awq",
     "compress.smooth.smoothquant",

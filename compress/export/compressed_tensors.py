@@ -176,5 +176,5 @@ def export_compressed_tensors(model, qweights: dict[str, QuantizedWeight], acts:
             tokenizer.save_pretrained(tmp)
     files = sorted(p for p in out_dir.rglob("*") if p.is_file())
     return {"files": [str(p) for p in files], "bytes": sum(p.stat().st_size for p in files), "dtype": dtype,
-            "format": FORMATS[kinds[next(iter(kinds))]] if kinds else FORMATS["int"], "scheme": scheme_of(qweights, acts),
+            "format": FORMATS[next(iter(kinds.values()), "int")], "scheme": scheme_of(qweights, acts),
             "layers": len(qweights)}

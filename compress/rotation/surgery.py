@@ -53,22 +53,31 @@ def fuse_norms(adapter) -> None:
         set_param(norm.weight, torch.ones_like(g))
 
 
-def rotate_residual(adapter) -> None:
-    map_columns(adapter.embeddings(), hadamard_transform)
+def rotate_residual(adapter, Q: torch.Tensor | None = None) -> None:
+    """The residual stream in the basis `x Q` (Q orthogonal, (hidden, hidden); None: the Walsh-Hadamard matrix):
+    embeddings and every reader `W <- W Q`, every writer `W <- Q^T W`."""
+    transform = hadamard_transform if Q is None else (lambda x: x @ Q.to(x))
+    map_columns(adapter.embeddings(), transform)
     for norm, readers in _norm_groups(adapter):
         for m in readers:
-            map_columns(m, hadamard_transform)
+            map_columns(m, transform)
     for i in range(len(adapter.blocks)):
         for m in adapter.residual_writers(i):
-            map_rows(m, hadamard_transform)
+            map_rows(m, transform)
 
 
-def rotate_value_heads(adapter) -> None:
+def rotate_value_heads(adapter, matrices: list[torch.Tensor] | None = None) -> None:
+    """Each value head in the basis `v Q_j` (`matrices[i]`: block i's (kv, hd, hd) orthogonal matrices, query head
+    h reading KV head h // (heads / kv); None: the Walsh-Hadamard matrix for every head): v_proj rows `<- Q_j^T W`,
+    o_proj columns `<- W Q_j` per query head."""
     heads, kv, hd = adapter.attention_shape()
 
-    def per_head(x):  # x (..., n * hd): rotate each head's hd-slice
-        return hadamard_transform(x.reshape(*x.shape[:-1], -1, hd)).reshape(x.shape)
+    def per_head(q):  # x (..., n * hd): each head's hd-slice times its matrix
+        if q is None:
+            return lambda x: hadamard_transform(x.reshape(*x.shape[:-1], -1, hd)).reshape(x.shape)
+        return lambda x: torch.einsum("...nh,nhk->...nk", x.reshape(*x.shape[:-1], -1, hd), q.to(x)).reshape(x.shape)
 
     for i in range(len(adapter.blocks)):
-        map_rows(adapter.role(i, "v"), per_head)
-        map_columns(adapter.role(i, "o"), per_head)
+        q = None if matrices is None else matrices[i]
+        map_rows(adapter.role(i, "v"), per_head(q))
+        map_columns(adapter.role(i, "o"), per_head(None if q is None else q.repeat_interleave(heads // kv, 0)))
