@@ -118,6 +118,8 @@ CELLS = {
     "sq0.8+rtn": ("compress", "smooth smoothquant (alpha: 0.8, llm-compressor's example) -> rtn"),
     "walsh+gptq": ("compress", "rotate walsh (fused, mode none: QuaRot's R1 + per-head R2, no online R4) -> gptq"),
     "walsh+rtn": ("compress", "rotate walsh (fused, mode none) -> rtn"),
+    "infoquant+gptq": ("compress", "rotate infoquant (PSOT: learned residual + value-head rotations) -> gptq"),
+    "infoquant+rtn": ("compress", "rotate infoquant -> rtn"),
     "autoround+lfq": ("compress", "autoround, final_block: lfq"),
     "ar": ("auto-round", "AutoRound (its default algorithm)"),
     "ar-rtn": ("auto-round", "AutoRound iters=0 (its RTN, opt-RTN)"),
@@ -131,7 +133,7 @@ DATA_FREE = {"rtn", "rtn-opt", "llmc-rtn"}
 LLMC_METHODS = {"llmc-gptq": "gptq", "llmc-awq": "awq+rtn", "llmc-sq+gptq": "sq+gptq", "llmc-rtn": "rtn"}
 # with a weight-and-activation `--scheme`: the cells that can run it (the others are weight-only methods or tools), and
 # the cells that only make sense with one (SmoothQuant smooths for quantized activations)
-SCHEME_CELLS = {"rtn", "gptq", "gptq-ao", "autoround", "walsh+gptq", "walsh+rtn",
+SCHEME_CELLS = {"rtn", "gptq", "gptq-ao", "autoround", "walsh+gptq", "walsh+rtn", "infoquant+gptq", "infoquant+rtn",
                 "sq+gptq", "sq+rtn", "sq0.8+rtn", "llmc-rtn", "llmc-gptq", "llmc-sq+gptq"}
 LLMC_PRESETS = {"w8a8-int8": "W8A8", "fp8": "FP8_DYNAMIC", "nvfp4a16": "NVFP4A16", "mxfp4a16": "MXFP4A16",
                 "w4a8-int8": "W4A8", "w4a8-fp8": "W4AFP8", "w4a4": "W4A4"}  # llm-compressor's preset of each scheme
@@ -312,7 +314,8 @@ def score_weights(weights: dict, path: str, s: dict, tmp: Path) -> dict:
 def compress_recipe(path: str, cell: str, s: dict, seed: int) -> dict:
     method = {"rtn": "rtn", "rtn-opt": "rtn", "gptq": "gptq", "gptq-ao": "gptq", "autoround": "autoround", "awq+gptq": "gptq",
               "awq+autoround": "autoround", "autoround+lfq": "autoround", "sq+gptq": "gptq", "sq+rtn": "rtn",
-              "sq0.8+rtn": "rtn", "walsh+gptq": "gptq", "walsh+rtn": "rtn"}[cell]
+              "sq0.8+rtn": "rtn", "walsh+gptq": "gptq", "walsh+rtn": "rtn", "infoquant+gptq": "gptq",
+              "infoquant+rtn": "rtn"}[cell]
     q = {"stage": "quantize", "method": method, "bits": s["bits"], "group_size": s["group_size"], "sym": s["sym"]}
     if s.get("scheme"):  # the scheme fixes the weights' grid
         q = {"stage": "quantize", "method": method, "scheme": s["scheme"]}
@@ -327,6 +330,8 @@ def compress_recipe(path: str, cell: str, s: dict, seed: int) -> dict:
     stages = ([first] if smooth else []) + [q]
     if cell.startswith("walsh+"):
         stages.insert(0, {"stage": "rotate", "method": "walsh", "fused": True, "mode": "none"})
+    if cell.startswith("infoquant+"):
+        stages.insert(0, {"stage": "rotate", "method": "infoquant"})
     return {"version": 1, "description": f"bench peers: {cell} W{s['bits']} g{s['group_size']}",
             "model": {"path": path, "dtype": "float32"},
             "calibration": {"sources": [str(VALID)], "nsamples": s["nsamples"], "seqlen": s["seqlen"], "seed": seed},

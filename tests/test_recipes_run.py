@@ -27,7 +27,7 @@ def test_bundled_recipes():
     required = {"quickstart.yaml", "w4-gptq.yaml", "w3-autoround.yaml", "w2-autoround.yaml", "w2-autoround-lfq.yaml",
                 "w4-onnx.yaml", "w4-openvino.yaml", "w2-walsh-autoround.yaml", "w2-walsh-fused-autoround.yaml",
                 "mixed-2.5-rl.yaml", "mixed-2.5-greedy.yaml", "prune-ffn25-w4.yaml",
-                "prunepath-w4.yaml", "gguf-q4_0.yaml", "gguf-q4_k_m.yaml", "w8a8-int8.yaml"}
+                "prunepath-w4.yaml", "gguf-q4_0.yaml", "gguf-q4_k_m.yaml", "w8a8-int8.yaml", "w4a4-infoquant.yaml"}
     assert required <= {p.name for p in RECIPES}
     assert (REPO / "recipes" / "moe-2.5-gemq.yaml").is_file() and (REPO / "recipes" / "select-probscale.yaml").is_file()
 
