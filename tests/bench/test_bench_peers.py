@@ -148,7 +148,7 @@ def test_each_finished_cell_is_saved_as_it_lands(tmp_path, monkeypatch):
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("scheme,ours", [("w8a8-int8", ("rtn", "gptq", "sq+gptq")), ("fp8", ("rtn", "gptq")),
-                                         ("nvfp4a16", ("rtn",))])
+                                         ("nvfp4a16", ("rtn",)), ("w4a4", ("walsh+rtn", "infoquant+rtn"))])
 def test_peers_w8a8_scheme_scores_checkpoints_as_served(tmp_path, monkeypatch, scheme, ours):
     """`--scheme w8a8-int8` / `fp8`: compress's rtn, gptq and SmoothQuant + GPTQ cells export compressed-tensors,
     scored as served (transformers + compressed-tensors, activations quantized per token), which agrees with the
@@ -159,15 +159,16 @@ def test_peers_w8a8_scheme_scores_checkpoints_as_served(tmp_path, monkeypatch, s
                        "--json", tmp_path / "p.json", "--markdown", tmp_path / "p.md")
     assert rc == 0, err
     res = json.loads((tmp_path / "p.json").read_text())
-    bits, group = (4, 16) if scheme == "nvfp4a16" else (8, -1)
+    bits, group = {"nvfp4a16": (4, 16), "w4a4": (4, 128)}.get(scheme, (8, -1))
     assert (res["meta"]["scheme"], res["meta"]["bits"], res["meta"]["group_size"]) == (scheme, bits, group)
+    stored = 8 if scheme == "w4a4" else bits  # W4A4's int-quantized layout holds each int4 value in a byte
     cells = {c["cell"]: c for c in res["cells"]}
     for name in ours:
         assert cells[name]["status"] == "ok", (name, cells[name].get("reason"))
         r = cells[name]["runs"][0]
         # served arithmetic == the run's evaluation (NVFP4: loaded with bf16-rounded weights)
-        assert r["kl"] == pytest.approx(r["run_kl"], rel=1e-2 if bits == 4 else 2e-3, abs=1e-5)
-        assert bits < r["effective_bits"] < bits + 0.6 and r["bytes_from"].startswith("compressed-tensors")
+        assert r["kl"] == pytest.approx(r["run_kl"], rel=1e-2 if scheme == "nvfp4a16" else 2e-3, abs=1e-5)
+        assert stored < r["effective_bits"] < stored + 0.6 and r["bytes_from"].startswith("compressed-tensors")
     assert cells["awq+gptq"]["status"] == "not available" and "weight-only cell" in cells["awq+gptq"]["reason"]
     assert cells["llmc-sq+gptq"]["status"] == "not available"  # its environment is not built here
     assert (tmp_path / "p.md").read_text().startswith(f"# Peers: stories-llama-1m {scheme.upper()}")
