@@ -120,6 +120,8 @@ CELLS = {
     "walsh+rtn": ("compress", "rotate walsh (fused, mode none) -> rtn"),
     "infoquant+gptq": ("compress", "rotate infoquant (PSOT: learned residual + value-head rotations) -> gptq"),
     "infoquant+rtn": ("compress", "rotate infoquant -> rtn"),
+    "walsh+sq+gptq": ("compress", "rotate walsh (fused, mode none) -> smooth smoothquant -> gptq"),
+    "infoquant+sq+gptq": ("compress", "rotate infoquant -> smooth smoothquant -> gptq"),
     "autoround+lfq": ("compress", "autoround, final_block: lfq"),
     "ar": ("auto-round", "AutoRound (its default algorithm)"),
     "ar-rtn": ("auto-round", "AutoRound iters=0 (its RTN, opt-RTN)"),
@@ -134,10 +136,11 @@ LLMC_METHODS = {"llmc-gptq": "gptq", "llmc-awq": "awq+rtn", "llmc-sq+gptq": "sq+
 # with a weight-and-activation `--scheme`: the cells that can run it (the others are weight-only methods or tools), and
 # the cells that only make sense with one (SmoothQuant smooths for quantized activations)
 SCHEME_CELLS = {"rtn", "gptq", "gptq-ao", "autoround", "walsh+gptq", "walsh+rtn", "infoquant+gptq", "infoquant+rtn",
+                "walsh+sq+gptq", "infoquant+sq+gptq",
                 "sq+gptq", "sq+rtn", "sq0.8+rtn", "llmc-rtn", "llmc-gptq", "llmc-sq+gptq"}
 LLMC_PRESETS = {"w8a8-int8": "W8A8", "fp8": "FP8_DYNAMIC", "nvfp4a16": "NVFP4A16", "mxfp4a16": "MXFP4A16",
                 "w4a8-int8": "W4A8", "w4a8-fp8": "W4AFP8", "w4a4": "W4A4"}  # llm-compressor's preset of each scheme
-NEEDS_SCHEME = {"sq+gptq", "sq+rtn", "sq0.8+rtn", "llmc-rtn", "llmc-sq+gptq"}
+NEEDS_SCHEME = {"sq+gptq", "sq+rtn", "sq0.8+rtn", "walsh+sq+gptq", "infoquant+sq+gptq", "llmc-rtn", "llmc-sq+gptq"}
 METRICS = ("kl", "top1", "ppl_ratio", "ppl", "acc", "acc_norm", "linear_bytes", "effective_bits", "quantize_seconds")
 
 
@@ -312,10 +315,12 @@ def score_weights(weights: dict, path: str, s: dict, tmp: Path) -> dict:
 # -- compress cells -------------------------------------------------------------------------------------------------
 
 def compress_recipe(path: str, cell: str, s: dict, seed: int) -> dict:
-    method = {"rtn": "rtn", "rtn-opt": "rtn", "gptq": "gptq", "gptq-ao": "gptq", "autoround": "autoround", "awq+gptq": "gptq",
-              "awq+autoround": "autoround", "autoround+lfq": "autoround", "sq+gptq": "gptq", "sq+rtn": "rtn",
-              "sq0.8+rtn": "rtn", "walsh+gptq": "gptq", "walsh+rtn": "rtn", "infoquant+gptq": "gptq",
-              "infoquant+rtn": "rtn"}[cell]
+    # a cell is its stages joined by "+": an optional rotation (walsh, infoquant), an optional smoothing (awq, sq,
+    # sq0.8), then the quantizer (autoround+lfq: AutoRound with the LFQ final block)
+    parts = cell.split("+")
+    rotation = parts.pop(0) if parts[0] in ("walsh", "infoquant") else None
+    smooth = {"awq": "awq", "sq": "smoothquant", "sq0.8": "smoothquant"}.get(parts[0]) if len(parts) > 1 else None
+    method = {"rtn-opt": "rtn", "gptq-ao": "gptq"}.get(parts[-1], parts[-1] if parts[-1] != "lfq" else "autoround")
     q = {"stage": "quantize", "method": method, "bits": s["bits"], "group_size": s["group_size"], "sym": s["sym"]}
     if s.get("scheme"):  # the scheme fixes the weights' grid
         q = {"stage": "quantize", "method": method, "scheme": s["scheme"]}
@@ -325,13 +330,11 @@ def compress_recipe(path: str, cell: str, s: dict, seed: int) -> dict:
         q["act_order"] = True
     if method == "autoround":
         q.update(iters=s["peer_iters"], final_block="lfq" if cell == "autoround+lfq" else "same")
-    smooth = "awq" if cell.startswith("awq+") else "smoothquant" if cell.startswith("sq") else None
-    first = {"stage": "smooth", "method": smooth, **({"alpha": 0.8} if cell.startswith("sq0.8") else {})}
+    first = {"stage": "smooth", "method": smooth, **({"alpha": 0.8} if "sq0.8" in parts else {})}
     stages = ([first] if smooth else []) + [q]
-    if cell.startswith("walsh+"):
-        stages.insert(0, {"stage": "rotate", "method": "walsh", "fused": True, "mode": "none"})
-    if cell.startswith("infoquant+"):
-        stages.insert(0, {"stage": "rotate", "method": "infoquant"})
+    if rotation:
+        stages.insert(0, {"stage": "rotate", "method": rotation, **({"fused": True, "mode": "none"}
+                                                                     if rotation == "walsh" else {})})
     return {"version": 1, "description": f"bench peers: {cell} W{s['bits']} g{s['group_size']}",
             "model": {"path": path, "dtype": "float32"},
             "calibration": {"sources": [str(VALID)], "nsamples": s["nsamples"], "seqlen": s["seqlen"], "seed": seed},
