@@ -199,14 +199,21 @@ def collect_moments(model: nn.Module, tokens: torch.Tensor, taps: dict, stat: Ca
         else:
             handles.append(m.register_forward_hook(lambda _m, _a, out, k=key: add(k, out)))
     try:
-        for b in tokens.split(batch_size):
-            model(input_ids=b, use_cache=False) if accepts_use_cache(model) else model(input_ids=b)
-            if progress:
-                progress(1)
+        forward_batches(model, tokens, batch_size, progress)
     finally:
         for h in handles:
             h.remove()
     return {k: sums[k] / count[k] for k in sums}
+
+
+def forward_batches(model: nn.Module, tokens: torch.Tensor, batch_size: int = 8,
+                    progress: Callable | None = None) -> None:
+    """`model` over `tokens` in batches of windows (without a KV cache), for what its hooks collect; `progress(1)`
+    after each batch."""
+    for b in tokens.split(batch_size):
+        model(input_ids=b, use_cache=False) if accepts_use_cache(model) else model(input_ids=b)
+        if progress:
+            progress(1)
 
 
 def collect_energy(model: nn.Module, tokens: torch.Tensor, taps: dict, transform: Callable | None = None,

@@ -40,7 +40,7 @@ import torch
 from pydantic import Field
 from safetensors.torch import load, save
 
-from compress.calibration import accepts_use_cache
+from compress.calibration import forward_batches
 from compress.config import StrictModel
 from compress.registry import register
 from compress.rotation.hadamard import hadamard_transform
@@ -146,12 +146,8 @@ def capture(adapter, tokens: torch.Tensor, max_tokens: int, progress=None) -> di
             f = keep(key)
             handles.append(m.register_forward_hook(lambda _m, _a, out, f=f: f(out)) if where == "output" else
                            m.register_forward_pre_hook(lambda _m, args, f=f: f(args[0])))
-    model = adapter.model
     try:
-        for b in windows.split(8):
-            model(input_ids=b, use_cache=False) if accepts_use_cache(model) else model(input_ids=b)
-            if progress:
-                progress(1)
+        forward_batches(adapter.model, windows, 8, progress)
     finally:
         for h in handles:
             h.remove()
@@ -162,24 +158,34 @@ def _weights(acts: torch.Tensor, outlier_weight: float) -> torch.Tensor:
     return 1 + (outlier_weight - 1) * outlier_tokens(acts).float().reshape(-1)
 
 
+def minimise(Q: torch.Tensor, loss, steps: int, n: int, cfg: InfoQuantConfig, generator: torch.Generator,
+             progress=None) -> tuple[torch.Tensor, list[float]]:
+    """Cayley SGD from `Q`: each step `loss(Q, rows)` on `cfg.batch_tokens` random rows of `n`, lr decaying linearly
+    from cfg.lr to cfg.lr / 100; returns the matrices and the loss of each step."""
+    history = []
+    for t in range(steps):
+        idx = torch.randint(0, n, (cfg.batch_tokens,), generator=generator)
+        Qp = Q.clone().requires_grad_(True)
+        with torch.enable_grad():  # a stage may run under no_grad
+            value = loss(Qp, idx)
+            value.backward()
+        Q = cayley_step(Q, Qp.grad, cfg.lr * (1 - 0.99 * t / max(steps, 1)))
+        history.append(float(value))
+        if progress:
+            progress(1)
+    return Q, history
+
+
 def learn_residual(xs: list[torch.Tensor], ws: list[torch.Tensor], cfg: InfoQuantConfig, generator: torch.Generator,
                    progress=None) -> tuple[torch.Tensor, list[float]]:
     """Q1 (d, d) minimising the summed peak cost of every tap's rows `xs[t]` (n, d) weighted by `ws[t]` (n,);
     returns Q1 and the cost after each step (on that step's rows)."""
     X, Wt = torch.stack(xs), torch.stack(ws)  # (taps, n, d), (taps, n)
-    Q = signed_hadamard(X.shape[-1], generator)
-    history = []
-    for t in range(cfg.steps):
-        idx = torch.randint(0, X.shape[1], (cfg.batch_tokens,), generator=generator)
-        Qp = Q.clone().requires_grad_(True)
-        with torch.enable_grad():  # a stage may run under no_grad
-            loss = sum(peak_cost(X[j, idx] @ Qp, Wt[j, idx], cfg.temperature) for j in range(X.shape[0]))
-            loss.backward()
-        Q = cayley_step(Q, Qp.grad, cfg.lr * (1 - 0.99 * t / max(cfg.steps, 1)))
-        history.append(float(loss))
-        if progress:
-            progress(1)
-    return Q, history
+
+    def loss(Q, idx):
+        return sum(peak_cost(X[j, idx] @ Q, Wt[j, idx], cfg.temperature) for j in range(X.shape[0]))
+
+    return minimise(signed_hadamard(X.shape[-1], generator), loss, cfg.steps, X.shape[1], cfg, generator, progress)
 
 
 def learn_value_heads(vs: list[torch.Tensor], ms: list[torch.Tensor], wvs: list[torch.Tensor],
@@ -190,26 +196,20 @@ def learn_value_heads(vs: list[torch.Tensor], ms: list[torch.Tensor], wvs: list[
     V, M, WV, WM = torch.stack(vs), torch.stack(ms), torch.stack(wvs), torch.stack(wms)
     blocks, n = V.shape[0], V.shape[1]
     heads = M.shape[-1] // hd
-    Q = signed_hadamard(hd, generator).expand(blocks, kv, hd, hd).contiguous()
-    history = []
-    for t in range(cfg.head_steps):
-        idx = torch.randint(0, n, (cfg.batch_tokens,), generator=generator)
-        Qp = Q.clone().requires_grad_(True)
-        with torch.enable_grad():
-            v = torch.einsum("lbnh,lnhk->lbnk", V[:, idx].reshape(blocks, -1, kv, hd), Qp)
-            m = torch.einsum("lbnh,lnhk->lbnk", M[:, idx].reshape(blocks, -1, heads, hd),
-                             Qp.repeat_interleave(heads // kv, 1))
-            total = 0
-            for b in range(blocks):
-                lm = peak_cost(m[b], WM[b, idx][:, None].expand(-1, heads), cfg.temperature)
-                lv = peak_cost(v[b], WV[b, idx][:, None].expand(-1, kv), cfg.temperature)
-                total = total + lm + lv * (lm.detach() / lv.detach().clamp_min(1e-12))
-            total.backward()
-        Q = cayley_step(Q, Qp.grad, cfg.lr * (1 - 0.99 * t / max(cfg.head_steps, 1)))
-        history.append(float(total))
-        if progress:
-            progress(1)
-    return Q, history
+
+    def loss(Q, idx):
+        v = torch.einsum("lbnh,lnhk->lbnk", V[:, idx].reshape(blocks, -1, kv, hd), Q)
+        m = torch.einsum("lbnh,lnhk->lbnk", M[:, idx].reshape(blocks, -1, heads, hd),
+                         Q.repeat_interleave(heads // kv, 1))
+        total = 0
+        for b in range(blocks):
+            lm = peak_cost(m[b], WM[b, idx][:, None].expand(-1, heads), cfg.temperature)
+            lv = peak_cost(v[b], WV[b, idx][:, None].expand(-1, kv), cfg.temperature)
+            total = total + lm + lv * (lm.detach() / lv.detach().clamp_min(1e-12))
+        return total
+
+    start = signed_hadamard(hd, generator).expand(blocks, kv, hd, hd).contiguous()
+    return minimise(start, loss, cfg.head_steps, n, cfg, generator, progress)
 
 
 def a4_error(rows: torch.Tensor, Q: torch.Tensor | None) -> float:

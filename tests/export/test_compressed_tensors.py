@@ -108,14 +108,7 @@ def test_transformers_computes_what_the_run_evaluated(tmp_path, method, scheme):
             a = ours(ids).logits
         b = theirs(ids).logits
         plain = ours(ids).logits  # without the activation quantization: visibly different
-    assert (a - b).abs().max() <= 1e-5 * a.abs().max(), float((a - b).abs().max())
-    assert (plain - b).abs().max() > 100 * (a - b).abs().max()
-
-    rc, stdout, err = invoke("eval", ct, "--reference", MODEL, "--data", "bundled:botchan-eval", "--max-tokens",
-                             "1024", "--gen-prompts", "0", "--json")
-    assert rc == 0, err
-    ev, run = json.loads(stdout)["botchan-eval.txt"], report["eval"]["botchan-eval.txt"]
-    assert ev["kl"] == pytest.approx(run["kl"], rel=1e-3, abs=1e-6) and ev["top1"] == pytest.approx(run["top1"])
+    _served_as_evaluated(a, b, plain, ct, report)
 
 
 @pytest.mark.parametrize("scheme", ["w8a8-int8", "fp8"])
@@ -473,6 +466,12 @@ def test_int4_schemes_load_in_transformers_as_evaluated(tmp_path, method, scheme
             a = ours(ids).logits
         b = theirs(ids).logits
         plain = ours(ids).logits
+    _served_as_evaluated(a, b, plain, ct, report)
+
+
+def _served_as_evaluated(a, b, plain, ct, report):
+    """transformers' logits `b` are the run's (`a`: compress's weights and activation hooks; `plain`: without the
+    hooks, visibly different), and `compress eval` of the export `ct` gives the run's KL and top-1."""
     assert (a - b).abs().max() <= 1e-5 * a.abs().max(), float((a - b).abs().max())
     assert (plain - b).abs().max() > 100 * (a - b).abs().max()
     rc, stdout, err = invoke("eval", ct, "--reference", MODEL, "--data", "bundled:botchan-eval", "--max-tokens",
