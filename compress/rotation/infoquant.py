@@ -52,11 +52,13 @@ log = logging.getLogger(__name__)
 class InfoQuantConfig(StrictModel):
     stage: Literal["rotate"] = "rotate"
     method: Literal["infoquant"] = "infoquant"
-    steps: int = Field(200, ge=0, description="Cayley SGD steps of the residual rotation (0: the random-sign "
+    steps: int = Field(500, ge=0, description="Cayley SGD steps of the residual rotation (0: the random-sign "
                                               "Walsh-Hadamard start, unlearned)")
     head_steps: int = Field(200, ge=0, description="Cayley SGD steps of the value-head rotations")
     value_heads: bool = Field(True, description="also learn a rotation per block and KV head (v_proj / o_proj)")
-    batch_tokens: int = Field(512, ge=16, description="tokens drawn (the same rows from every layer) per step")
+    batch_tokens: int = Field(512, ge=16, description="rows drawn per step (residual: from every block's attention "
+                                                      "and MLP inputs pooled; value heads: the same tokens in every "
+                                                      "block)")
     max_tokens: int = Field(8192, ge=64, description="calibration tokens whose activations are captured (the "
                                                      "first windows of the calibration batch)")
     temperature: float = Field(2.0, gt=0, description="T of the softmax in the peak cost")
@@ -66,12 +68,17 @@ class InfoQuantConfig(StrictModel):
 
 # -- the objective ---------------------------------------------------------------------------------------------------
 
+def peak_terms(u: torch.Tensor, temperature: float) -> torch.Tensor:
+    """softmax(|u| / T) * |u| over the last dimension, `u` centred on it first."""
+    u = u - u.mean(-1, keepdim=True)
+    a = u.abs()
+    return torch.softmax(a / temperature, -1) * a
+
+
 def peak_cost(u: torch.Tensor, w: torch.Tensor, temperature: float) -> torch.Tensor:
     """|| softmax(|u| / T) * |u| * w ||_F with the softmax over the last dimension, `u` centred on it (..., d);
     `w` (...,) a weight per row."""
-    u = u - u.mean(-1, keepdim=True)
-    a = u.abs()
-    return torch.linalg.vector_norm(torch.softmax(a / temperature, -1) * a * w.unsqueeze(-1))
+    return torch.linalg.vector_norm(peak_terms(u, temperature) * w.unsqueeze(-1))
 
 
 def outlier_tokens(acts: torch.Tensor, eta: int = 10, ks: int = 50, stable: float = 0.02,
@@ -170,7 +177,7 @@ def minimise(Q: torch.Tensor, loss, steps: int, n: int, cfg: InfoQuantConfig, ge
             value = loss(Qp, idx)
             value.backward()
         Q = cayley_step(Q, Qp.grad, cfg.lr * (1 - 0.99 * t / max(steps, 1)))
-        history.append(float(value))
+        history.append(float(value.detach()))
         if progress:
             progress(1)
     return Q, history
@@ -178,14 +185,15 @@ def minimise(Q: torch.Tensor, loss, steps: int, n: int, cfg: InfoQuantConfig, ge
 
 def learn_residual(xs: list[torch.Tensor], ws: list[torch.Tensor], cfg: InfoQuantConfig, generator: torch.Generator,
                    progress=None) -> tuple[torch.Tensor, list[float]]:
-    """Q1 (d, d) minimising the summed peak cost of every tap's rows `xs[t]` (n, d) weighted by `ws[t]` (n,);
-    returns Q1 and the cost after each step (on that step's rows)."""
-    X, Wt = torch.stack(xs), torch.stack(ws)  # (taps, n, d), (taps, n)
+    """Q1 (d, d) minimising the peak cost of the rows of every tap `xs[t]` (n, d), weighted by `ws[t]` (n,): each
+    step's rows are drawn from all taps pooled (the inputs of every block's attention and MLP, each row RMS-normalised
+    by its norm, so the taps weigh alike); returns Q1 and the cost of each step's rows."""
+    X, Wt = torch.cat(xs), torch.cat(ws)  # (taps * n, d), (taps * n,)
 
     def loss(Q, idx):
-        return sum(peak_cost(X[j, idx] @ Q, Wt[j, idx], cfg.temperature) for j in range(X.shape[0]))
+        return peak_cost(X[idx] @ Q, Wt[idx], cfg.temperature)
 
-    return minimise(signed_hadamard(X.shape[-1], generator), loss, cfg.steps, X.shape[1], cfg, generator, progress)
+    return minimise(signed_hadamard(X.shape[-1], generator), loss, cfg.steps, X.shape[0], cfg, generator, progress)
 
 
 def learn_value_heads(vs: list[torch.Tensor], ms: list[torch.Tensor], wvs: list[torch.Tensor],
@@ -197,16 +205,14 @@ def learn_value_heads(vs: list[torch.Tensor], ms: list[torch.Tensor], wvs: list[
     blocks, n = V.shape[0], V.shape[1]
     heads = M.shape[-1] // hd
 
+    def cost(x, Q, w):  # x (blocks, b, h, hd), Q (blocks, h, hd, hd), w (blocks, b): each block's peak cost
+        terms = peak_terms(x.transpose(1, 2) @ Q, cfg.temperature) * w[:, None, :, None]
+        return torch.linalg.vector_norm(terms.reshape(blocks, -1), dim=1)
+
     def loss(Q, idx):
-        v = torch.einsum("lbnh,lnhk->lbnk", V[:, idx].reshape(blocks, -1, kv, hd), Q)
-        m = torch.einsum("lbnh,lnhk->lbnk", M[:, idx].reshape(blocks, -1, heads, hd),
-                         Q.repeat_interleave(heads // kv, 1))
-        total = 0
-        for b in range(blocks):
-            lm = peak_cost(m[b], WM[b, idx][:, None].expand(-1, heads), cfg.temperature)
-            lv = peak_cost(v[b], WV[b, idx][:, None].expand(-1, kv), cfg.temperature)
-            total = total + lm + lv * (lm.detach() / lv.detach().clamp_min(1e-12))
-        return total
+        lm = cost(M[:, idx].reshape(blocks, -1, heads, hd), Q.repeat_interleave(heads // kv, 1), WM[:, idx])
+        lv = cost(V[:, idx].reshape(blocks, -1, kv, hd), Q, WV[:, idx])
+        return (lm + lv * (lm.detach() / lv.detach().clamp_min(1e-12))).sum()
 
     start = signed_hadamard(hd, generator).expand(blocks, kv, hd, hd).contiguous()
     return minimise(start, loss, cfg.head_steps, n, cfg, generator, progress)
