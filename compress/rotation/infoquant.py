@@ -17,8 +17,8 @@ What is learned here, and what differs from the paper's code (which keeps the re
 pays two online matmuls per layer, plus online Hadamards on down_proj and q/k, for which no serving engine has an
 operator):
 
-* one residual rotation `Q1` (hidden x hidden) for the whole network, the sum of the cost over every layer's
-  attention input (input_layernorm's output) and MLP input (post_attention_layernorm's), absorbed exactly as the
+* one residual rotation `Q1` (hidden x hidden) for the whole network, the cost of rows drawn from every layer's
+  attention input (input_layernorm's output) and MLP input (post_attention_layernorm's) pooled, absorbed exactly as the
   fused Walsh rotation is (RMSNorm weights folded into their readers, embeddings `E Q1`, readers `W Q1`, writers
   `Q1^T W`): plain weights of the same architecture;
 * per block and KV head a value rotation `Q2` (head_dim x head_dim) on v_proj's output and o_proj's input, the
