@@ -155,7 +155,8 @@ def _serving(recipe, adapter, exports: list[Bound]) -> dict:
         return {}
     f = exports[0].facts
     scheme = next((s.scheme for s in recipe.stages if getattr(s, "scheme", None)), None)
-    return check(planned(adapter, recipe.export, f.quantized, f.widths, f.mixed, scheme), recipe.export.serve)
+    kv = next(((s.kv_cache, s.kv_scales) for s in recipe.stages if getattr(s, "kv_cache", None)), None)
+    return check(planned(adapter, recipe.export, f.quantized, f.widths, f.mixed, scheme, kv), recipe.export.serve)
 
 
 def _bind_exports(recipe, adapter, stages: list[Bound], base: ModelSpec, spec: ModelSpec) -> list[Bound]:
@@ -168,7 +169,7 @@ def _bind_exports(recipe, adapter, stages: list[Bound], base: ModelSpec, spec: M
     quantized = [(b.index, b.cfg.method, (b.cfg.bits, b.cfg.group_size, b.cfg.sym, b.cfg.gguf), b.facts.layers)
                  for b in stages if b.cfg.stage == "quantize"]
     _check_grids(stages, formats)
-    _check_schemes(stages, formats, recipe.model.stream)
+    _check_schemes(stages, formats, recipe.model.stream, adapter)
     mixed = any(b.cfg.stage == "allocate" and not (b.entry.per_layer or b.facts.grid) for b in stages)  # chunks
     widths = {spec.bits for *_, layers in quantized for spec in layers.values()}
     for b in stages:
@@ -189,9 +190,10 @@ def _bind_exports(recipe, adapter, stages: list[Bound], base: ModelSpec, spec: M
     return out
 
 
-def _check_schemes(stages: list[Bound], formats: list[str], stream: bool = False) -> None:
+def _check_schemes(stages: list[Bound], formats: list[str], stream: bool = False, adapter=None) -> None:
     """A quantize stage with an activation `scheme` writes only the exports that carry activation quantization
-    (registry capability "activations"), and those exports write only such stages' layers."""
+    (registry capability "activations"), and those exports write only such stages' layers; a `kv_cache` needs an
+    attention whose keys and values it can hook."""
     quantize = [b for b in stages if b.cfg.stage == "quantize"]
     schemed = [b for b in quantize if getattr(b.cfg, "scheme", None)]
     carry = [f for f in formats if "activations" in registry.get("export", f).capabilities]
@@ -204,9 +206,18 @@ def _check_schemes(stages: list[Bound], formats: list[str], stream: bool = False
             raise BadInput(f"stage {b.index} {what} (`scheme: {b.cfg.scheme}`), which "
                            f"{', '.join(other)} cannot carry: export `{', '.join(carry) or 'compressed-tensors'}`"
                            " instead, or drop `scheme` for an integer weight-only checkpoint")
-        if len({(c.cfg.scheme, c.cfg.activations) for c in schemed}) > 1 or len(schemed) != len(quantize):
-            raise BadInput("every quantize stage of a run with an activation `scheme` needs the same scheme and "
-                           "`activations`")
+        if len({(c.cfg.scheme, c.cfg.activations, c.cfg.kv_cache, c.cfg.kv_scales) for c in schemed}) > 1 or \
+                len(schemed) != len(quantize):
+            raise BadInput("every quantize stage of a run with an activation `scheme` needs the same scheme, "
+                           "`activations` and `kv_cache`")
+        if b.cfg.kv_cache is not None and adapter is not None:
+            from compress.quantize.kvcache import attention_modules
+
+            try:
+                attention_modules(adapter)
+            except ValueError as e:
+                raise BadInput(f"stage {b.index}: {e}") from None
+
         if b.cfg.activations == "static" and stream:
             raise BadInput(f"stage {b.index}: `activations: static` calibrates its scales with the whole model in "
                            "memory after quantization; `model.stream` keeps one block at a time: use `activations: "

@@ -118,6 +118,17 @@ class QuantizeConfig(StrictModel):
                                "static (one scale per layer input, calibrated once on the calibration text: max |x| "
                                "/ 127.5 for int8, / 448 for fp8, stored as the export's input_scale)")
 
+    kv_cache: Optional[Literal["fp8", "int8", "int4"]] = Field(
+        None, description="with a `scheme`: also quantize the KV cache, keys (after RoPE) and values as the server "
+                          "stores them: `fp8` (E4M3, what vLLM takes), `int8` or `int4` (symmetric); the evaluation "
+                          "computes with it and the compressed-tensors export writes `kv_cache_scheme` and the scales "
+                          "(docs/formats.md#kv-cache)")
+    kv_scales: Literal["tensor", "head", "dynamic"] = Field(
+        "tensor", description="the KV cache's scales: `tensor` (one static scale per layer for K and for V, "
+                              "calibrated on the calibration text: what vLLM and llm-compressor use), `head` (static, "
+                              "per KV head) or `dynamic` (per token and head, computed at run time: KV4 of the W4A4KV4 "
+                              "studies; transformers only)")
+
     _gs = field_validator("group_size")(lambda cls, v: check_group_size(v))
 
     @model_validator(mode="before")
@@ -129,6 +140,12 @@ class QuantizeConfig(StrictModel):
             raise ValueError(f"`activations: {v['activations']}` quantizes activations: give a `scheme` that does "
                              "(w8a8-int8, fp8, w4a8-int8, w4a8-fp8, w4a4)"
                              + (f"; `{v['scheme']}` leaves them in full precision" if v.get("scheme") else " too"))
+        if isinstance(v, dict) and v.get("kv_cache") is not None and v.get("scheme") is None:
+            raise ValueError("`kv_cache` is written by the compressed-tensors export, which carries a `scheme`: give "
+                             "one (w8a8-int8, fp8, w4a8-int8, w4a8-fp8, w4a4, nvfp4a16, mxfp4a16)")
+        if isinstance(v, dict) and v.get("kv_scales", "tensor") != "tensor" and v.get("kv_cache") is None:
+            raise ValueError(f"`kv_scales: {v['kv_scales']}` sets the KV cache's scales: give `kv_cache` (fp8, int8, "
+                             "int4) too")
         if not isinstance(v, dict) or v.get("scheme") is None:
             return v
         fixed = SCHEMES.get(v["scheme"]) if isinstance(v["scheme"], str) else None

@@ -33,6 +33,7 @@ from compress.models.adapters import ModelAdapter
 from compress.models.loading import load_config, load_model, max_positions
 from compress.prune import routing as prunepath
 from compress.quantize.activations import quantized_inputs, scheme_layers
+from compress.quantize.kvcache import quantized_kv
 from compress.serve import rules
 from compress.serve.plan import written
 from compress.workspace import Workspace
@@ -75,6 +76,7 @@ class StageContext:
     calibration_info: dict = field(default_factory=dict)  # per source: format, tokens, windows drawn from it
     exports: dict = field(default_factory=dict)  # format -> what the run's earlier exports returned
     activations: dict = field(default_factory=dict)  # {layer: ActivationSpec} of a weight-and-activation scheme
+    kv: object | None = None  # the quantized KV cache (compress.quantize.kvcache.KVCache), calibrated; None: none
     _reference: ModelAdapter | None = None
     devices: list = field(default_factory=lambda: [torch.device("cpu")])  # the recipe's `device` first, resolved
 
@@ -128,6 +130,25 @@ def _activations(ctx, binding: Binding, qweights: list, timings: list) -> dict:
     log.info("activations: calibrating %d static input scales on the calibration text", len(acts))
     with _timed(timings, "calibrate", "activations"):
         return calibrate(ctx.model, acts, ctx.calibration_tokens(), getattr(torch, dtype or "float32"))
+
+
+def _kv_cache(ctx, binding: Binding, timings: list):
+    """The KV cache a quantize stage's `kv_cache` asks for (None: none), its static scales calibrated through the model
+    as it now computes (quantized weights and activations), in the dtype the compressed-tensors export stores them."""
+    from compress.quantize import kvcache
+
+    cfg = next((b.cfg for b in binding.stages if b.cfg.stage == "quantize" and getattr(b.cfg, "kv_cache", None)), None)
+    if cfg is None:
+        return None
+    kv = kvcache.KVCache(cfg.kv_cache, cfg.kv_scales, ctx.adapter.attention_shape()[2],
+                         dict.fromkeys(kvcache.attention_modules(ctx.adapter), (None, None)))
+    if cfg.kv_scales == "dynamic":
+        return kv
+    dtype = next((b.cfg.dtype for b in binding.exports if b.cfg.format == "compressed-tensors"), "float32")
+    log.info("kv cache: calibrating the %s scales of %d attention layers on the calibration text", cfg.kv_cache,
+             len(kv.layers))
+    with _timed(timings, "calibrate", "kv_cache"), quantized_inputs(ctx.model, ctx.activations):
+        return kvcache.calibrate(ctx.model, kv, ctx.calibration_tokens(), getattr(torch, dtype or "float32"))
 
 
 def _hash(obj) -> str:
@@ -346,10 +367,14 @@ def _run(loaded, binding: Binding, ws: Workspace, quiet: bool) -> dict:
         report["activations"] = {"layers": len(acts), "static": static, "as": f"{kind} " + (
             "per tensor, static scales calibrated on the calibration text" if static else "per token, dynamic") +
             " (compressed-tensors' arithmetic: docs/formats.md#w8a8-int8)"}
+    ctx.kv = _kv_cache(ctx, binding, timings)
+    if ctx.kv is not None:
+        report["kv_cache"] = {"layers": len(ctx.kv.layers), "type": ctx.kv.type, "scales": ctx.kv.scales,
+                              "as": ctx.kv.describe() + " (docs/formats.md#kv-cache)"}
     if evaluates:
         log.info("evaluation: %s against the full-precision model", ", ".join(
             [Path(p).name for p in r.eval.data] + [f"task {t}" for t in r.eval.tasks]))
-        with _timed(timings, "eval", adapter.kind), quantized_inputs(ctx.model, acts):
+        with _timed(timings, "eval", adapter.kind), quantized_inputs(ctx.model, acts), quantized_kv(ctx.model, ctx.kv):
             if r.eval.data:
                 report["eval"] = evaluate(ctx, r)
             if r.eval.tasks:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Callable
 
@@ -11,6 +12,7 @@ from compress.errors import BadInput, RunFailure
 from compress.files import non_finite
 from compress.verify import verify_artifact
 
+log = logging.getLogger(__name__)
 BACKENDS = ("auto", "cpu", "cpu-a8", "triton", "reference", "transformers")
 
 
@@ -53,6 +55,7 @@ def _load(path: str, backend: str = "auto", device: str = "auto"):
     from compress.export.runtime import is_packed, load_packed
     from compress.models.adapters import ARCHS
     from compress.models.loading import check_finite, resolve_source
+    from compress.quantize import kvcache
 
     if backend not in BACKENDS:
         raise BadInput(f"unknown --backend `{backend}` (known: {', '.join(BACKENDS)})")
@@ -76,6 +79,9 @@ def _load(path: str, backend: str = "auto", device: str = "auto"):
             # auto-round casts a packed model to fp16 on CPU and its `.float()` refuses quantized models;
             # nn.Module.float restores fp32 compute (see compress/export/hf.py).
             model = torch.nn.Module.float(model).eval()
+            if kvcache.from_checkpoint(model, Path(src)) == "compress":
+                log.info("%s: the KV cache is quantized by compress's hooks with the stored scales (this "
+                         "compressed-tensors does not hook this transformers' attention)", path)
             if getattr(model.config, "prunepath", None):  # routed FFNs: transformers dropped the router tensors
                 from compress.export.hf import load_tensors
                 from compress.prune import routing as prunepath

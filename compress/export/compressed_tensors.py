@@ -25,6 +25,9 @@ it): `weight` int8 holding the 4-bit values (codes minus 8: compress's symmetric
 `weight_scale` (d_out, d_in / group) float32, weights `strategy: group` with the layer's group size (a layer whose
 width 128 does not divide keeps the plan's adapted group, in a config group of its own); `input_activations` int8,
 FP8 or int4 per token.
+
+A `kv_cache` (compress/quantize/kvcache.py) adds `kv_cache_scheme` and, with static scales, each attention module's
+`k_scale` / `v_scale` in the export dtype (shape (1,), or (kv_heads, 1, 1) per head), llm-compressor's layout.
 """
 
 from __future__ import annotations
@@ -116,7 +119,8 @@ def _kind_of_args(args: dict) -> str:
     return next(k for k, a in WEIGHT_ARGS.items() if all(args.get(f) == v for f, v in a.items()))
 
 
-def quantization_config(weights: dict[str, dict], acts: dict[str, ActivationSpec], ignore: list[str]) -> dict:
+def quantization_config(weights: dict[str, dict], acts: dict[str, ActivationSpec], ignore: list[str],
+                        kv=None) -> dict:
     """One `config_groups` group per (`weights` arguments, activation setting) (static layers share one: their scales
     are tensors; a weight-only scheme's layers have no `input_activations`); one weight kind per checkpoint (one
     scheme per run), which names the format."""
@@ -132,7 +136,8 @@ def quantization_config(weights: dict[str, dict], acts: dict[str, ActivationSpec
     if len(found) > 1:
         raise ValueError(f"one scheme per checkpoint: weights of kinds {sorted(found)}")
     return {"quant_method": "compressed-tensors", "format": FORMATS[found.pop() if found else "int"],
-            "quantization_status": "compressed", "config_groups": groups, "ignore": ignore, "kv_cache_scheme": None}
+            "quantization_status": "compressed", "config_groups": groups, "ignore": ignore,
+            "kv_cache_scheme": kv.as_compressed_tensors() if kv is not None else None}
 
 
 def scheme_of(qweights: dict, acts: dict[str, ActivationSpec]) -> str | None:
@@ -147,9 +152,11 @@ def scheme_of(qweights: dict, acts: dict[str, ActivationSpec]) -> str | None:
 
 
 def export_compressed_tensors(model, qweights: dict[str, QuantizedWeight], acts: dict[str, ActivationSpec],
-                              tokenizer, out_dir, *, dtype: str = "float16", meta: dict | None = None) -> dict:
+                              tokenizer, out_dir, *, dtype: str = "float16", meta: dict | None = None,
+                              kv=None) -> dict:
     """Write `model` (its quantized linears holding `qw.dequantize()`) with `qweights` as int8 / FP8 and the activation
-    settings `acts` ({layer: spec}, every quantized layer) to `out_dir`; returns files, bytes, dtype."""
+    settings `acts` ({layer: spec}, every quantized layer) to `out_dir`, with the KV cache's `kv_cache_scheme` and
+    static `k_scale` / `v_scale` of `kv` (a calibrated kvcache.KVCache); returns files, bytes, dtype."""
     kinds = {n: kind(qw) for n, qw in qweights.items()}
     missing = sorted(n for n, k in kinds.items() if k not in FP4 and n not in acts)
     if missing:
@@ -163,13 +170,15 @@ def export_compressed_tensors(model, qweights: dict[str, QuantizedWeight], acts:
             state[f"{name}.{key}"] = t
         if name in acts and not acts[name].dynamic:  # a static input scale, calibrated (already a value of `dtype`)
             state[f"{name}.input_scale"] = torch.tensor([acts[name].scale], dtype=DTYPES[dtype])
+    for name, (k_scale, v_scale) in (kv.layers.items() if kv is not None and kv.scales != "dynamic" else ()):
+        state[f"{name}.k_scale"], state[f"{name}.v_scale"] = k_scale.to(DTYPES[dtype]), v_scale.to(DTYPES[dtype])
     weights = {n: weight_args(qw) for n, qw in qweights.items()}
     linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
     ignore = [n for n in linears if n not in qweights]
     out_dir = Path(out_dir)
     with staged_directory(out_dir, marker="config.json") as tmp:
         model.save_pretrained(tmp, state_dict=state, max_shard_size=MAX_SHARD)
-        _patch_config(tmp, {"quantization_config": quantization_config(weights, acts, ignore), "dtype": dtype,
+        _patch_config(tmp, {"quantization_config": quantization_config(weights, acts, ignore, kv), "dtype": dtype,
                             "compress": {"format": "compressed-tensors", "version": FORMAT_VERSION,
                                          "meta": meta or {}}})
         if tokenizer is not None:
@@ -177,4 +186,4 @@ def export_compressed_tensors(model, qweights: dict[str, QuantizedWeight], acts:
     files = sorted(p for p in out_dir.rglob("*") if p.is_file())
     return {"files": [str(p) for p in files], "bytes": sum(p.stat().st_size for p in files), "dtype": dtype,
             "format": FORMATS[next(iter(kinds.values()), "int")], "scheme": scheme_of(qweights, acts),
-            "layers": len(qweights)}
+            "layers": len(qweights), "kv_cache": [kv.type, kv.scales] if kv is not None else None}

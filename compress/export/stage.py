@@ -166,7 +166,7 @@ def export_compressed_tensors_stage(ctx, cfg: CompressedTensorsExportConfig) -> 
     qweights = _qweights(ctx)
     out = ctx.workspace.path(cfg.directory)
     res = export_compressed_tensors(ctx.model, qweights, ctx.activations, ctx.tokenizer, out, dtype=cfg.dtype,
-                                    meta=_meta(ctx))
+                                    meta=_meta(ctx), kv=ctx.kv)
     return {"path": str(out), **res}
 
 

@@ -69,8 +69,15 @@ def fake_quant(x: torch.Tensor, spec: ActivationSpec) -> torch.Tensor:
         s = torch.tensor(spec.scale, dtype=x.dtype)
     else:
         s = x.abs().amax() / half
+    return round_to(x, s, spec)
+
+
+def round_to(x: torch.Tensor, s: torch.Tensor, spec: ActivationSpec) -> torch.Tensor:
+    """`x` on the grid of `spec` with scales `s` (broadcast against x; a zero becomes float32's eps), dequantized:
+    compressed-tensors' `fake_quantize` steps."""
+    half = spec.half
     s = torch.where(s == 0, torch.finfo(torch.float32).eps, s)
-    if spec.type == "float":  # clamp to E4M3's range, cast (round to nearest even), back: compressed-tensors' steps
+    if spec.type == "float":  # clamp to E4M3's range, cast (round to nearest even), back
         return torch.clamp(x / s, -half, half).to(torch.float8_e4m3fn).to(x.dtype) * s
     lo, hi = -(2 ** (spec.bits - 1)), 2 ** (spec.bits - 1) - 1
     return torch.clamp(torch.round(x / s), lo, hi) * s

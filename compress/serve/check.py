@@ -65,6 +65,8 @@ def serve_check(out, engine: str, *, n_tokens: int = N_TOKENS, dtype: str = "flo
             raise BadInput("--floor is transformers in --dtype against float32 on an hf export; llama.cpp reads GGUF")
         return check_gguf(Path(out), n_tokens=n_tokens, dtype=dtype, perplexity=perplexity, max_tokens=max_tokens)
     export, hf = _directories(Path(out), engine)
+    if engine == "vllm":
+        _vllm_kv_cache(export)  # refused before anything runs
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(hf)
@@ -182,7 +184,11 @@ def reference_model(hf: Path, dtype: torch.dtype):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if is_compressed_tensors(hf):
-        return torch.nn.Module.to(AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32), dtype).eval()
+        from compress.quantize import kvcache
+
+        model = torch.nn.Module.to(AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32), dtype).eval()
+        kvcache.from_checkpoint(model, hf)  # its KV cache quantized, by compressed-tensors or by compress's hooks
+        return model
 
     from compress.export.hf import load_tensors, read_quantized
     from compress.export.runtime import PACKED_SUFFIXES, _check_keys
@@ -333,17 +339,29 @@ def _root_cause(log: str, lines: int = 25) -> str:
     return "\n".join(text[first:first + lines] + ["..."] + tail)
 
 
+def _vllm_kv_cache(export: Path) -> dict | None:
+    """The export's `kv_cache_scheme` (None: none); RunFailure where vLLM's CPU attention cannot run it (an FP8 KV
+    cache needs x86 with AVX-512 or AMX)."""
+    qc = json.loads((export / "config.json").read_text()).get("quantization_config") or {}
+    kv = qc.get("kv_cache_scheme")
+    if kv and not cpu_isa().startswith("AVX-512") and not torch.cpu._is_amx_tile_supported():
+        raise RunFailure(f"{export} has an FP8 KV cache, which vLLM's CPU attention runs on x86 with AVX-512 or AMX "
+                         f"only (this CPU: {cpu_isa()}); it was not run")
+    return kv
+
+
 def _vllm(export: Path, prompts: list[list[int]], n_tokens: int, dtype: str) -> tuple[Decoded, dict]:
     from compress.serve.envs import python_of
 
     if dtype not in ("float16", "bfloat16"):
         raise BadInput("vLLM runs float16 or bfloat16 (it refuses float32 for these checkpoints); use --dtype float16")
+    kv = _vllm_kv_cache(export)
     python = python_of("vllm")
     worker = Path(__file__).parent / "engines" / "vllm_worker.py"
     with tempfile.TemporaryDirectory(prefix="serve-check-") as tmp:
         req, res = Path(tmp) / "request.json", Path(tmp) / "result.json"
         req.write_text(json.dumps({"model": str(export.resolve()), "prompts": prompts, "n_tokens": n_tokens, "top_k": TOP_K,
-                                   "dtype": dtype}))
+                                   "dtype": dtype, "kv_cache_dtype": "fp8" if kv else "auto"}))
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": os.environ.get(
             "VLLM_CPU_KVCACHE_SPACE", "1")}
         proc = subprocess.run([str(python), str(worker), str(req), str(res)], capture_output=True, text=True,

@@ -12,11 +12,12 @@ from types import SimpleNamespace
 from compress.errors import BadInput
 from compress.serve import rules
 
-def planned(adapter, export_spec, quantized, widths: set, mixed: bool, scheme: str | None = None) -> rules.Checkpoint:
+def planned(adapter, export_spec, quantized, widths: set, mixed: bool, scheme: str | None = None,
+            kv: tuple[str, str] | None = None) -> rules.Checkpoint:
     """The checkpoint the plan will write (`quantized`: the bind step's (index, method, rounding, {name: LayerSpec})
     of every quantize stage; `widths`: every width a layer may end up with; `mixed`: an allocation plan gives
     per-chunk widths: `_stored_width`; `scheme`: the quantize stages' weight-and-activation scheme, which only the
-    compressed-tensors export writes)."""
+    compressed-tensors export writes, and `kv` its KV cache (type, scales))."""
     from compress.export.hf import why_dense
     from compress.export.layouts import choose, containers
     from compress.export.stage import export_dtype
@@ -49,6 +50,7 @@ def planned(adapter, export_spec, quantized, widths: set, mixed: bool, scheme: s
         model_type=adapter.model_type, experts=any(".experts." in n for n in layers), graphs=_graphs(export_spec),
         gguf=export_spec.config("gguf").type if "gguf" in names else None,
         scheme=scheme if "compressed-tensors" in names else None,
+        kv=kv if "compressed-tensors" in names else None,
         scheme_dtype=export_dtype(adapter.arch, export_spec.config("compressed-tensors"))
         if "compressed-tensors" in names else "float16")
 
@@ -76,7 +78,7 @@ def written(qweights: dict, exports: dict, model_type: str) -> rules.Checkpoint:
         experts=any(".experts." in n for n in packed),
         graphs={k: {"genai": _runs_genai(k, v)} for k, v in exports.items() if k in ("onnx", "openvino")},
         gguf=(exports.get("gguf") or {}).get("type"), scheme=ct.get("scheme"),
-        scheme_dtype=ct.get("dtype", "float16"))
+        scheme_dtype=ct.get("dtype", "float16"), kv=tuple(ct["kv_cache"]) if ct.get("kv_cache") else None)
 
 
 def _runs_genai(fmt: str, result: dict) -> bool:

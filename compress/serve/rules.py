@@ -56,7 +56,7 @@ layout; no scheme takes int4 activations. SGLang: not checked.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 MARLIN_GROUPS = (-1, 32, 64, 128)
 HALF = ("float16", "bfloat16")
@@ -83,6 +83,7 @@ class Checkpoint:
     gguf: str | None = None  # the gguf export's file type; None: no gguf export
     scheme: str | None = None  # the compressed-tensors export's weight-and-activation scheme; None: no such export
     scheme_dtype: str = "float16"  # that export's dtype
+    kv: tuple[str, str] | None = None  # its quantized KV cache: (fp8 | int8 | int4, tensor | head | dynamic)
 
 
 @dataclass(frozen=True)
@@ -165,9 +166,26 @@ def _w4(engine: str) -> list[Problem]:
                     "(docs/serving.md#w4a8-and-w4a4)", "scheme: w8a8-int8 (or fp8)")]
 
 
+def _kv(ckpt: Checkpoint, engine: str, per_head: bool) -> list[Problem]:
+    """vLLM's compressed-tensors KV cache: FP8, symmetric, static scales per tensor or (`per_head`) per KV head."""
+    if ckpt.kv is None:
+        return []
+    typ, scales = ckpt.kv
+    if typ != "fp8":
+        return [Problem(f"{engine} stores only an FP8 KV cache (kv_cache_scheme num_bits 8, type float), not {typ}",
+                        "kv_cache: fp8")]
+    if scales == "dynamic" or (scales == "head" and not per_head):
+        why = ("computes no per-token KV scales" if scales == "dynamic" else
+               "runs one KV scale per layer (the largest of the heads')")
+        return [Problem(f"{engine} {why}", "kv_scales: tensor")]
+    return []
+
+
 def vllm_cpu(ckpt: Checkpoint) -> list[Problem]:
     if ckpt.scheme in W4:
         return _w4("vLLM's CPU build")
+    if ckpt.kv is not None:  # its CPU attention: FP8 KV on x86 with AVX-512 or AMX (docs/formats.md#kv-cache)
+        return _kv(ckpt, "vLLM's CPU build", per_head=False) + vllm_cpu(replace(ckpt, kv=None))
     if ckpt.scheme in ("fp8", "nvfp4a16", "mxfp4a16"):
         what = {"fp8": "FP8 W8A8", "nvfp4a16": "NVFP4", "mxfp4a16": "MXFP4"}[ckpt.scheme]
         return [Problem(f"{what} has no kernel in vLLM's CPU build (CUDA GPUs)", "scheme: w8a8-int8")]
@@ -190,7 +208,7 @@ def vllm_cuda(ckpt: Checkpoint) -> list[Problem]:
     if ckpt.scheme in W4:
         return _w4("vLLM")
     if ckpt.scheme:
-        return _scheme_dtype(ckpt)
+        return _kv(ckpt, "vLLM", per_head=True) + _scheme_dtype(ckpt)
     out = _hf_needed(ckpt)
     if out:
         return out
@@ -209,7 +227,7 @@ def sglang(ckpt: Checkpoint) -> list[Problem]:
     if ckpt.scheme in W4:
         return _w4("SGLang")
     if ckpt.scheme:
-        return _scheme_dtype(ckpt)
+        return _kv(ckpt, "SGLang", per_head=False) + _scheme_dtype(ckpt)
     out = _hf_needed(ckpt)
     if out:
         return out
@@ -240,6 +258,11 @@ def tgi(ckpt: Checkpoint) -> list[Problem]:
 
 
 def transformers(ckpt: Checkpoint) -> list[Problem]:
+    if ckpt.kv is not None:
+        return [Problem("compressed-tensors 0.20 does not hook the attention's `cache` argument of transformers >= "
+                        "5.20 and leaves its KV cache unquantized (`compress eval` and `serve-check` apply the stored "
+                        "scales themselves)", "transformers < 5.20 with compressed-tensors (checked: 5.19 with 0.17), "
+                        "or no kv_cache")]
     if ckpt.scheme:
         return []  # the compressed-tensors library (checked: tests/export/test_compressed_tensors.py)
     out = _hf_needed(ckpt)

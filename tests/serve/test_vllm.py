@@ -59,3 +59,90 @@ export: {{formats: [compressed-tensors]}}
     assert res["kernels"] == ["CPUInt8ScaledMMLinearKernel"], res
     assert res["top5_overlap"] > 0.9 and res["tokens"]["equal"] >= 16, res
     assert (res.get("warning") == INT8_WITHOUT_VNNI) == (not has_vnni())
+
+
+THEIRS = """
+import sys, torch
+from transformers import AutoModelForCausalLM
+ids = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(0))
+for export in sys.argv[1:]:
+    m = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32).eval()
+    assert hasattr(m.model.layers[0].self_attn, "kv_cache"), "compressed-tensors did not hook the attention"
+    with torch.no_grad():
+        torch.save(m(ids).logits, export + "/theirs.pt")
+"""
+KV = {"int4-tensor": "kv_cache: int4", "fp8-head": "kv_cache: fp8, kv_scales: head",
+      "int8-dynamic": "kv_cache: int8, kv_scales: dynamic"}
+
+
+def test_transformers_with_compressed_tensors_computes_the_evaluated_kv_cache(tmp_path):
+    """The real client of a quantized KV cache in transformers: the vLLM environment's transformers (5.19, whose
+    attention takes `past_key_values`, which compressed-tensors 0.17 hooks) loads each export (int4 per tensor, FP8
+    per head, int8 dynamic), quantizes K and V as its `kv_cache_scheme` and stored `k_scale` / `v_scale` say, and
+    computes compress's logits (its hooks on the same export) to float32 rounding; without the KV cache they differ
+    visibly."""
+    import subprocess
+
+    import torch
+    from conftest import invoke
+    from transformers import AutoModelForCausalLM
+
+    from compress.quantize import kvcache
+    from compress.serve.envs import python_of
+
+    exports = {}
+    for name, kv in KV.items():
+        recipe = tmp_path / f"{name}.yaml"
+        recipe.write_text(f"""
+version: 1
+model: {{path: {MODELS / 'stories-llama-1m'}, dtype: float32}}
+calibration: {{sources: [bundled:botchan-calibration], nsamples: 8, seqlen: 64}}
+stages: [{{stage: quantize, method: rtn, scheme: w8a8-int8, {kv}}}]
+eval: {{enabled: false}}
+export: {{formats: [{{format: compressed-tensors, dtype: float32}}]}}
+""")
+        rc, _, err = invoke("run", recipe, "--output", tmp_path / name)
+        assert rc == 0, err
+        exports[name] = tmp_path / name / "compressed-tensors"
+    (tmp_path / "theirs.py").write_text(THEIRS)
+    proc = subprocess.run([str(python_of("vllm")), str(tmp_path / "theirs.py"), *map(str, exports.values())],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ids = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(0))
+    for name, export in exports.items():
+        theirs = torch.load(export / "theirs.pt")
+        model = torch.nn.Module.float(AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32)).eval()
+        with torch.no_grad():
+            plain = model(ids).logits
+            assert kvcache.from_checkpoint(model, export) is not None
+            ours = model(ids).logits
+        assert (ours - theirs).abs().max() <= 1e-5 * theirs.abs().max(), (name, float((ours - theirs).abs().max()))
+        assert (plain - theirs).abs().max() > 1e-2, name
+
+
+def test_vllm_cpu_serves_an_fp8_kv_cache_or_says_why_not(tmp_path):
+    """`kv_cache: fp8` (static per-tensor scales) on the W8A8 export: vLLM's CPU build stores its KV cache in FP8
+    with the checkpoint's k_scale / v_scale (`kv_cache_dtype=fp8`) on x86 with AVX-512 or AMX and agrees with
+    transformers + compress's KV hooks; elsewhere serve-check refuses before starting vLLM, naming the ISA."""
+    from conftest import invoke
+
+    from compress.serve.check import serve_check
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"""
+version: 1
+model: {{path: {MODELS / 'ref-llama-7m'}, dtype: float32}}
+calibration: {{sources: [bundled:botchan-calibration], nsamples: 8, seqlen: 64}}
+stages: [{{stage: quantize, method: rtn, scheme: w8a8-int8, kv_cache: fp8}}]
+eval: {{enabled: false}}
+export: {{formats: [compressed-tensors]}}
+""")
+    rc, _, err = invoke("run", recipe, "--output", tmp_path / "o")
+    assert rc == 0, err
+    if not cpu_isa().startswith("AVX-512"):
+        with pytest.raises(RunFailure, match="AVX-512 or AMX"):
+            serve_check(tmp_path / "o", "vllm")
+        return
+    res = serve_check(tmp_path / "o", "vllm", floor=True)
+    assert res["kernels"] == ["CPUInt8ScaledMMLinearKernel"], res
+    assert res["top5_overlap"] > 0.9 and res["tokens"]["equal"] >= 16, res

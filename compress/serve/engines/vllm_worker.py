@@ -2,7 +2,7 @@
 
 Standalone on purpose: that environment has vLLM and its pinned transformers, not compress. Usage:
 `python vllm_worker.py REQUEST.json RESULT.json`, REQUEST = {"model": dir, "prompts": [[token ids]], "n_tokens": n,
-"top_k": k, "dtype": "float16" | "bfloat16"}; RESULT = {"tokens": [[ids]], "top": [[{id: logprob}]], "vllm": version}
+"top_k": k, "dtype": "float16" | "bfloat16", "kv_cache_dtype": "auto" | "fp8"}; RESULT = {"tokens": [[ids]], "top": [[{id: logprob}]], "vllm": version}
 (the `Decoded` JSON of compress/serve/decoded.py). vLLM spawns workers, so the engine starts only under
 `__main__`.
 """
@@ -21,7 +21,8 @@ def main(request_path: str, result_path: str) -> None:
     prompts = req["prompts"]
     longest = max(len(p) for p in prompts) + req["n_tokens"]
     llm = LLM(model=req["model"], dtype=req["dtype"], max_model_len=max(longest, 64), seed=0,
-              enforce_eager=True, max_num_seqs=len(prompts), disable_log_stats=True)
+              enforce_eager=True, max_num_seqs=len(prompts), disable_log_stats=True,
+              kv_cache_dtype=req.get("kv_cache_dtype", "auto"))  # fp8: the checkpoint's k_scale / v_scale
     params = SamplingParams(temperature=0.0, max_tokens=req["n_tokens"], min_tokens=req["n_tokens"],
                             ignore_eos=True, logprobs=req["top_k"])
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
