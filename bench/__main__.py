@@ -260,6 +260,9 @@ def bench_peers(
                                          "(cells rtn, gptq, sq+gptq, sq+rtn, sq0.8+rtn, walsh+gptq, llmc-gptq, "
                                          "llmc-sq+gptq; "
                                          "checkpoints scored as served, through transformers + compressed-tensors)"),
+    kv_cache: Optional[str] = typer.Option(None, "--kv-cache", help="with --scheme: also quantize the KV cache of "
+                                           "compress's cells, TYPE[:SCALES]: fp8, int8, int4 with tensor (default), "
+                                           "head or dynamic (int4:dynamic is the KV4 of the W4A4KV4 studies)"),
 ):
     """compress's PTQ cells side by side with auto-round, llm-compressor and NNCF on one model and weight
     setting: the same calibration windows and evaluation tokens, scored by compress's evaluator (KL, top-1,
@@ -284,7 +287,7 @@ def bench_peers(
     result = run_peers(model, bits, group, sym, nsamples=nsamples, seqlen=seqlen, seeds=seed_list,
                        max_tokens=max_tokens, peer_iters=peer_iters,
                        cells=[c.strip() for c in cells.split(",") if c.strip()] if cells else None,
-                       mc_task=mc_task or None, mc_limit=mc_limit, scheme=scheme,
+                       mc_task=mc_task or None, mc_limit=mc_limit, scheme=scheme, kv_cache=kv_cache,
                        command="python -m bench peers " + shlex.join(sys.argv[2:]),
                        checkpoint=lambda partial: _save_partial(partial, markdown, json_out, md_out))
     emit_bench(result, markdown(result), json_out, md_out)

@@ -324,6 +324,9 @@ def compress_recipe(path: str, cell: str, s: dict, seed: int) -> dict:
     q = {"stage": "quantize", "method": method, "bits": s["bits"], "group_size": s["group_size"], "sym": s["sym"]}
     if s.get("scheme"):  # the scheme fixes the weights' grid
         q = {"stage": "quantize", "method": method, "scheme": s["scheme"]}
+    if s.get("kv_cache"):  # TYPE or TYPE:SCALES (docs/formats.md#kv-cache)
+        typ, _, scales = s["kv_cache"].partition(":")
+        q.update(kv_cache=typ, **({"kv_scales": scales} if scales else {}))
     if cell == "rtn-opt":
         q["optimize"] = True
     if cell == "gptq-ao":
@@ -606,7 +609,7 @@ def run_peers(model: str, bits: int, group: int, sym: bool, *, nsamples: int = 1
               seeds: tuple[int, ...] = (0, 1, 2), max_tokens: int = 8192, peer_iters: int = 200,
               cells: list[str] | None = None, tmp: Path | None = None, command: str | None = None,
               mc_task: str | None = "sst2_mc", mc_limit: int | None = None, scheme: str | None = None,
-              checkpoint: Callable[[dict], None] | None = None) -> dict:
+              kv_cache: str | None = None, checkpoint: Callable[[dict], None] | None = None) -> dict:
     """Every cell of CELLS (or `cells`) on one model and setting; returns {"meta", "cells"}. `checkpoint(result)`
     after each cell that ran, with the cells so far and `meta["partial"]` (an interrupted run keeps them)."""
     import tempfile
@@ -623,8 +626,10 @@ def run_peers(model: str, bits: int, group: int, sym: bool, *, nsamples: int = 1
         if scheme not in SCHEMES:
             raise BadInput(f"unknown --scheme `{scheme}` (known: {', '.join(SCHEMES)})")
         bits, group, sym = SCHEMES[scheme]["bits"], SCHEMES[scheme]["group_size"], SCHEMES[scheme]["sym"]
+    if kv_cache is not None and scheme is None:
+        raise BadInput("--kv-cache quantizes the KV cache of a --scheme checkpoint: give --scheme too")
     path = model_path(model)
-    s = {"scheme": scheme, "bits": bits, "group_size": group, "sym": sym, "nsamples": nsamples, "seqlen": seqlen,
+    s = {"scheme": scheme, "kv_cache": kv_cache, "bits": bits, "group_size": group, "sym": sym, "nsamples": nsamples, "seqlen": seqlen,
          "max_tokens": max_tokens, "peer_iters": peer_iters, "mc_task": mc_task, "mc_limit": mc_limit}
     t0 = time.time()
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "machine": machine(),
@@ -652,6 +657,9 @@ def run_peers(model: str, bits: int, group: int, sym: bool, *, nsamples: int = 1
             if scheme and cell not in SCHEME_CELLS:
                 entry.update(status="not available", reason=f"a weight-only cell; --scheme {scheme} quantizes "
                                                             "activations too")
+                continue
+            if kv_cache and tool != "compress":
+                entry.update(status="not available", reason=f"--kv-cache {kv_cache} is set on compress's cells only")
                 continue
             if not scheme and cell in NEEDS_SCHEME:
                 entry.update(status="not available", reason="SmoothQuant smooths for quantized activations: give "
@@ -771,7 +779,7 @@ def markdown(res: dict) -> str:
 
 def _setting(m: dict) -> str:
     if m.get("scheme"):
-        return m["scheme"].upper()
+        return m["scheme"].upper() + (f" KV {m['kv_cache']}" if m.get("kv_cache") else "")
     return f"W{m['bits']} g{m['group_size']} {'sym' if m['sym'] else 'asym'}"
 
 

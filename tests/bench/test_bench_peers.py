@@ -152,13 +152,16 @@ def test_each_finished_cell_is_saved_as_it_lands(tmp_path, monkeypatch):
 def test_peers_w8a8_scheme_scores_checkpoints_as_served(tmp_path, monkeypatch, scheme, ours):
     """`--scheme w8a8-int8` / `fp8`: compress's rtn, gptq and SmoothQuant + GPTQ cells export compressed-tensors,
     scored as served (transformers + compressed-tensors, activations quantized per token), which agrees with the
-    run's own evaluation; weight-only cells are rows with the reason, and SmoothQuant without a scheme is refused."""
+    run's own evaluation (W4A4 with `--kv-cache int4:dynamic`: its KV cache too); weight-only cells are rows with the
+    reason, and SmoothQuant without a scheme is refused."""
     monkeypatch.setenv("COMPRESS_ENGINES", str(tmp_path / "engines"))
     run = [*ours, "awq+gptq", "llmc-sq+gptq"]
-    rc, out, err = lab("peers", *TINY, "--scheme", scheme, "--cells", ",".join(run), "--mc-task", "",
+    kv = ["--kv-cache", "int4:dynamic"] if scheme == "w4a4" else []  # W4A4KV4: scored with compress's KV hooks
+    rc, out, err = lab("peers", *TINY, "--scheme", scheme, *kv, "--cells", ",".join(run), "--mc-task", "",
                        "--json", tmp_path / "p.json", "--markdown", tmp_path / "p.md")
     assert rc == 0, err
     res = json.loads((tmp_path / "p.json").read_text())
+    assert res["meta"]["kv_cache"] == (kv[1] if kv else None)
     bits, group = {"nvfp4a16": (4, 16), "w4a4": (4, 128)}.get(scheme, (8, -1))
     assert (res["meta"]["scheme"], res["meta"]["bits"], res["meta"]["group_size"]) == (scheme, bits, group)
     stored = 8 if scheme == "w4a4" else bits  # W4A4's int-quantized layout holds each int4 value in a byte
