@@ -324,7 +324,7 @@ def compress_recipe(path: str, cell: str, s: dict, seed: int) -> dict:
     q = {"stage": "quantize", "method": method, "bits": s["bits"], "group_size": s["group_size"], "sym": s["sym"]}
     if s.get("scheme"):  # the scheme fixes the weights' grid
         q = {"stage": "quantize", "method": method, "scheme": s["scheme"]}
-    if s.get("kv_cache"):  # TYPE or TYPE:SCALES (docs/formats.md#kv-cache)
+    if s.get("kv_cache"):  # TYPE or TYPE:SCALES (docs/formats.md#quantized-kv-cache)
         typ, _, scales = s["kv_cache"].partition(":")
         q.update(kv_cache=typ, **({"kv_scales": scales} if scales else {}))
     if cell == "rtn-opt":
@@ -629,7 +629,8 @@ def run_peers(model: str, bits: int, group: int, sym: bool, *, nsamples: int = 1
     if kv_cache is not None and scheme is None:
         raise BadInput("--kv-cache quantizes the KV cache of a --scheme checkpoint: give --scheme too")
     path = model_path(model)
-    s = {"scheme": scheme, "kv_cache": kv_cache, "bits": bits, "group_size": group, "sym": sym, "nsamples": nsamples, "seqlen": seqlen,
+    s = {"scheme": scheme, "kv_cache": kv_cache, "bits": bits, "group_size": group, "sym": sym, "nsamples": nsamples,
+         "seqlen": seqlen,
          "max_tokens": max_tokens, "peer_iters": peer_iters, "mc_task": mc_task, "mc_limit": mc_limit}
     t0 = time.time()
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "machine": machine(),

@@ -122,7 +122,7 @@ class QuantizeConfig(StrictModel):
         None, description="with a `scheme`: also quantize the KV cache, keys (after RoPE) and values as the server "
                           "stores them: `fp8` (E4M3, what vLLM takes), `int8` or `int4` (symmetric); the evaluation "
                           "computes with it and the compressed-tensors export writes `kv_cache_scheme` and the scales "
-                          "(docs/formats.md#kv-cache)")
+                          "(docs/formats.md#quantized-kv-cache)")
     kv_scales: Literal["tensor", "head", "dynamic"] = Field(
         "tensor", description="the KV cache's scales: `tensor` (one static scale per layer for K and for V, "
                               "calibrated on the calibration text: what vLLM and llm-compressor use), `head` (static, "

@@ -370,7 +370,7 @@ def _run(loaded, binding: Binding, ws: Workspace, quiet: bool) -> dict:
     ctx.kv = _kv_cache(ctx, binding, timings)
     if ctx.kv is not None:
         report["kv_cache"] = {"layers": len(ctx.kv.layers), "type": ctx.kv.type, "scales": ctx.kv.scales,
-                              "as": ctx.kv.describe() + " (docs/formats.md#kv-cache)"}
+                              "as": ctx.kv.describe() + " (docs/formats.md#quantized-kv-cache)"}
     if evaluates:
         log.info("evaluation: %s against the full-precision model", ", ".join(
             [Path(p).name for p in r.eval.data] + [f"task {t}" for t in r.eval.tasks]))

@@ -1,6 +1,6 @@
-"""KV-cache quantization (`kv_cache:` on a quantize stage with a `scheme`; docs/formats.md#kv-cache): the keys (after
-RoPE) and values each attention layer writes to its cache, quantized as the server stores them, so the run's
-evaluation computes what is served.
+"""KV-cache quantization (`kv_cache:` on a quantize stage with a `scheme`; docs/formats.md#quantized-kv-cache): the
+keys (after RoPE) and values each attention layer writes to its cache, quantized as the server stores them, so the
+run's evaluation computes what is served.
 
 Elements: `fp8` (E4M3, the only KV type vLLM takes from a compressed-tensors checkpoint), `int8` or `int4`
 (symmetric). Scales (`kv_scales`):

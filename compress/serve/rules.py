@@ -184,7 +184,7 @@ def _kv(ckpt: Checkpoint, engine: str, per_head: bool) -> list[Problem]:
 def vllm_cpu(ckpt: Checkpoint) -> list[Problem]:
     if ckpt.scheme in W4:
         return _w4("vLLM's CPU build")
-    if ckpt.kv is not None:  # its CPU attention: FP8 KV on x86 with AVX-512 or AMX (docs/formats.md#kv-cache)
+    if ckpt.kv is not None:  # its CPU attention: FP8 KV on x86 with AVX-512 or AMX (docs/serving.md#kv-cache)
         return _kv(ckpt, "vLLM's CPU build", per_head=False) + vllm_cpu(replace(ckpt, kv=None))
     if ckpt.scheme in ("fp8", "nvfp4a16", "mxfp4a16"):
         what = {"fp8": "FP8 W8A8", "nvfp4a16": "NVFP4", "mxfp4a16": "MXFP4"}[ckpt.scheme]

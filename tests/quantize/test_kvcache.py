@@ -1,4 +1,4 @@
-"""`kv_cache:` (compress/quantize/kvcache.py, docs/formats.md#kv-cache): the KV cache quantized with
+"""`kv_cache:` (compress/quantize/kvcache.py, docs/formats.md#quantized-kv-cache): the KV cache quantized with
 compressed-tensors' arithmetic, calibrated, evaluated, exported as `kv_cache_scheme` + `k_scale` / `v_scale`, read
 back by `compress eval`, and refused where it cannot be carried."""
 
