@@ -67,12 +67,13 @@ FINAL_BLOCK_HELP = ("objective of the last decoder block: `same` (the method's o
 
 # the weight grid each scheme fixes; FLOAT_SCHEMES: the float element format of a scheme's weights (floatgrid.py)
 SCHEMES = {"w8a8-int8": {"bits": 8, "group_size": -1, "sym": True}, "fp8": {"bits": 8, "group_size": -1, "sym": True},
-           "nvfp4a16": {"bits": 4, "group_size": 16, "sym": True},
-           "mxfp4a16": {"bits": 4, "group_size": 32, "sym": True},
+           **{k: {"bits": 4, "group_size": 16, "sym": True} for k in ("nvfp4a16", "nvfp4")},
+           **{k: {"bits": 4, "group_size": 32, "sym": True} for k in ("mxfp4a16", "mxfp4")},
            **{k: {"bits": 4, "group_size": 128, "sym": True} for k in ("w4a8-int8", "w4a8-fp8", "w4a4")}}
-FLOAT_SCHEMES = {"fp8": "e4m3", "nvfp4a16": "e2m1", "mxfp4a16": "mxfp4"}
+FLOAT_SCHEMES = {"fp8": "e4m3", "nvfp4a16": "e2m1", "mxfp4a16": "mxfp4", "nvfp4": "e2m1", "mxfp4": "mxfp4"}
+DYNAMIC_ONLY = ("nvfp4", "mxfp4")  # FP4 activations: scales per group of 16 / 32 computed at run time
 WEIGHT_ONLY_SCHEMES = ("nvfp4a16", "mxfp4a16")  # schemes that leave the activations in full precision
-Scheme = Literal["w8a8-int8", "fp8", "nvfp4a16", "mxfp4a16", "w4a8-int8", "w4a8-fp8", "w4a4"]
+Scheme = Literal["w8a8-int8", "fp8", "nvfp4a16", "mxfp4a16", "w4a8-int8", "w4a8-fp8", "w4a4", "nvfp4", "mxfp4"]
 
 
 class QuantizeConfig(StrictModel):
@@ -110,7 +111,10 @@ class QuantizeConfig(StrictModel):
                           "with E4M3 scales and an fp32 scale per tensor, activations untouched "
                           "(docs/formats.md#nvfp4); `mxfp4a16` E2M1 in groups of 32 with power-of-two (E8M0) scales; "
                           "`w4a8-int8`, `w4a8-fp8`, `w4a4`: int4 weights in groups of 128 (sym) with int8, FP8 or "
-                          "int4 activations per token (docs/formats.md#w4a8-and-w4a4); "
+                          "int4 activations per token (docs/formats.md#w4a8-and-w4a4); `nvfp4` / `mxfp4`: "
+                          "`nvfp4a16` / `mxfp4a16`'s weights with FP4 activations too (E2M1 per group of 16 with "
+                          "E4M3 scales under a calibrated per-layer global scale / per 32 with power-of-two scales; "
+                          "docs/formats.md#fp4-activations-nvfp4-mxfp4); "
                           "the evaluation computes with them, and only the `compressed-tensors` export carries them")
 
     activations: Literal["dynamic", "static"] = Field(
@@ -146,6 +150,9 @@ class QuantizeConfig(StrictModel):
         if isinstance(v, dict) and v.get("kv_scales", "tensor") != "tensor" and v.get("kv_cache") is None:
             raise ValueError(f"`kv_scales: {v['kv_scales']}` sets the KV cache's scales: give `kv_cache` (fp8, int8, "
                              "int4) too")
+        if isinstance(v, dict) and v.get("scheme") in DYNAMIC_ONLY and v.get("activations", "dynamic") != "dynamic":
+            raise ValueError(f"`scheme: {v['scheme']}` scales its FP4 activations per group at run time (NVFP4's "
+                             "global scale is calibrated for you): remove `activations: static`")
         if not isinstance(v, dict) or v.get("scheme") is None:
             return v
         fixed = SCHEMES.get(v["scheme"]) if isinstance(v["scheme"], str) else None

@@ -124,10 +124,10 @@ def _activations(ctx, binding: Binding, qweights: list, timings: list) -> dict:
     from compress.quantize.activations import calibrate
 
     acts = scheme_layers(binding.stages, qweights)
-    if all(s.dynamic for s in acts.values()):
+    if not any(s.calibrated for s in acts.values()):
         return acts
     dtype = next((b.cfg.dtype for b in binding.exports if b.cfg.format == "compressed-tensors"), "float32")
-    log.info("activations: calibrating %d static input scales on the calibration text", len(acts))
+    log.info("activations: calibrating %d input scales on the calibration text", len(acts))
     with _timed(timings, "calibrate", "activations"):
         return calibrate(ctx.model, acts, ctx.calibration_tokens(), getattr(torch, dtype or "float32"))
 
@@ -363,10 +363,8 @@ def _run(loaded, binding: Binding, ws: Workspace, quiet: bool) -> dict:
     acts = ctx.activations
     if acts:
         static = sum(not s.dynamic for s in acts.values())
-        kind = "fp8 (E4M3)" if next(iter(acts.values())).type == "float" else "int8"
-        report["activations"] = {"layers": len(acts), "static": static, "as": f"{kind} " + (
-            "per tensor, static scales calibrated on the calibration text" if static else "per token, dynamic") +
-            " (compressed-tensors' arithmetic: docs/formats.md#w8a8-int8)"}
+        report["activations"] = {"layers": len(acts), "static": static, "as": next(iter(acts.values())).describe()
+                                 + " (compressed-tensors' arithmetic: docs/formats.md#w8a8-int8)"}
     ctx.kv = _kv_cache(ctx, binding, timings)
     if ctx.kv is not None:
         report["kv_cache"] = {"layers": len(ctx.kv.layers), "type": ctx.kv.type, "scales": ctx.kv.scales,

@@ -17,7 +17,9 @@ preset; static: its `FP8` one, with `input_scale`).
 d_in / 2), two E2M1 codes a byte (the first column in the low nibble), `weight_scale` float8_e4m3fn (d_out, d_in /
 16), `weight_global_scale` fp32 (1,), weights `strategy: tensor_group, group_size: 16`, no `input_activations`.
 `mxfp4a16` as `mxfp4-pack-quantized` (its `MXFP4A16`): the same packing, `weight_scale` uint8 E8M0 exponents (d_out,
-d_in / 32), `strategy: group, group_size: 32`.
+d_in / 32), `strategy: group, group_size: 32`. `nvfp4` / `mxfp4` (W4A4, llm-compressor's NVFP4 / MXFP4 presets) add
+the FP4 `input_activations` (NVFP4: `tensor_group` 16, dynamic `local`, each layer's calibrated `input_global_scale`
+fp32 (1,); MXFP4: `group` 32, dynamic).
 
 `w4a8-int8`, `w4a8-fp8` and `w4a4` are written as `int-quantized` too, the format compressed-tensors itself chooses
 for llm-compressor's W4A8, W4AFP8 and W4A4 presets (`infer_module_format`; vLLM's `CompressedTensorsW4A8Int` reads only
@@ -45,7 +47,7 @@ from compress.quantize.activations import ActivationSpec
 # compressed-tensors' format and `weights` arguments of each weight kind (`kind`)
 FORMATS = {"int": "int-quantized", "int4": "int-quantized", "e4m3": "float-quantized",
            "e2m1": "nvfp4-pack-quantized", "mxfp4": "mxfp4-pack-quantized"}
-FP4 = {"e2m1": 16, "mxfp4": 32}  # the E2M1 kinds (weight-only schemes) and their groups
+FP4 = {"e2m1": 16, "mxfp4": 32}  # the E2M1 kinds (NVFP4, MXFP4) and their groups
 WEIGHT_ARGS = {
     "int": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "dynamic": False},
     "int4": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "dynamic": False},  # + group_size
@@ -80,7 +82,7 @@ def check_layer(name: str, qw) -> str | None:
         return None
     return (f"`{name}` is {qw.bits}-bit, group {qw.group_size}, {'sym' if qw.sym else 'asym'}: this export writes "
             "the weights of a `scheme` (w8a8-int8, fp8: 8-bit per-channel symmetric; w4a8-int8, w4a8-fp8, w4a4: "
-            "4-bit grouped symmetric; nvfp4a16, mxfp4a16)")
+            "4-bit grouped symmetric; nvfp4a16, mxfp4a16, nvfp4, mxfp4)")
 
 
 def stored_tensors(qw: QuantizedWeight) -> dict[str, torch.Tensor]:
@@ -148,7 +150,9 @@ def scheme_of(qweights: dict, acts: dict[str, ActivationSpec]) -> str | None:
     k, a = kind(qweights[name]), acts.get(name)
     if k == "int4":
         return "w4a4" if a.bits == 4 else "w4a8-fp8" if a.type == "float" else "w4a8-int8"
-    return {"int": "w8a8-int8", "e4m3": "fp8", "e2m1": "nvfp4a16", "mxfp4": "mxfp4a16"}[k]
+    if k in FP4:
+        return {"e2m1": "nvfp4", "mxfp4": "mxfp4"}[k] + ("" if a is not None else "a16")
+    return {"int": "w8a8-int8", "e4m3": "fp8"}[k]
 
 
 def export_compressed_tensors(model, qweights: dict[str, QuantizedWeight], acts: dict[str, ActivationSpec],
@@ -163,13 +167,17 @@ def export_compressed_tensors(model, qweights: dict[str, QuantizedWeight], acts:
         raise ValueError(f"layers quantized without an activation scheme: {missing[:3]}")
     state = _cast(model.state_dict(), DTYPES[dtype])
     for name, qw in qweights.items():
-        if name in acts and kinds[name] != "int4" and (kinds[name] == "e4m3") != (acts[name].type == "float"):
-            raise ValueError(f"`{name}`: {kinds[name]} weights with {acts[name].type} activations")
+        a = acts.get(name)
+        if a is not None and kinds[name] != "int4" and (a.fp4 != kinds[name] if kinds[name] in FP4 or a.fp4 else
+                                                        (kinds[name] == "e4m3") != (a.type == "float")):
+            raise ValueError(f"`{name}`: {kinds[name]} weights with {a.fp4 or a.type} activations")
         del state[f"{name}.weight"]
         for key, t in stored_tensors(qw).items():  # every scale exact: float32, E4M3 or E8M0 as the format says
             state[f"{name}.{key}"] = t
-        if name in acts and not acts[name].dynamic:  # a static input scale, calibrated (already a value of `dtype`)
-            state[f"{name}.input_scale"] = torch.tensor([acts[name].scale], dtype=DTYPES[dtype])
+        if a is not None and not a.dynamic:  # a static input scale, calibrated (already a value of `dtype`)
+            state[f"{name}.input_scale"] = torch.tensor([a.scale], dtype=DTYPES[dtype])
+        if a is not None and a.fp4 == "e2m1":  # NVFP4's calibrated global input scale, float32 as the weights'
+            state[f"{name}.input_global_scale"] = torch.tensor([a.scale], dtype=torch.float32)
     for name, (k_scale, v_scale) in (kv.layers.items() if kv is not None and kv.scales != "dynamic" else ()):
         state[f"{name}.k_scale"], state[f"{name}.v_scale"] = k_scale.to(DTYPES[dtype]), v_scale.to(DTYPES[dtype])
     weights = {n: weight_args(qw) for n, qw in qweights.items()}

@@ -30,25 +30,48 @@ class ActivationSpec:
     strategy: str = "token"  # one scale per token (a row of the linear's input), or "tensor" (static)
     dynamic: bool = True
     scale: float | None = None  # static: the calibrated scale (None: not calibrated yet)
-    type: str = "int"  # or "float": FP8 E4M3 elements (`scheme: fp8`)
+    type: str = "int"  # or "float": FP8 E4M3 elements (`scheme: fp8`), E2M1 with `fp4`
+    fp4: str | None = None  # E2M1 activations in groups: "e2m1" (NVFP4, 16) or "mxfp4" (MXFP4, 32), floatgrid's names
 
     @property
     def half(self) -> float:
         """Half the grid's range: max |x| / half is the scale that maps max |x| to the grid's edge (int8: 127.5,
-        E4M3: 448, compressed-tensors' `calculate_range`)."""
-        return FP8_MAX if self.type == "float" else (2 ** self.bits - 1) / 2
+        E4M3: 448, E2M1: 6, compressed-tensors' `calculate_range`)."""
+        return 6.0 if self.fp4 else FP8_MAX if self.type == "float" else (2 ** self.bits - 1) / 2
+
+    @property
+    def calibrated(self) -> bool:
+        """Whether a scale is calibrated on the calibration text: static scales, and NVFP4's global scale."""
+        return not self.dynamic or self.fp4 == "e2m1"
 
     def as_compressed_tensors(self) -> dict:
         """The `input_activations` entry of a compressed-tensors `config_groups` group."""
+        if self.fp4 == "e2m1":  # llm-compressor's NVFP4 preset
+            return {"num_bits": 4, "type": "float", "symmetric": True, "strategy": "tensor_group", "group_size": 16,
+                    "dynamic": "local", "observer": "static_minmax", "scale_dtype": "torch.float8_e4m3fn"}
+        if self.fp4 == "mxfp4":  # its MXFP4 preset
+            return {"num_bits": 4, "type": "float", "symmetric": True, "strategy": "group", "group_size": 32,
+                    "dynamic": True, "scale_dtype": "torch.uint8"}
         return {"num_bits": self.bits, "type": self.type, "symmetric": True, "strategy": self.strategy,
                 "dynamic": self.dynamic}
+
+    def describe(self) -> str:
+        if self.fp4:
+            return {"e2m1": "NVFP4 (E2M1 per 16, E4M3 scales under a calibrated global scale)",
+                    "mxfp4": "MXFP4 (E2M1 per 32, power-of-two scales)"}[self.fp4]
+        kind = "fp8 (E4M3)" if self.type == "float" else f"int{self.bits}"
+        return f"{kind} " + ("per tensor, static scales calibrated on the calibration text" if not self.dynamic else
+                             "per token, dynamic")
 
 
 FP8_MAX = 448.0  # E4M3's largest finite value
 SCHEME_ACTIVATIONS = {"w8a8-int8": ActivationSpec(), "fp8": ActivationSpec(type="float"),
                       "w4a8-int8": ActivationSpec(), "w4a8-fp8": ActivationSpec(type="float"),
-                      "w4a4": ActivationSpec(bits=4)}
-STATIC_ACTIVATIONS = {k: replace(v, strategy="tensor", dynamic=False) for k, v in SCHEME_ACTIVATIONS.items()}
+                      "w4a4": ActivationSpec(bits=4),
+                      "nvfp4": ActivationSpec(bits=4, type="float", strategy="tensor_group", fp4="e2m1"),
+                      "mxfp4": ActivationSpec(bits=4, type="float", strategy="group", fp4="mxfp4")}
+STATIC_ACTIVATIONS = {k: replace(v, strategy="tensor", dynamic=False) for k, v in SCHEME_ACTIVATIONS.items()
+                      if v.fp4 is None}
 
 
 def spec_of(scheme: str | None, activations: str = "dynamic") -> ActivationSpec | None:
@@ -62,6 +85,8 @@ def spec_of(scheme: str | None, activations: str = "dynamic") -> ActivationSpec 
 def fake_quant(x: torch.Tensor, spec: ActivationSpec) -> torch.Tensor:
     """`x` quantized and dequantized (module docstring), in x's dtype: per token, or with the static scale (one not
     calibrated yet: max |x| over the whole tensor, as calibration would give on x alone)."""
+    if spec.fp4:
+        return fp4_quant(x, spec)
     half = spec.half
     if spec.dynamic:
         s = x.abs().amax(-1, keepdim=True) / half
@@ -70,6 +95,23 @@ def fake_quant(x: torch.Tensor, spec: ActivationSpec) -> torch.Tensor:
     else:
         s = x.abs().amax() / half
     return round_to(x, s, spec)
+
+
+def fp4_quant(x: torch.Tensor, spec: ActivationSpec) -> torch.Tensor:
+    """`x` on an E2M1 grid per group of its last dimension, dequantized (compressed-tensors' dynamic `tensor_group` /
+    `group` quantization): NVFP4 scales `E4M3(G max|x| / 6) / G` per 16 under the global scale G (`spec.scale`,
+    calibrated; None: x's own `448 * 6 / max|x|`), MXFP4 power-of-two scales per 32 (compress/quantize/floatgrid.py,
+    the weights' rounding, on the rows of x)."""
+    from compress.quantize import floatgrid
+
+    rows = x.reshape(-1, x.shape[-1]).float()
+    g = floatgrid.FORMATS[spec.fp4].group
+    gscale = None
+    if spec.fp4 == "e2m1":
+        gscale = spec.scale if spec.scale is not None else floatgrid.global_scale(rows)
+    s = floatgrid.per_column(floatgrid.scales(rows, g, spec.fp4, gscale), rows.shape[1], g)
+    q = floatgrid.decode(floatgrid.encode(rows / s, spec.fp4), spec.fp4) * s
+    return q.reshape(x.shape).to(x.dtype)
 
 
 def round_to(x: torch.Tensor, s: torch.Tensor, spec: ActivationSpec) -> torch.Tensor:
@@ -111,7 +153,7 @@ def calibrate(model: nn.Module, layers: dict[str, ActivationSpec], tokens: torch
     """`layers` with every static spec's scale calibrated: max |x| / half (127.5; E4M3: 448) at the layer's input
     over `tokens` (batches of windows through `model`, its activations in full precision), rounded to `dtype` (the stored
     input_scale's). Dynamic specs are returned as they are."""
-    static = [n for n, s in layers.items() if not s.dynamic]
+    static = [n for n, s in layers.items() if s.calibrated]
     top = dict.fromkeys(static, 0.0)
     handles = []
     try:
@@ -125,6 +167,57 @@ def calibrate(model: nn.Module, layers: dict[str, ActivationSpec], tokens: torch
             h.remove()
     out = dict(layers)
     for name in static:
+        if layers[name].fp4 == "e2m1":  # NVFP4's global input scale, 448 * 6 / max|x|, stored in float32
+            out[name] = replace(layers[name], scale=floatgrid_global(top[name]))
+            continue
         s = torch.tensor(max(top[name], 1e-30) / layers[name].half, dtype=torch.float32).to(dtype).float().item()
         out[name] = replace(layers[name], scale=s)
     return out
+
+
+def floatgrid_global(top: float) -> float:
+    """NVFP4's global scale of a tensor whose max |x| is `top` (floatgrid.global_scale's arithmetic)."""
+    from compress.quantize import floatgrid
+
+    return floatgrid.global_scale(torch.tensor([top], dtype=torch.float32))
+
+
+def fp4_from_checkpoint(model: nn.Module, directory) -> int:
+    """`model`, transformers' dequantized load (`dequantize=True`: the library's lazy decompression is bfloat16 only)
+    of an FP4 compressed-tensors checkpoint in `directory`, made to compute what the run evaluated: each FP4 layer's
+    exact stored weights (decoded here; the library's are bf16-rounded) and, for `scheme: nvfp4` / `mxfp4`, the
+    activation quantization the load dropped (compressed-tensors' arithmetic in float32 with the stored
+    `input_global_scale`, forward pre-hooks that stay). Returns the number of layers whose inputs it hooks."""
+    import json
+    from pathlib import Path
+
+    from compress.export.hf import load_tensors
+
+    qc = json.loads((Path(directory) / "config.json").read_text()).get("quantization_config") or {}
+    groups = [g for g in (qc.get("config_groups") or {}).values()
+              if g.get("format") in ("nvfp4-pack-quantized", "mxfp4-pack-quantized")]
+    if not groups:
+        return 0
+    from compress.quantize import floatgrid
+
+    tensors = load_tensors(Path(directory))
+    n = 0
+    for g in groups:
+        spec = SCHEME_ACTIVATIONS["nvfp4" if g["format"] == "nvfp4-pack-quantized" else "mxfp4"]
+        acts = g.get("input_activations") is not None
+        for name in g["targets"]:  # the exact weights (the library's are bf16-rounded), then the input's rounding
+            packed = tensors[f"{name}.weight_packed"]
+            codes = torch.stack([packed & 15, packed >> 4], -1).reshape(packed.shape[0], -1)
+            scale = tensors[f"{name}.weight_scale"].float()
+            scale = (scale / tensors[f"{name}.weight_global_scale"].float() if spec.fp4 == "e2m1" else
+                     torch.exp2(scale - 127))
+            lin = model.get_submodule(name)
+            w = floatgrid.decode(codes, spec.fp4) * floatgrid.per_column(scale, codes.shape[1], floatgrid.FORMATS[
+                spec.fp4].group)
+            lin.weight.data = w[:, :lin.in_features].to(lin.weight.dtype)
+            if not acts:
+                continue
+            s = spec if spec.fp4 != "e2m1" else replace(spec, scale=float(tensors[f"{name}.input_global_scale"]))
+            lin.register_forward_pre_hook(lambda _m, args, s=s: (fake_quant(args[0], s), *args[1:]))
+            n += 1
+    return n

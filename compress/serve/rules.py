@@ -40,11 +40,13 @@ A weight-and-activation scheme (`scheme: w8a8-int8` / `fp8`) is written only as 
 * vllm (CUDA): W8A8 INT8 through CUTLASS scaled_mm from Turing (SM 7.5) on; FP8 W8A8 from Ada (SM 8.9), and on
   Turing / Ampere as weight-only FP8 Marlin (W8A16: activations not quantized there, so not the run's arithmetic);
   NVFP4 and MXFP4 weights (`CompressedTensorsW4A16Fp4`, `CompressedTensorsW4A16Mxfp4`, chosen in
-  `CompressedTensorsConfig._get_scheme_from_parts` for weight-only FP4).
+  `CompressedTensorsConfig._get_scheme_from_parts` for weight-only FP4); NVFP4 / MXFP4 W4A4 (`nvfp4`, `mxfp4`:
+  `CompressedTensorsW4A4Fp4`, `CompressedTensorsW4A4Mxfp4`, FP4 activations on Blackwell; read, not run).
 * sglang: compressed-tensors W8A8 INT8 and FP8 on CUDA; NVFP4 only as W4A4 on Blackwell.
 * tgi: quant_method gptq or awq only: no compressed-tensors.
 * transformers (verified): the `compressed-tensors` library decompresses the weights and quantizes the activations as
-  the run evaluated them (tests/export/test_compressed_tensors.py).
+  the run evaluated them (tests/export/test_compressed_tensors.py); FP4 checkpoints compute in bfloat16 only (the
+  library's decompression), FP4 activation scales then computed in bfloat16 too (docs/formats.md#fp4-activations).
 
 `w4a8-int8`, `w4a8-fp8` and `w4a4` (int4 weights in `int-quantized`, the layout compressed-tensors chooses for them)
 run in transformers only. vLLM's source (read, not run): `CompressedTensorsW4A8Int` takes this layout, on CPU through
@@ -186,8 +188,9 @@ def vllm_cpu(ckpt: Checkpoint) -> list[Problem]:
         return _w4("vLLM's CPU build")
     if ckpt.kv is not None:  # its CPU attention: FP8 KV on x86 with AVX-512 or AMX (docs/serving.md#kv-cache)
         return _kv(ckpt, "vLLM's CPU build", per_head=False) + vllm_cpu(replace(ckpt, kv=None))
-    if ckpt.scheme in ("fp8", "nvfp4a16", "mxfp4a16"):
-        what = {"fp8": "FP8 W8A8", "nvfp4a16": "NVFP4", "mxfp4a16": "MXFP4"}[ckpt.scheme]
+    if ckpt.scheme in ("fp8", "nvfp4a16", "mxfp4a16", "nvfp4", "mxfp4"):
+        what = {"fp8": "FP8 W8A8", "nvfp4a16": "NVFP4", "mxfp4a16": "MXFP4", "nvfp4": "NVFP4",
+                "mxfp4": "MXFP4"}[ckpt.scheme]
         return [Problem(f"{what} has no kernel in vLLM's CPU build (CUDA GPUs)", "scheme: w8a8-int8")]
     if ckpt.scheme:
         return _scheme_dtype(ckpt)
@@ -224,6 +227,8 @@ def sglang(ckpt: Checkpoint) -> list[Problem]:
     if ckpt.scheme in ("nvfp4a16", "mxfp4a16"):
         return [Problem("SGLang's compressed-tensors schemes have FP4 as W4A4 only (Blackwell), not weight-only",
                         "scheme: fp8")]
+    if ckpt.scheme == "mxfp4":
+        return [Problem("SGLang's compressed-tensors FP4 W4A4 is NVFP4 (not checked for MXFP4)", "scheme: nvfp4")]
     if ckpt.scheme in W4:
         return _w4("SGLang")
     if ckpt.scheme:

@@ -479,3 +479,89 @@ def _served_as_evaluated(a, b, plain, ct, report):
     assert rc == 0, err
     ev, run = json.loads(stdout)["botchan-eval.txt"], report["eval"]["botchan-eval.txt"]
     assert ev["kl"] == pytest.approx(run["kl"], rel=1e-3, abs=1e-6) and ev["top1"] == pytest.approx(run["top1"])
+
+
+@pytest.mark.parametrize("scheme", ["nvfp4", "mxfp4"])
+def test_fp4_activations_are_compressed_tensors_arithmetic(scheme):
+    """`nvfp4` / `mxfp4` activations (E2M1 per 16 under a global scale / per 32 with power-of-two scales): compress's
+    fake quantization equals compressed-tensors' `forward_quantize` with the preset's `input_activations` bit for
+    bit in float32, an outlier group included."""
+    from dataclasses import replace
+
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationStatus
+    from compressed_tensors.quantization.lifecycle.forward import forward_quantize
+
+    from compress.quantize.activations import SCHEME_ACTIVATIONS, fake_quant
+
+    x = torch.randn(3, 5, 96, generator=torch.Generator().manual_seed(0)) * 3
+    x[0, 1, 7] = 40.0
+    spec = SCHEME_ACTIVATIONS[scheme]
+    module = torch.nn.Module()
+    module.quantization_status = QuantizationStatus.FROZEN
+    if scheme == "nvfp4":
+        g = 448 * 6 / float(x.abs().amax()) / 2  # a calibrated global scale from a wider range than x's
+        module.input_global_scale = torch.nn.Parameter(torch.tensor([g]), requires_grad=False)
+        spec = replace(spec, scale=g)
+    theirs = forward_quantize(module, x, "input", QuantizationArgs(**spec.as_compressed_tensors()))
+    assert torch.equal(fake_quant(x, spec), theirs)
+    assert not torch.equal(theirs, x)
+
+
+@pytest.mark.parametrize("scheme", ["nvfp4", "mxfp4"])
+def test_fp4_w4a4_export_is_served_as_evaluated(tmp_path, scheme):
+    """`scheme: nvfp4` / `mxfp4` (llm-compressor's NVFP4 / MXFP4 presets, W4A4): the export carries the FP4
+    `input_activations` (NVFP4: each layer's calibrated `input_global_scale`, 448 * 6 / max |x| over the calibration
+    text, equal for the layers reading one input); `compress eval` of it gives the run's KL exactly (its reading: the
+    exact weights, compressed-tensors' activation arithmetic in float32); transformers loads it (in bfloat16, the
+    library's only decompression) and quantizes the activations: on real text its KL to the FP model is compress's
+    (to 20%: bf16 scales round other elements), well above the weights' alone. `activations: static` is refused."""
+    from transformers import AutoModelForCausalLM
+
+    from compress.quantize.activations import fp4_from_checkpoint
+
+    out = tmp_path / "out"
+    rc, stdout, err = invoke("run", recipe(tmp_path, "rtn", f"scheme: {scheme}"), "-o", out, "--json")
+    assert rc == 0, err
+    report = json.loads(stdout)
+    serving = report["serving"]  # vLLM CUDA (Blackwell) runs FP4 W4A4 in half precision, its CPU build has no kernel
+    assert report["activations"]["layers"] == 28 and all("dtype" in p for p in serving["vllm"])
+    assert any("no CPU kernel" in p or "CPU build" in p for p in serving["vllm-cpu"]), serving["vllm-cpu"]
+    ct = out / "compressed-tensors"
+    group = json.loads((ct / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"]
+    a = group["input_activations"]
+    assert (a["strategy"], a["group_size"], a["dynamic"]) == (("tensor_group", 16, "local") if scheme == "nvfp4"
+                                                             else ("group", 32, True))
+    if scheme == "nvfp4":
+        from compress.export.hf import load_tensors
+
+        t = load_tensors(ct)
+        gs = [float(t[f"model.layers.0.self_attn.{p}_proj.input_global_scale"]) for p in "qkv"]
+        assert gs[0] == gs[1] == gs[2] > 0 and float(t["model.layers.0.self_attn.o_proj.input_global_scale"]) != gs[0]
+    rc, stdout, err = invoke("eval", ct, "--reference", MODEL, "--data", "bundled:botchan-eval", "--max-tokens",
+                             "1024", "--gen-prompts", "0", "--json")
+    assert rc == 0, err
+    assert json.loads(stdout)["botchan-eval.txt"]["kl"] == pytest.approx(report["eval"]["botchan-eval.txt"]["kl"],
+                                                                          rel=1e-5)
+
+    from transformers import AutoTokenizer
+    from transformers.utils.quantization_config import CompressedTensorsConfig
+
+    from compress import data as bundled
+    from compress.eval.data import read_text, token_stream
+
+    ids = token_stream(AutoTokenizer.from_pretrained(MODEL), read_text(bundled.resolve("bundled:botchan-eval")))
+    ids = ids[:256].reshape(2, 128)
+    ours = torch.nn.Module.float(AutoModelForCausalLM.from_pretrained(
+        ct, dtype=torch.float32, quantization_config=CompressedTensorsConfig(dequantize=True))).eval()
+    with torch.no_grad():
+        fp = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32).eval()(ids).logits.log_softmax(-1)
+        plain = ours(ids).logits.log_softmax(-1)  # weights only: the dequantized load drops the activations' rounding
+        assert fp4_from_checkpoint(ours, ct) == 28
+        evaluated = ours(ids).logits.log_softmax(-1)
+        theirs = AutoModelForCausalLM.from_pretrained(ct, dtype=torch.bfloat16).eval()(ids).logits.float()
+    kl = {k: float((fp.exp() * (fp - v)).sum(-1).mean()) for k, v in
+          (("plain", plain), ("evaluated", evaluated), ("theirs", theirs.log_softmax(-1)))}
+    # transformers' bf16 arithmetic rounds other elements (its FP4 scales are computed in bf16): the same loss
+    assert kl["theirs"] == pytest.approx(kl["evaluated"], rel=0.2) and kl["theirs"] > 1.5 * kl["plain"], kl
+    rc, _, err = invoke("run", recipe(tmp_path, "rtn", f"scheme: {scheme}, activations: static"), "--dry-run")
+    assert rc == 1 and "remove `activations: static`" in err, err
