@@ -114,7 +114,7 @@ class QuantizeConfig(StrictModel):
                           "int4 activations per token (docs/formats.md#w4a8-and-w4a4); `nvfp4` / `mxfp4`: "
                           "`nvfp4a16` / `mxfp4a16`'s weights with FP4 activations too (E2M1 per group of 16 with "
                           "E4M3 scales under a calibrated per-layer global scale / per 32 with power-of-two scales; "
-                          "docs/formats.md#fp4-activations-nvfp4-mxfp4); "
+                          "docs/formats.md#fp4-activations-scheme-nvfp4-mxfp4); "
                           "the evaluation computes with them, and only the `compressed-tensors` export carries them")
 
     activations: Literal["dynamic", "static"] = Field(

@@ -46,7 +46,7 @@ A weight-and-activation scheme (`scheme: w8a8-int8` / `fp8`) is written only as 
 * tgi: quant_method gptq or awq only: no compressed-tensors.
 * transformers (verified): the `compressed-tensors` library decompresses the weights and quantizes the activations as
   the run evaluated them (tests/export/test_compressed_tensors.py); FP4 checkpoints compute in bfloat16 only (the
-  library's decompression), FP4 activation scales then computed in bfloat16 too (docs/formats.md#fp4-activations).
+  library's decompression), FP4 activation scales then in bfloat16 too (formats.md#fp4-activations-scheme-nvfp4-mxfp4).
 
 `w4a8-int8`, `w4a8-fp8` and `w4a4` (int4 weights in `int-quantized`, the layout compressed-tensors chooses for them)
 run in transformers only. vLLM's source (read, not run): `CompressedTensorsW4A8Int` takes this layout, on CPU through
