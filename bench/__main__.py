@@ -256,7 +256,7 @@ def bench_peers(
     build_env: Optional[List[str]] = typer.Option(None, "--build-env", help="first build (or reuse) a peer's own "
                                                   "environment: llmcompressor (repeatable)"),
     scheme: Optional[str] = typer.Option(None, "--scheme", help="a weight-and-activation scheme instead of a weight "
-                                         "setting: w8a8-int8, fp8, nvfp4a16, mxfp4a16, w4a8-int8, w4a8-fp8, w4a4 "
+                                         "setting: w8a8-int8, fp8, nvfp4a16, mxfp4a16, nvfp4, mxfp4, w4a8-int8, w4a8-fp8, w4a4 "
                                          "(cells rtn, gptq, sq+gptq, sq+rtn, sq0.8+rtn, walsh+gptq, llmc-gptq, "
                                          "llmc-sq+gptq; "
                                          "checkpoints scored as served, through transformers + compressed-tensors)"),
