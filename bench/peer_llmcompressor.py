@@ -12,7 +12,8 @@ JOB.json: {"model", "windows" (a .pt of an (N, L) LongTensor), "out", "method" (
 FP8_DYNAMIC / NVFP4A16 preset,
 GPTQ weights ("gptq"), with "sq+gptq" after `SmoothQuantModifier(smoothing_strength=0.8)` as its
 examples/quantization_w8a8_int8 does, or its observer's rounding alone ("rtn": `QuantizationModifier`, as its
-examples/quantization_w8a8_fp8 does))}.
+examples/quantization_w8a8_fp8 does)), "kv_cache" (null, or compress's TYPE[:SCALES]: its `kv_cache_scheme`, static
+per tensor or per head)}.
 Writes out/compressed/ (the checkpoint), out/result.json and, weight-only, out/dequantized.safetensors (a scheme's
 checkpoint is scored as served: bench/peers.py loads it with transformers + compressed-tensors).
 """
@@ -103,7 +104,16 @@ def main(job_path: str) -> None:
             raise SystemExit(f"method {job['method']!r} has no {preset} recipe here")
         recipe = [SmoothQuantModifier(smoothing_strength=0.8)] if job["method"] == "sq+gptq" else []
         modifier = QuantizationModifier if job["method"] == "rtn" else GPTQModifier
-        recipe.append(modifier(targets="Linear", scheme=preset, ignore=["lm_head"]))
+        kv = {}
+        if job.get("kv_cache"):  # its kv_cache_scheme: TYPE[:SCALES] as compress's `kv_cache` / `kv_scales`
+            typ, _, scales = job["kv_cache"].partition(":")
+            strategy = {"": "tensor", "tensor": "tensor", "head": "attn_head"}.get(scales)
+            if strategy is None:
+                raise SystemExit(f"--kv-cache {job['kv_cache']}: llm-compressor calibrates static KV scales only")
+            kv = {"kv_cache_scheme": QuantizationArgs(num_bits=8 if typ in ("fp8", "int8") else 4,
+                                                      type="float" if typ == "fp8" else "int", symmetric=True,
+                                                      strategy=strategy, dynamic=False)}
+        recipe.append(modifier(targets="Linear", scheme=preset, ignore=["lm_head"], **kv))
     else:  # W4A16-style: integer weights in groups, activations untouched, every Linear but the LM head
         scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(
             num_bits=job["bits"], type="int", symmetric=job["sym"], strategy="group", group_size=job["group_size"]))

@@ -440,7 +440,8 @@ def llmc_cell(method: str, path: str, s: dict, seed: int, calib, linears: dict, 
     work.mkdir(parents=True, exist_ok=True)
     torch.save(calib, work / "windows.pt")
     job = {"model": path, "windows": str(work / "windows.pt"), "out": str(work / "out"), "method": method,
-           "bits": s["bits"], "group_size": s["group_size"], "sym": s["sym"], "scheme": s.get("scheme")}
+           "bits": s["bits"], "group_size": s["group_size"], "sym": s["sym"], "scheme": s.get("scheme"),
+           "kv_cache": s.get("kv_cache")}
     (work / "job.json").write_text(json.dumps(job))
     script = Path(__file__).with_name("peer_llmcompressor.py")
     try:
@@ -660,8 +661,9 @@ def run_peers(model: str, bits: int, group: int, sym: bool, *, nsamples: int = 1
                 entry.update(status="not available", reason=f"a weight-only cell; --scheme {scheme} quantizes "
                                                             "activations too")
                 continue
-            if kv_cache and tool != "compress":
-                entry.update(status="not available", reason=f"--kv-cache {kv_cache} is set on compress's cells only")
+            if kv_cache and tool not in ("compress", "llm-compressor"):
+                entry.update(status="not available", reason=f"--kv-cache {kv_cache}: compress's and llm-compressor's "
+                                                            "cells only")
                 continue
             if not scheme and cell in NEEDS_SCHEME:
                 entry.update(status="not available", reason="SmoothQuant smooths for quantized activations: give "
