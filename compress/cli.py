@@ -152,7 +152,12 @@ def _print_plan(p: dict) -> None:
         last = s["config"].get("final_block", "same")
         tail = f"; last block: `final_block: {last}`" if last != "same" else ""
         if s["stage"] == "quantize":
-            typer.echo(f"  {s['key']}: {s['layers']} layers{tail}")
+            c = s["config"]
+            fmt = "".join([f", scheme {c['scheme']}" if c.get("scheme") else "",
+                           f" ({c['activations']} activations)" if c.get("activations") == "static" else "",
+                           f", KV cache {c['kv_cache']} ({c.get('kv_scales', 'tensor')} scales)"
+                           if c.get("kv_cache") else ""])
+            typer.echo(f"  {s['key']}: {s['layers']} layers{fmt}{tail}")
             adapted = s.get("adapted_groups") or {}
             if adapted:
                 typer.echo(f"    group_size adapted to {len(adapted)} layers it does not fit (-1 = per-channel):")

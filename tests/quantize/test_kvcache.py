@@ -75,6 +75,9 @@ def test_kv_cache_fields_are_validated(tmp_path):
     serving = json.loads(out)["serving"]
     assert serving["vllm"] == [] and serving["vllm-cpu"], serving  # W8A8 FP8: vLLM's CPU build has no kernel
     rc, out, err = invoke("run", recipe(tmp_path, "scheme: w8a8-int8, kv_cache: int8", fmt="compressed-tensors"),
+                          "--dry-run")
+    assert rc == 0 and "layers, scheme w8a8-int8, KV cache int8 (tensor scales)" in out, out + err
+    rc, out, err = invoke("run", recipe(tmp_path, "scheme: w8a8-int8, kv_cache: int8", fmt="compressed-tensors"),
                           "--dry-run", "--json")
     assert rc == 0, err
     serving = json.loads(out)["serving"]
