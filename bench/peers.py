@@ -39,7 +39,11 @@ with fp8 its FP8_DYNAMIC preset, and llmc-rtn its examples/quantization_w8a8_fp8
 NVFP4A16 preset the same ways (its examples/quantization_w4a16_fp4). NVFP4 checkpoints are scored as `compress eval`
 loads them: dequantized at load by compressed-tensors (bf16-rounded weights), the same path for every tool.
 Every checkpoint is scored as served: loaded by transformers through compressed-tensors (quantized activations
-included) and evaluated by compress's evaluator; bytes: weight + weight_scale.
+included) and evaluated by compress's evaluator; bytes: weight + weight_scale. `--scheme nvfp4` / `mxfp4` are the
+W4A4 FP4 presets (FP4 activations: `compress eval` reads them as evaluated, docs/formats.md). `--kv-cache
+TYPE[:SCALES]` also quantizes the KV cache (docs/formats.md#quantized-kv-cache): compress's cells with `kv_cache` /
+`kv_scales`, llm-compressor's with its `kv_cache_scheme` (static scales only); W4A4KV4 is `--scheme w4a4 --kv-cache
+int4:dynamic`.
 
 A cell that cannot run (a tool missing, a stage not written yet, a mode the tool lacks) is a row with the reason.
 Data-free cells (rtn, rtn-opt) run once; the others run once per `--seeds` seed (the windows' seed; auto-round's
