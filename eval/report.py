@@ -43,6 +43,11 @@ def render_markdown(report: dict) -> str:
                        ["source", "format", "conversations", "tokens", "windows", "calibration_tokens"]))
     sections = registry.sections()
     out += [_section(s, report[k]) for k, s in sections.items() if s.place == "stages" and report.get(k)]
+    served = [f"- {what}: {report[k]['as']} ({report[k]['layers']} {unit})" for k, what, unit in
+              (("activations", "activations", "linear layers"), ("kv_cache", "KV cache", "attention layers"))
+              if report.get(k)]
+    if served:  # a scheme's quantized activations and KV cache: the evaluation below computes with them
+        out.append("\n## Served arithmetic (the evaluation computes with it)\n\n" + "\n".join(served) + "\n")
     ev = report.get("eval") or {}
     if ev:
         rows = [{"dataset": k, **v} for k, v in ev.items()]

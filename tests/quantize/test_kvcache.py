@@ -100,6 +100,7 @@ def test_the_run_evaluates_exports_and_reads_back_its_kv_cache(tmp_path, typ, sc
     assert rc == 0, err
     report = json.loads(stdout)
     assert report["kv_cache"]["layers"] == 4 and report["kv_cache"]["type"] == typ
+    assert f"- KV cache: {typ} keys (after RoPE)" in (out / "report.md").read_text()
     assert "does not hook" in report["serving"]["transformers"][0]  # transformers 5.2x: compressed-tensors skips it
     export = out / "compressed-tensors"
     scheme = json.loads((export / "config.json").read_text())["quantization_config"]["kv_cache_scheme"]
