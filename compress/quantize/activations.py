@@ -205,7 +205,8 @@ def fp4_from_checkpoint(model: nn.Module, directory) -> int:
     for g in groups:
         spec = SCHEME_ACTIVATIONS["nvfp4" if g["format"] == "nvfp4-pack-quantized" else "mxfp4"]
         acts = g.get("input_activations") is not None
-        for name in g["targets"]:  # the exact weights (the library's are bf16-rounded), then the input's rounding
+        for name in _targets(g["targets"], tensors):  # the exact weights (the library's are bf16-rounded), then the
+            # input's rounding
             packed = tensors[f"{name}.weight_packed"]
             codes = torch.stack([packed & 15, packed >> 4], -1).reshape(packed.shape[0], -1)
             scale = tensors[f"{name}.weight_scale"].float()
@@ -221,3 +222,13 @@ def fp4_from_checkpoint(model: nn.Module, directory) -> int:
             lin.register_forward_pre_hook(lambda _m, args, s=s: (fake_quant(args[0], s), *args[1:]))
             n += 1
     return n
+
+
+def _targets(targets: list[str], tensors: dict) -> list[str]:
+    """The packed layers a compressed-tensors config group targets: layer names (compress's exports), a module class
+    (`Linear`: llm-compressor's) or `re:` patterns, among the layers the checkpoint stores packed."""
+    import re
+
+    packed = [k.removesuffix(".weight_packed") for k in tensors if k.endswith(".weight_packed")]
+    return [n for n in packed if any(t == n or t == "Linear" or (t.startswith("re:") and re.match(t[3:], n))
+                                     for t in targets)]

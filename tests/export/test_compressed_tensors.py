@@ -565,3 +565,14 @@ def test_fp4_w4a4_export_is_served_as_evaluated(tmp_path, scheme):
     assert kl["theirs"] == pytest.approx(kl["evaluated"], rel=0.2) and kl["theirs"] > 1.5 * kl["plain"], kl
     rc, _, err = invoke("run", recipe(tmp_path, "rtn", f"scheme: {scheme}, activations: static"), "--dry-run")
     assert rc == 1 and "remove `activations: static`" in err, err
+
+
+def test_fp4_reading_resolves_llm_compressor_targets():
+    """llm-compressor's config groups target the module class (`Linear`) or `re:` patterns, compress's name the
+    layers: each resolves to the packed layers the checkpoint stores (the LM head, ignored, has none)."""
+    from compress.quantize.activations import _targets
+
+    tensors = dict.fromkeys(["a.q_proj.weight_packed", "a.o_proj.weight_packed", "lm_head.weight", "a.q_proj.x"])
+    assert _targets(["Linear"], tensors) == ["a.q_proj", "a.o_proj"]
+    assert _targets(["re:.*q_proj$"], tensors) == ["a.q_proj"]
+    assert _targets(["a.o_proj"], tensors) == ["a.o_proj"]
