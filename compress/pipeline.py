@@ -126,10 +126,15 @@ def _activations(ctx, binding: Binding, qweights: list, timings: list) -> dict:
     acts = scheme_layers(binding.stages, qweights)
     if not any(s.calibrated for s in acts.values()):
         return acts
-    dtype = next((b.cfg.dtype for b in binding.exports if b.cfg.format == "compressed-tensors"), "float32")
     log.info("activations: calibrating %d input scales on the calibration text", len(acts))
     with _timed(timings, "calibrate", "activations"):
-        return calibrate(ctx.model, acts, ctx.calibration_tokens(), getattr(torch, dtype or "float32"))
+        return calibrate(ctx.model, acts, ctx.calibration_tokens(), _scale_dtype(binding))
+
+
+def _scale_dtype(binding: Binding) -> torch.dtype:
+    """The dtype the compressed-tensors export stores calibrated scales in (float32 without that export)."""
+    dtype = next((b.cfg.dtype for b in binding.exports if b.cfg.format == "compressed-tensors"), None)
+    return getattr(torch, dtype or "float32")
 
 
 def _kv_cache(ctx, binding: Binding, timings: list):
@@ -144,11 +149,10 @@ def _kv_cache(ctx, binding: Binding, timings: list):
                          dict.fromkeys(kvcache.attention_modules(ctx.adapter), (None, None)))
     if cfg.kv_scales == "dynamic":
         return kv
-    dtype = next((b.cfg.dtype for b in binding.exports if b.cfg.format == "compressed-tensors"), "float32")
     log.info("kv cache: calibrating the %s scales of %d attention layers on the calibration text", cfg.kv_cache,
              len(kv.layers))
     with _timed(timings, "calibrate", "kv_cache"), quantized_inputs(ctx.model, ctx.activations):
-        return kvcache.calibrate(ctx.model, kv, ctx.calibration_tokens(), getattr(torch, dtype or "float32"))
+        return kvcache.calibrate(ctx.model, kv, ctx.calibration_tokens(), _scale_dtype(binding))
 
 
 def _hash(obj) -> str:

@@ -23,6 +23,8 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
+from compress.quantize import floatgrid
+
 
 @dataclass(frozen=True)
 class ActivationSpec:
@@ -102,8 +104,6 @@ def fp4_quant(x: torch.Tensor, spec: ActivationSpec) -> torch.Tensor:
     `group` quantization): NVFP4 scales `E4M3(G max|x| / 6) / G` per 16 under the global scale G (`spec.scale`,
     calibrated; None: x's own `448 * 6 / max|x|`), MXFP4 power-of-two scales per 32 (compress/quantize/floatgrid.py,
     the weights' rounding, on the rows of x)."""
-    from compress.quantize import floatgrid
-
     rows = x.reshape(-1, x.shape[-1]).float()
     g = floatgrid.FORMATS[spec.fp4].group
     gscale = None
@@ -168,18 +168,11 @@ def calibrate(model: nn.Module, layers: dict[str, ActivationSpec], tokens: torch
     out = dict(layers)
     for name in static:
         if layers[name].fp4 == "e2m1":  # NVFP4's global input scale, 448 * 6 / max|x|, stored in float32
-            out[name] = replace(layers[name], scale=floatgrid_global(top[name]))
+            out[name] = replace(layers[name], scale=floatgrid.global_scale(torch.tensor([top[name]])))
             continue
         s = torch.tensor(max(top[name], 1e-30) / layers[name].half, dtype=torch.float32).to(dtype).float().item()
         out[name] = replace(layers[name], scale=s)
     return out
-
-
-def floatgrid_global(top: float) -> float:
-    """NVFP4's global scale of a tensor whose max |x| is `top` (floatgrid.global_scale's arithmetic)."""
-    from compress.quantize import floatgrid
-
-    return floatgrid.global_scale(torch.tensor([top], dtype=torch.float32))
 
 
 def fp4_from_checkpoint(model: nn.Module, directory) -> int:
@@ -198,8 +191,6 @@ def fp4_from_checkpoint(model: nn.Module, directory) -> int:
               if g.get("format") in ("nvfp4-pack-quantized", "mxfp4-pack-quantized")]
     if not groups:
         return 0
-    from compress.quantize import floatgrid
-
     tensors = load_tensors(Path(directory))
     n = 0
     for g in groups:
