@@ -185,9 +185,9 @@ def from_checkpoint(model: nn.Module, directory) -> str | None:
             (scales == "dynamic") != bool(scheme.get("dynamic")):
         raise ValueError(f"kv_cache_scheme {scheme} is not one compress computes")
     tensors = load_tensors(Path(directory)) if scales != "dynamic" else {}
-    kv = KVCache(typ, scales, int(scheme.get("group_size") or 0),
-                 {n: (tensors.get(f"{n}.k_scale"), tensors.get(f"{n}.v_scale")) for n in names})
-    kv.layers = {n: tuple(None if t is None else t.float() for t in p) for n, p in kv.layers.items()}
+    stored = {n: tuple(None if (t := tensors.get(f"{n}.{p}_scale")) is None else t.float() for p in "kv")
+              for n in names}
+    kv = KVCache(typ, scales, int(scheme.get("group_size") or 0), stored)
     attach(model, names, _quant(kv))
     return "compress"
 
