@@ -97,7 +97,8 @@ def main(job_path: str) -> None:
     n, seqlen = windows.shape
     ds = Dataset.from_dict({"input_ids": windows.tolist(), "attention_mask": torch.ones_like(windows).tolist()})
     if job.get("scheme"):  # a weight-and-activation preset (llm-compressor's examples/quantization_w8a8_int8, _fp8)
-        preset = {"w8a8-int8": "W8A8", "fp8": "FP8_DYNAMIC", "nvfp4a16": "NVFP4A16", "mxfp4a16": "MXFP4A16",
+        preset = {"w8a8-int8": "W8A8", "fp8": "FP8_DYNAMIC", "fp8-block": "FP8_BLOCK",
+                  "nvfp4a16": "NVFP4A16", "mxfp4a16": "MXFP4A16",
                   "w4a8-int8": "W4A8", "w4a8-fp8": "W4AFP8", "w4a4": "W4A4", "nvfp4": "NVFP4",
                   "mxfp4": "MXFP4"}[job["scheme"]]
         if job["method"] not in ("gptq", "sq+gptq", "rtn"):

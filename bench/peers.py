@@ -142,7 +142,8 @@ LLMC_METHODS = {"llmc-gptq": "gptq", "llmc-awq": "awq+rtn", "llmc-sq+gptq": "sq+
 SCHEME_CELLS = {"rtn", "gptq", "gptq-ao", "autoround", "walsh+gptq", "walsh+rtn", "infoquant+gptq", "infoquant+rtn",
                 "walsh+sq+gptq", "infoquant+sq+gptq",
                 "sq+gptq", "sq+rtn", "sq0.8+rtn", "llmc-rtn", "llmc-gptq", "llmc-sq+gptq"}
-LLMC_PRESETS = {"w8a8-int8": "W8A8", "fp8": "FP8_DYNAMIC", "nvfp4a16": "NVFP4A16", "mxfp4a16": "MXFP4A16",
+LLMC_PRESETS = {"w8a8-int8": "W8A8", "fp8": "FP8_DYNAMIC", "fp8-block": "FP8_BLOCK",
+                "nvfp4a16": "NVFP4A16", "mxfp4a16": "MXFP4A16",
                 "w4a8-int8": "W4A8", "w4a8-fp8": "W4AFP8", "w4a4": "W4A4", "nvfp4": "NVFP4",
                 "mxfp4": "MXFP4"}  # llm-compressor's preset of each scheme
 NEEDS_SCHEME = {"sq+gptq", "sq+rtn", "sq0.8+rtn", "walsh+sq+gptq", "infoquant+sq+gptq", "llmc-rtn", "llmc-sq+gptq"}

@@ -67,13 +67,16 @@ FINAL_BLOCK_HELP = ("objective of the last decoder block: `same` (the method's o
 
 # the weight grid each scheme fixes; FLOAT_SCHEMES: the float element format of a scheme's weights (floatgrid.py)
 SCHEMES = {"w8a8-int8": {"bits": 8, "group_size": -1, "sym": True}, "fp8": {"bits": 8, "group_size": -1, "sym": True},
+           "fp8-block": {"bits": 8, "group_size": 128, "sym": True},
            **{k: {"bits": 4, "group_size": 16, "sym": True} for k in ("nvfp4a16", "nvfp4")},
            **{k: {"bits": 4, "group_size": 32, "sym": True} for k in ("mxfp4a16", "mxfp4")},
            **{k: {"bits": 4, "group_size": 128, "sym": True} for k in ("w4a8-int8", "w4a8-fp8", "w4a4")}}
-FLOAT_SCHEMES = {"fp8": "e4m3", "nvfp4a16": "e2m1", "mxfp4a16": "mxfp4", "nvfp4": "e2m1", "mxfp4": "mxfp4"}
-DYNAMIC_ONLY = ("nvfp4", "mxfp4")  # FP4 activations: scales per group of 16 / 32 computed at run time
+FLOAT_SCHEMES = {"fp8": "e4m3", "fp8-block": "e4m3-block", "nvfp4a16": "e2m1", "mxfp4a16": "mxfp4", "nvfp4": "e2m1",
+                 "mxfp4": "mxfp4"}
+DYNAMIC_ONLY = ("nvfp4", "mxfp4", "fp8-block")  # activations scaled per group (16, 32, 128) at run time
 WEIGHT_ONLY_SCHEMES = ("nvfp4a16", "mxfp4a16")  # schemes that leave the activations in full precision
-Scheme = Literal["w8a8-int8", "fp8", "nvfp4a16", "mxfp4a16", "w4a8-int8", "w4a8-fp8", "w4a4", "nvfp4", "mxfp4"]
+Scheme = Literal["w8a8-int8", "fp8", "fp8-block", "nvfp4a16", "mxfp4a16", "w4a8-int8", "w4a8-fp8", "w4a4", "nvfp4",
+                 "mxfp4"]
 
 
 class QuantizeConfig(StrictModel):
@@ -107,7 +110,10 @@ class QuantizeConfig(StrictModel):
         None, description="a weight-and-activation format (docs/formats.md#w8a8-int8): `w8a8-int8` is int8 weights per "
                           "output channel (bits 8, group_size -1, sym, set for you) and int8 activations per token, "
                           "quantized at run time; `fp8` the same with FP8 E4M3 weights and activations (methods rtn, "
-                          "gptq, autoround; docs/formats.md#fp8); `nvfp4a16` NVFP4 E2M1 weights in groups of 16 "
+                          "gptq, autoround; docs/formats.md#fp8); `fp8-block` E4M3 weights with a scale per 128 x 128 "
+                          "block and FP8 activations per token and group of 128 columns, dynamic (llm-compressor's "
+                          "FP8_BLOCK; every quantized layer's in_features a multiple of 128); `nvfp4a16` NVFP4 E2M1 "
+                          "weights in groups of 16 "
                           "with E4M3 scales and an fp32 scale per tensor, activations untouched "
                           "(docs/formats.md#nvfp4); `mxfp4a16` E2M1 in groups of 32 with power-of-two (E8M0) scales; "
                           "`w4a8-int8`, `w4a8-fp8`, `w4a4`: int4 weights in groups of 128 (sym) with int8, FP8 or "
@@ -151,7 +157,7 @@ class QuantizeConfig(StrictModel):
             raise ValueError(f"`kv_scales: {v['kv_scales']}` sets the KV cache's scales: give `kv_cache` (fp8, int8, "
                              "int4) too")
         if isinstance(v, dict) and v.get("scheme") in DYNAMIC_ONLY and v.get("activations", "dynamic") != "dynamic":
-            raise ValueError(f"`scheme: {v['scheme']}` scales its FP4 activations per group at run time (NVFP4's "
+            raise ValueError(f"`scheme: {v['scheme']}` scales its activations per group at run time (NVFP4's "
                              "global scale is calibrated for you): remove `activations: static`")
         if not isinstance(v, dict) or v.get("scheme") is None:
             return v

@@ -42,8 +42,9 @@ write it dense (`export/hf.dense_reason`).
 Float grids (`fp`, compress/quantize/floatgrid.py; `scheme: fp8`, `nvfp4a16`): `codes` are the codes of a float
 element format (E4M3 bit patterns; E2M1 sign bit 8 | the index of the magnitude in `E2M1`), `zeros` 0 and never
 read, `W_hat = scales * element(codes)` per group (NVFP4: `scales` are the E4M3 group scales divided by the fp32
-`global_scale`; MXFP4 (`fp: mxfp4`, E2M1 codes): powers of two, E8M0); only the compressed-tensors export stores
-such a weight.
+`global_scale`; MXFP4 (`fp: mxfp4`, E2M1 codes): powers of two, E8M0; `fp: e4m3-block` (`scheme: fp8-block`): E4M3
+with one scale per block of 128 rows by `group_size` columns, repeated over the block's rows in `scales`); only the
+compressed-tensors export stores such a weight.
 """
 
 from __future__ import annotations
@@ -56,9 +57,13 @@ import torch
 
 SCALE_BITS = 16  # scales are stored as fp16
 KEEP_BITS = 16  # a mixed-precision chunk kept in fp16
-FLOAT_ELEMENTS = {"e4m3": torch.float8_e4m3fn}  # float element formats `fp` names with a torch dtype (their codes')
+# float element formats `fp` names with a torch dtype (their codes'); "e4m3-block": E4M3 with one scale per block of
+# FLOAT_BLOCK_ROWS rows by `group_size` columns (`scheme: fp8-block`, DeepSeek-V3's 128x128), held per row in `scales`
+FLOAT_ELEMENTS = {"e4m3": torch.float8_e4m3fn, "e4m3-block": torch.float8_e4m3fn}
+FLOAT_BLOCK_ROWS = {"e4m3-block": 128}  # rows sharing each scale (the others: 1)
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # the magnitudes of FP4 E2M1 by index (codes: sign bit 8 | index)
-FLOAT_SCALE_BITS = {"e4m3": 16, "e2m1": 8, "mxfp4": 8}  # a stored group scale: fp16, NVFP4's E4M3, MXFP4's E8M0
+# a stored group scale: fp16, NVFP4's E4M3, MXFP4's E8M0
+FLOAT_SCALE_BITS = {"e4m3": 16, "e4m3-block": 16, "e2m1": 8, "mxfp4": 8}
 GLOBAL_SCALE_BITS = 32  # NVFP4's fp32 scale per tensor
 
 
@@ -107,7 +112,7 @@ class QuantizedWeight:
     kept: torch.Tensor | None = None  # fp16-representable values of the kept chunks, (d_out, kept columns)
     map_bits: int = 0  # plan metadata per chunk, counted in storage_bits
     grid: Any = None  # kernels.ggml.GGMLParams: llama.cpp blocks of that type (module docstring)
-    fp: str | None = None  # a float grid ("e4m3", "e2m1" = NVFP4, "mxfp4"): codes are its codes (module docstring)
+    fp: str | None = None  # a float grid ("e4m3", "e4m3-block", "e2m1" = NVFP4, "mxfp4"): its codes (module docstring)
     global_scale: float | None = None  # NVFP4 (e2m1): the fp32 per-tensor scale; `scales` already divided by it
 
     def __post_init__(self):
@@ -238,7 +243,8 @@ class QuantizedWeight:
 
             return self.out_features * ggml.bytes_per_row(self.grid.type, self.in_features) * 8
         if self.fp is not None:
-            return (self.codes.numel() * self.bits + self.out_features * self.n_groups * FLOAT_SCALE_BITS[self.fp]
+            rows = math.ceil(self.out_features / FLOAT_BLOCK_ROWS.get(self.fp, 1))  # a block's rows share a scale
+            return (self.codes.numel() * self.bits + rows * self.n_groups * FLOAT_SCALE_BITS[self.fp]
                     + (GLOBAL_SCALE_BITS if self.global_scale is not None else 0))
         if self.mixed:
             return sum(unit_storage_bits(self.out_features, e - s, self.group, b, self.sym, self.map_bits)

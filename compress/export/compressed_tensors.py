@@ -11,7 +11,9 @@ static`) int8 per tensor with each layer's calibrated `input_scale` (shape (1,),
 
 `fp8` is written as `float-quantized`: each `weight` is `float8_e4m3fn` (the very bit patterns the run evaluated),
 `weight_scale` (d_out, 1) in float32, weights and activations `type: float` (llm-compressor's `FP8_DYNAMIC`
-preset; static: its `FP8` one, with `input_scale`).
+preset; static: its `FP8` one, with `input_scale`). `fp8-block` (its `FP8_BLOCK`): `weight_scale` (ceil(d_out / 128),
+d_in / 128) float32, weights `strategy: block, block_structure: [128, 128]`, activations `strategy: group,
+group_size: 128`, dynamic.
 
 `nvfp4a16` is written as `nvfp4-pack-quantized` (llm-compressor's `NVFP4A16` preset): `weight_packed` uint8 (d_out,
 d_in / 2), two E2M1 codes a byte (the first column in the low nibble), `weight_scale` float8_e4m3fn (d_out, d_in /
@@ -41,17 +43,19 @@ import torch
 
 from compress.export.hf import DTYPES, FORMAT_VERSION, MAX_SHARD, _cast, _patch_config
 from compress.files import staged_directory
-from compress.qweight import QuantizedWeight
+from compress.qweight import FLOAT_BLOCK_ROWS, QuantizedWeight
 from compress.quantize.activations import ActivationSpec
 
 # compressed-tensors' format and `weights` arguments of each weight kind (`kind`)
-FORMATS = {"int": "int-quantized", "int4": "int-quantized", "e4m3": "float-quantized",
+FORMATS = {"int": "int-quantized", "int4": "int-quantized", "e4m3": "float-quantized", "e4m3-block": "float-quantized",
            "e2m1": "nvfp4-pack-quantized", "mxfp4": "mxfp4-pack-quantized"}
 FP4 = {"e2m1": 16, "mxfp4": 32}  # the E2M1 kinds (NVFP4, MXFP4) and their groups
 WEIGHT_ARGS = {
     "int": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "dynamic": False},
     "int4": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "dynamic": False},  # + group_size
     "e4m3": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel", "dynamic": False},
+    "e4m3-block": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "block", "dynamic": False,
+                   "block_structure": (FLOAT_BLOCK_ROWS["e4m3-block"], 128)},  # FP8_BLOCK (a tuple: hashed)
     "e2m1": {"num_bits": 4, "type": "float", "symmetric": True, "group_size": 16, "strategy": "tensor_group",
              "dynamic": False, "scale_dtype": "torch.float8_e4m3fn"},  # llm-compressor's NVFP4A16 preset
     "mxfp4": {"num_bits": 4, "type": "float", "symmetric": True, "group_size": 32, "strategy": "group",
@@ -76,12 +80,15 @@ def check_layer(name: str, qw) -> str | None:
     k = kind(qw)
     if k in FP4 and qw.bits == 4 and qw.group_size == FP4[k]:
         return None
+    if k == "e4m3-block" and qw.bits == 8 and qw.group_size == WEIGHT_ARGS[k]["block_structure"][1]:
+        return None
     if k not in FP4 and qw.bits == 8 and qw.group_size == -1 and qw.sym:
         return None
     if k == "int4" and qw.group_size > 0 and qw.sym:
         return None
     return (f"`{name}` is {qw.bits}-bit, group {qw.group_size}, {'sym' if qw.sym else 'asym'}: this export writes "
-            "the weights of a `scheme` (w8a8-int8, fp8: 8-bit per-channel symmetric; w4a8-int8, w4a8-fp8, w4a4: "
+            "the weights of a `scheme` (w8a8-int8, fp8: 8-bit per-channel symmetric; fp8-block: 128 x 128 blocks; "
+            "w4a8-int8, w4a8-fp8, w4a4: "
             "4-bit grouped symmetric; nvfp4a16, mxfp4a16, nvfp4, mxfp4)")
 
 
@@ -103,6 +110,12 @@ def stored_tensors(qw: QuantizedWeight) -> dict[str, torch.Tensor]:
         return {"weight_packed": _packed(qw), "weight_scale": (torch.log2(qw.scales) + 127).to(torch.uint8)}
     if k == "e4m3":
         return {"weight": qw.codes.view(torch.float8_e4m3fn), "weight_scale": qw.scales.reshape(-1, 1)}
+    if k == "e4m3-block":  # one scale per block: the first row of each block of rows
+        rows = FLOAT_BLOCK_ROWS[k]
+        s = qw.scales[::rows].contiguous()
+        if not torch.equal(s.repeat_interleave(rows, 0)[:qw.out_features], qw.scales):
+            raise ValueError("an FP8 block weight's scales differ within a block of rows")
+        return {"weight": qw.codes.view(torch.float8_e4m3fn), "weight_scale": s.float()}
     if k == "int4":
         if not bool((qw.zeros == 8).all()):
             raise ValueError("a symmetric 4-bit weight has its zero point at 8")
@@ -152,7 +165,7 @@ def scheme_of(qweights: dict, acts: dict[str, ActivationSpec]) -> str | None:
         return "w4a4" if a.bits == 4 else "w4a8-fp8" if a.type == "float" else "w4a8-int8"
     if k in FP4:
         return {"e2m1": "nvfp4", "mxfp4": "mxfp4"}[k] + ("" if a is not None else "a16")
-    return {"int": "w8a8-int8", "e4m3": "fp8"}[k]
+    return {"int": "w8a8-int8", "e4m3": "fp8", "e4m3-block": "fp8-block"}[k]
 
 
 def export_compressed_tensors(model, qweights: dict[str, QuantizedWeight], acts: dict[str, ActivationSpec],
@@ -169,7 +182,7 @@ def export_compressed_tensors(model, qweights: dict[str, QuantizedWeight], acts:
     for name, qw in qweights.items():
         a = acts.get(name)
         if a is not None and kinds[name] != "int4" and (a.fp4 != kinds[name] if kinds[name] in FP4 or a.fp4 else
-                                                        (kinds[name] == "e4m3") != (a.type == "float")):
+                                                        kinds[name].startswith("e4m3") != (a.type == "float")):
             raise ValueError(f"`{name}`: {kinds[name]} weights with {a.fp4 or a.type} activations")
         del state[f"{name}.weight"]
         for key, t in stored_tensors(qw).items():  # every scale exact: float32, E4M3 or E8M0 as the format says

@@ -8,6 +8,8 @@ export): `s = max|x| / 127.5` (the range 255 over 2; a zero scale becomes float3
 
 `fp8`: the same per-token (or static per-tensor) scales with E4M3's range, `s = max|x| / 448`, and `x_hat =
 E4M3(clamp(x / s, -448, 448)) s` (torch's cast: round to nearest even), compressed-tensors' float arithmetic.
+`fp8-block`: FP8 with a dynamic scale per token and group of 128 columns (its `group` strategy, what vLLM's block FP8
+kernels quantize the input with).
 
 `activations: static`: one scale per layer input (strategy `tensor`), calibrated once after the quantize stages on
 the calibration text, through the model with its quantized weights and full-precision activations (`calibrate`):
@@ -34,6 +36,7 @@ class ActivationSpec:
     scale: float | None = None  # static: the calibrated scale (None: not calibrated yet)
     type: str = "int"  # or "float": FP8 E4M3 elements (`scheme: fp8`), E2M1 with `fp4`
     fp4: str | None = None  # E2M1 activations in groups: "e2m1" (NVFP4, 16) or "mxfp4" (MXFP4, 32), floatgrid's names
+    group: int = 0  # strategy "group": a dynamic scale per token and group of this many columns (`fp8-block`: 128)
 
     @property
     def half(self) -> float:
@@ -55,7 +58,7 @@ class ActivationSpec:
             return {"num_bits": 4, "type": "float", "symmetric": True, "strategy": "group", "group_size": 32,
                     "dynamic": True, "scale_dtype": "torch.uint8"}
         return {"num_bits": self.bits, "type": self.type, "symmetric": True, "strategy": self.strategy,
-                "dynamic": self.dynamic}
+                "dynamic": self.dynamic, **({"group_size": self.group} if self.group else {})}
 
     def describe(self) -> str:
         if self.fp4:
@@ -63,17 +66,18 @@ class ActivationSpec:
                     "mxfp4": "MXFP4 (E2M1 per 32, power-of-two scales)"}[self.fp4]
         kind = "fp8 (E4M3)" if self.type == "float" else f"int{self.bits}"
         return f"{kind} " + ("per tensor, static scales calibrated on the calibration text" if not self.dynamic else
-                             "per token, dynamic")
+                             f"per token and group of {self.group}, dynamic" if self.group else "per token, dynamic")
 
 
 FP8_MAX = 448.0  # E4M3's largest finite value
 SCHEME_ACTIVATIONS = {"w8a8-int8": ActivationSpec(), "fp8": ActivationSpec(type="float"),
+                      "fp8-block": ActivationSpec(type="float", strategy="group", group=128),
                       "w4a8-int8": ActivationSpec(), "w4a8-fp8": ActivationSpec(type="float"),
                       "w4a4": ActivationSpec(bits=4),
                       "nvfp4": ActivationSpec(bits=4, type="float", strategy="tensor_group", fp4="e2m1"),
                       "mxfp4": ActivationSpec(bits=4, type="float", strategy="group", fp4="mxfp4")}
 STATIC_ACTIVATIONS = {k: replace(v, strategy="tensor", dynamic=False) for k, v in SCHEME_ACTIVATIONS.items()
-                      if v.fp4 is None}
+                      if v.fp4 is None and not v.group}
 
 
 def spec_of(scheme: str | None, activations: str = "dynamic") -> ActivationSpec | None:
@@ -85,11 +89,14 @@ def spec_of(scheme: str | None, activations: str = "dynamic") -> ActivationSpec 
 
 
 def fake_quant(x: torch.Tensor, spec: ActivationSpec) -> torch.Tensor:
-    """`x` quantized and dequantized (module docstring), in x's dtype: per token, or with the static scale (one not
-    calibrated yet: max |x| over the whole tensor, as calibration would give on x alone)."""
+    """`x` quantized and dequantized (module docstring), in x's dtype: per token (and group), or with the static scale
+    (one not calibrated yet: max |x| over the whole tensor, as calibration would give on x alone)."""
     if spec.fp4:
         return fp4_quant(x, spec)
     half = spec.half
+    if spec.group:  # compressed-tensors' dynamic `group`: the columns must divide (the plan checks every layer's)
+        g = x.unflatten(-1, (-1, spec.group))
+        return round_to(g, g.abs().amax(-1, keepdim=True) / half, spec).flatten(-2)
     if spec.dynamic:
         s = x.abs().amax(-1, keepdim=True) / half
     elif spec.scale is not None:

@@ -1,5 +1,5 @@
-"""Rounding onto a float grid: FP8 E4M3 weights (`scheme: fp8`, docs/formats.md#fp8) and NVFP4 E2M1 weights
-(`scheme: nvfp4a16`, docs/formats.md#nvfp4).
+"""Rounding onto a float grid: FP8 E4M3 weights (`scheme: fp8`, `fp8-block`, docs/formats.md#fp8) and NVFP4 E2M1
+weights (`scheme: nvfp4a16`, docs/formats.md#nvfp4).
 
 A weight on a float grid keeps the `QuantizedWeight` layout with `fp` naming the element format: `codes` are the
 elements' bit patterns (E4M3: one byte, `torch.float8_e4m3fn` viewed as uint8; E2M1: four bits, sign then the index
@@ -13,6 +13,9 @@ llm-compressor writes from the same `W`:
 - E4M3 (`fp8`): `s = max |w| / 448` per output channel (448: E4M3's largest finite value, the half range its
   `calculate_range` gives), rounded to fp16 as the export stores it; an element is `clamp(w / s, -448, 448)` cast to
   E4M3 (round to nearest even, torch's cast, as compressed-tensors casts).
+- E4M3 in 128 x 128 blocks (`fp8-block`, fp `e4m3-block`, llm-compressor's FP8_BLOCK): the same with `s = max |w| /
+  448` over a block of 128 output rows by 128 input columns (a short last block of rows: over its rows), held on each
+  of the block's rows in `scales`.
 - NVFP4 (`nvfp4a16`): a global fp32 scale per tensor `G = 448 * 6 / max |W|` (the layers vLLM fuses, q/k/v and
   gate/up, share the smallest of theirs, as llm-compressor makes them: `global_scales`), a scale per 16 columns
   `s8 = E4M3(G max |w| / 6)` (a zero becomes 0.125, compressed-tensors' eps), the effective scale `s = s8 / G` (fp32)
@@ -31,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from compress.primitives import SCALE_EPS, group_view, resolve_group
-from compress.qweight import FLOAT_ELEMENTS, QuantizedWeight, decode_float
+from compress.qweight import FLOAT_BLOCK_ROWS, FLOAT_ELEMENTS, QuantizedWeight, decode_float
 
 # |x| above each bound moves to the next index (`>` for the bounds a tie stays below, `>=` for those it moves above)
 E2M1_UP = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
@@ -46,10 +49,12 @@ class FloatFormat:
     bits: int
     group: int  # the group its scheme scales (-1: per output channel)
     scale_bits: int  # a stored group scale's bits (fp16; NVFP4: E4M3)
+    rows: int = 1  # the output rows sharing each scale (`fp8-block`: 128, a 128 x 128 block)
 
 
-FORMATS = {"e4m3": FloatFormat("e4m3", FP8_MAX, 8, -1, 16), "e2m1": FloatFormat("e2m1", 6.0, 4, 16, 8),
-           "mxfp4": FloatFormat("mxfp4", 6.0, 4, 32, 8)}
+FORMATS = {"e4m3": FloatFormat("e4m3", FP8_MAX, 8, -1, 16),
+           "e4m3-block": FloatFormat("e4m3-block", FP8_MAX, 8, 128, 16, FLOAT_BLOCK_ROWS["e4m3-block"]),
+           "e2m1": FloatFormat("e2m1", 6.0, 4, 16, 8), "mxfp4": FloatFormat("mxfp4", 6.0, 4, 32, 8)}
 E2M1_ELEMENTS = ("e2m1", "mxfp4")  # the grids of E2M1 elements (NVFP4, MXFP4)
 
 
@@ -87,10 +92,12 @@ def block_global_scales(data) -> dict[str, float]:
 
 
 def scales(W: torch.Tensor, group_size: int, fmt: str, gscale: float | None = None) -> torch.Tensor:
-    """Per-group effective scales (d_out, n_groups), fp32 (module docstring): E4M3 max |w| / 448 fp16-rounded; E2M1
-    E4M3(G max |w| / 6) / G with `gscale` G."""
+    """Per-group effective scales (d_out, n_groups), fp32 (module docstring): E4M3 max |w| / 448 fp16-rounded (a
+    block format's: the max over the block's rows, repeated on each); E2M1 E4M3(G max |w| / 6) / G with `gscale` G."""
     f = fmt_of(fmt)
     top = group_view(W.float(), resolve_group(W.shape[1], group_size)).abs().amax(-1)
+    if f.rows > 1:
+        top = block_max(top, f.rows)
     if fmt == "mxfp4":
         return mx_scales(top)
     if fmt == "e2m1":
@@ -100,6 +107,16 @@ def scales(W: torch.Tensor, group_size: int, fmt: str, gscale: float | None = No
         s8 = (g * (top / f.max)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
         return torch.where(s8 == 0, torch.tensor(FP8_EPS), s8) / g
     return (top / f.max).half().float().clamp(min=SCALE_EPS)
+
+
+def block_max(top: torch.Tensor, rows: int) -> torch.Tensor:
+    """`top` (d_out, n) with each run of `rows` rows (the last may be shorter) replaced by its column-wise max: a
+    block's scale held on every row of it (compressed-tensors pads a short block with zeros, which leave a max
+    unchanged)."""
+    d_out = top.shape[0]
+    pad = -d_out % rows
+    full = torch.cat([top, top.new_zeros(pad, top.shape[1])]) if pad else top
+    return full.reshape(-1, rows, top.shape[1]).amax(1).repeat_interleave(rows, 0)[:d_out]
 
 
 def mx_scales(top: torch.Tensor) -> torch.Tensor:

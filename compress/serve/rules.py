@@ -188,9 +188,9 @@ def vllm_cpu(ckpt: Checkpoint) -> list[Problem]:
         return _w4("vLLM's CPU build")
     if ckpt.kv is not None:  # its CPU attention: FP8 KV on x86 with AVX-512 or AMX (docs/serving.md#kv-cache)
         return _kv(ckpt, "vLLM's CPU build", per_head=False) + vllm_cpu(replace(ckpt, kv=None))
-    if ckpt.scheme in ("fp8", "nvfp4a16", "mxfp4a16", "nvfp4", "mxfp4"):
-        what = {"fp8": "FP8 W8A8", "nvfp4a16": "NVFP4", "mxfp4a16": "MXFP4", "nvfp4": "NVFP4",
-                "mxfp4": "MXFP4"}[ckpt.scheme]
+    if ckpt.scheme in ("fp8", "fp8-block", "nvfp4a16", "mxfp4a16", "nvfp4", "mxfp4"):
+        what = {"fp8": "FP8 W8A8", "fp8-block": "Block FP8 W8A8", "nvfp4a16": "NVFP4", "mxfp4a16": "MXFP4",
+                "nvfp4": "NVFP4", "mxfp4": "MXFP4"}[ckpt.scheme]
         return [Problem(f"{what} has no kernel in vLLM's CPU build (CUDA GPUs)", "scheme: w8a8-int8")]
     if ckpt.scheme:
         return _scheme_dtype(ckpt)
@@ -229,6 +229,9 @@ def sglang(ckpt: Checkpoint) -> list[Problem]:
                         "scheme: fp8")]
     if ckpt.scheme == "mxfp4":
         return [Problem("SGLang's compressed-tensors FP4 W4A4 is NVFP4 (not checked for MXFP4)", "scheme: nvfp4")]
+    if ckpt.scheme == "fp8-block":
+        return [Problem("SGLang's compressed-tensors FP8 is checked per channel, not in 128 x 128 blocks",
+                        "scheme: fp8")]
     if ckpt.scheme in W4:
         return _w4("SGLang")
     if ckpt.scheme:

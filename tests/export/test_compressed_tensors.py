@@ -71,40 +71,51 @@ def test_stored_weights_are_the_evaluated_weights_exactly():
         stored_tensors(rtn(W, 8, 32, True))
 
 
-@pytest.mark.parametrize("method,scheme", [("rtn", "w8a8-int8"), ("gptq", "w8a8-int8"), ("gptq", "fp8")])
+@pytest.mark.parametrize("method,scheme", [("rtn", "w8a8-int8"), ("gptq", "w8a8-int8"), ("gptq", "fp8"),
+                                           ("gptq", "fp8-block")])
 def test_transformers_computes_what_the_run_evaluated(tmp_path, method, scheme):
     """The run's in-memory model with its activation hooks and transformers' load of the export (compressed-tensors
-    decompresses the weights and quantizes each linear's input per token): the same logits, and `compress eval` of
-    the export gives the run's KL."""
+    decompresses the weights and quantizes each linear's input per token, or per token and group of 128): the same
+    logits, and `compress eval` of the export gives the run's KL."""
     from transformers import AutoModelForCausalLM
 
     from compress.export.hf import load_tensors
-    from compress.quantize.activations import ActivationSpec, quantized_inputs
+    from compress.quantize.activations import SCHEME_ACTIVATIONS, quantized_inputs
 
     out = tmp_path / "out"
     rc, stdout, err = invoke("run", recipe(tmp_path, method, f"scheme: {scheme}"), "-o", out, "--json")
     assert rc == 0, err
     report = json.loads(stdout)
     assert report["activations"]["layers"] == 28
-    kind = "float" if scheme == "fp8" else "int"
+    kind = "int" if scheme == "w8a8-int8" else "float"
+    spec = SCHEME_ACTIVATIONS[scheme]
     ct = out / "compressed-tensors"
     cfg = json.loads((ct / "config.json").read_text())["quantization_config"]
     assert cfg["quant_method"] == "compressed-tensors" and cfg["format"] == f"{kind}-quantized"
     group = cfg["config_groups"]["group_0"]
-    assert group["input_activations"] == {"num_bits": 8, "type": kind, "symmetric": True, "strategy": "token",
-                                          "dynamic": True} and len(group["targets"]) == 28
+    assert group["input_activations"] == {"num_bits": 8, "type": kind, "symmetric": True, "dynamic": True,
+                                          **({"strategy": "group", "group_size": 128} if scheme == "fp8-block" else
+                                             {"strategy": "token"})} and len(group["targets"]) == 28
     assert group["weights"]["type"] == kind
+    assert group["weights"]["strategy"] == ("block" if scheme == "fp8-block" else "channel")
     tensors = load_tensors(ct)
     assert tensors["model.layers.0.mlp.down_proj.weight"].dtype == (torch.float8_e4m3fn if kind == "float"
                                                                    else torch.int8)
+    if scheme == "fp8-block":  # k_proj: 64 rows, one short block of rows; down_proj: 384 columns, 3 blocks
+        assert tensors["model.layers.0.self_attn.k_proj.weight_scale"].shape == (1, 1)
+        assert tensors["model.layers.0.mlp.down_proj.weight_scale"].shape == (1, 3)
 
     theirs = torch.nn.Module.float(AutoModelForCausalLM.from_pretrained(ct)).eval()
     ours = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32).eval()
     with torch.no_grad():
-        for name in group["targets"]:  # compress's dequantized weights, and its activation hooks
-            ours.get_submodule(name).weight.copy_(tensors[f"{name}.weight"].float() * tensors[f"{name}.weight_scale"])
+        for name in group["targets"]:  # compress's dequantized weights (a block's scale over its 128 x 128), and its
+            # activation hooks
+            w, s = tensors[f"{name}.weight"].float(), tensors[f"{name}.weight_scale"]
+            if scheme == "fp8-block":
+                s = s.repeat_interleave(128, 0)[:w.shape[0]].repeat_interleave(128, 1)[:, :w.shape[1]]
+            ours.get_submodule(name).weight.copy_(w * s)
         ids = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(0))
-        with quantized_inputs(ours, {n: ActivationSpec(type=kind) for n in group["targets"]}):
+        with quantized_inputs(ours, dict.fromkeys(group["targets"], spec)):
             a = ours(ids).logits
         b = theirs(ids).logits
         plain = ours(ids).logits  # without the activation quantization: visibly different
@@ -199,6 +210,63 @@ def test_fp8_weights_are_compressed_tensors_own_rounding():
     assert err["gptq"] < 0.95 * err["rtn"], err
     on_grid = floatgrid.encode(qg.dequantize() / qg.scales, "e4m3")
     assert torch.equal(floatgrid.decode(on_grid, "e4m3") * qg.scales, qg.dequantize())
+
+
+def test_fp8_block_weights_are_compressed_tensors_own_rounding():
+    """`scheme: fp8-block` weights: RTN gives bit for bit the E4M3 elements compressed-tensors' block quantize gives
+    with the observer's scale per 128 x 128 block (a short last block of rows included), the export stores one
+    scale per block, compressed-tensors' dequantize of the stored tensors is the run's weight, and GPTQ on the same
+    grid lowers the output error with every block sharing one scale."""
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.lifecycle.forward import dequantize, quantize
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    from compress.export.compressed_tensors import stored_tensors
+    from compress.qweight import qweights_to_tensors, tensors_to_qweights
+    from compress.quantize import floatgrid
+    from compress.quantize.gptq import gptq
+
+    g = torch.Generator().manual_seed(0)
+    W = torch.randn(200, 256, generator=g) * 0.05
+    W[150, 5] = 3.0  # an outlier: the scale of its block (rows 128..199, columns 0..127) only
+    qw = floatgrid.rtn(W, 128, "e4m3-block")
+    args = QuantizationArgs(num_bits=8, type="float", strategy="block", block_structure=[128, 128], symmetric=True,
+                            dynamic=False)
+    blocks = torch.nn.functional.pad(W, (0, 0, 0, 56)).reshape(2, 128, 2, 128).transpose(1, 2)  # (2, 2, 128, 128)
+    s, z = calculate_qparams(blocks.amin((-1, -2)), blocks.amax((-1, -2)), args)
+    s = s.half().float()
+    assert s.shape == (2, 2) and s[1, 0] > 10 * s[1, 1]
+    assert torch.equal(quantize(W, s, z, args, dtype=torch.float8_e4m3fn).view(torch.uint8), qw.codes)
+    t = stored_tensors(qw)
+    assert t["weight"].dtype == torch.float8_e4m3fn and torch.equal(t["weight_scale"], s)
+    assert torch.equal(dequantize(t["weight"], t["weight_scale"], z, args=args).float(), qw.dequantize())
+    assert qw.effective_bits() == 8 + 16 * 4 / (200 * 256)
+    back = tensors_to_qweights(*qweights_to_tensors({"l": qw}))["l"]
+    assert back.fp == "e4m3-block" and torch.equal(back.dequantize(), qw.dequantize())
+
+    X = torch.randn(512, 256, generator=g)
+    H = 2 * X.T @ X / 512
+    qg, _ = gptq(W, H, bits=8, group_size=128, sym=True, fp="e4m3-block")
+    err = {k: float(((X @ (q.dequantize() - W).T) ** 2).sum()) for k, q in (("rtn", qw), ("gptq", qg))}
+    assert err["gptq"] < 0.95 * err["rtn"], err
+    assert stored_tensors(qg)["weight_scale"].shape == (2, 2)  # one scale per block, or it raises
+    on_grid = floatgrid.encode(qg.dequantize() / floatgrid.per_column(qg.scales, 256, 128), "e4m3")
+    assert torch.equal(floatgrid.decode(on_grid, "e4m3") * floatgrid.per_column(qg.scales, 256, 128),
+                       qg.dequantize())
+
+
+def test_fp8_block_needs_whole_blocks_of_columns(tmp_path):
+    """A layer whose in_features 128 does not divide (stories260K: 64, 172) is refused at plan time with the skip
+    override that leaves it in full precision; static activations are refused by the recipe."""
+    p = tmp_path / "r.yaml"
+    p.write_text(recipe(tmp_path, "rtn", "scheme: fp8-block").read_text().replace(str(MODEL),
+                                                                                   str(MODELS / "stories260K")))
+    rc, _, err = invoke("run", p, "--dry-run")
+    assert rc == 1 and "scales groups of 128 columns, which do not divide its 64" in err and "skip: true" in err, err
+    rc, _, err = invoke("run", recipe(tmp_path, "rtn", "scheme: fp8-block, activations: static"), "--dry-run")
+    assert rc == 1 and "per group at run time" in err, err
+    rc, out, err = invoke("run", recipe(tmp_path, "gptq", "scheme: fp8-block"), "--dry-run", "--json")
+    assert rc == 0, err
 
 
 def test_fp8_is_refused_where_it_cannot_run(tmp_path, monkeypatch):
@@ -311,7 +379,7 @@ def test_nvfp4_export_loads_in_transformers(tmp_path, method):
     assert rc == 1 and "rounds onto the NVFP4 float grid" in err and "export `compressed-tensors`" in err, err
 
 
-@pytest.mark.parametrize("scheme", ["fp8", "nvfp4a16"])
+@pytest.mark.parametrize("scheme", ["fp8", "fp8-block", "nvfp4a16"])
 def test_autoround_tunes_the_float_grid(scheme):
     """AutoRound on a float grid: the scales are the observer's (RTN's), the tuned rounding offsets move some codes
     to the other neighbouring grid value, never off the grid, and lower the block's output error against RTN."""
@@ -320,14 +388,15 @@ def test_autoround_tunes_the_float_grid(scheme):
     from compress.quantize.signround import AutoRoundConfig, signround_block
 
     g = torch.Generator().manual_seed(0)
-    lin = torch.nn.Linear(64, 32, bias=False)
+    fp, group = {"fp8": ("e4m3", -1), "fp8-block": ("e4m3-block", 128), "nvfp4a16": ("e2m1", 16)}[scheme]
+    d_in, d_out = (256, 160) if scheme == "fp8-block" else (64, 32)  # blocks: 2 x 2, the second of 32 rows
+    lin = torch.nn.Linear(d_in, d_out, bias=False)
     with torch.no_grad():
-        lin.weight.copy_(torch.randn(32, 64, generator=g) * 0.05)
+        lin.weight.copy_(torch.randn(d_out, d_in, generator=g) * 0.05)
     block = torch.nn.Sequential(lin)
-    fp, group = {"fp8": ("e4m3", -1), "nvfp4a16": ("e2m1", 16)}[scheme]
-    spec = LayerSpec(8 if fp == "e4m3" else 4, group, True, fp=fp)
-    channels = 1 + torch.rand(64, generator=g) * 4  # a few loud input channels, the same in every batch
-    xs = [torch.randn(4, 16, 64, generator=g) * channels for _ in range(4)]
+    spec = LayerSpec(4 if fp == "e2m1" else 8, group, True, fp=fp)
+    channels = 1 + torch.rand(d_in, generator=g) * 4  # a few loud input channels, the same in every batch
+    xs = [torch.randn(4, 16, d_in, generator=g) * channels for _ in range(4)]
     with torch.no_grad():
         targets = [lin(x) for x in xs]
     W = lin.weight.data.clone()
@@ -481,11 +550,11 @@ def _served_as_evaluated(a, b, plain, ct, report):
     assert ev["kl"] == pytest.approx(run["kl"], rel=1e-3, abs=1e-6) and ev["top1"] == pytest.approx(run["top1"])
 
 
-@pytest.mark.parametrize("scheme", ["nvfp4", "mxfp4"])
-def test_fp4_activations_are_compressed_tensors_arithmetic(scheme):
-    """`nvfp4` / `mxfp4` activations (E2M1 per 16 under a global scale / per 32 with power-of-two scales): compress's
-    fake quantization equals compressed-tensors' `forward_quantize` with the preset's `input_activations` bit for
-    bit in float32, an outlier group included."""
+@pytest.mark.parametrize("scheme", ["nvfp4", "mxfp4", "fp8-block"])
+def test_group_activations_are_compressed_tensors_arithmetic(scheme):
+    """`nvfp4` / `mxfp4` activations (E2M1 per 16 under a global scale / per 32 with power-of-two scales) and
+    `fp8-block`'s (E4M3 per token and group of 128): compress's fake quantization equals compressed-tensors'
+    `forward_quantize` with the preset's `input_activations` bit for bit in float32, an outlier group included."""
     from dataclasses import replace
 
     from compressed_tensors.quantization import QuantizationArgs, QuantizationStatus
@@ -493,7 +562,7 @@ def test_fp4_activations_are_compressed_tensors_arithmetic(scheme):
 
     from compress.quantize.activations import SCHEME_ACTIVATIONS, fake_quant
 
-    x = torch.randn(3, 5, 96, generator=torch.Generator().manual_seed(0)) * 3
+    x = torch.randn(3, 5, 256, generator=torch.Generator().manual_seed(0)) * 3
     x[0, 1, 7] = 40.0
     spec = SCHEME_ACTIVATIONS[scheme]
     module = torch.nn.Module()

@@ -86,6 +86,9 @@ def test_weight_and_activation_schemes_are_served_from_the_compressed_tensors_ex
     assert [e for e, p in fp8.items() if not p] == ["vllm", "sglang", "transformers"]
     assert "no kernel in vLLM's CPU build" in why("vllm-cpu", Checkpoint([], scheme="fp8"))
     assert "scheme: w8a8-int8" in why("vllm-cpu", Checkpoint([], scheme="fp8"))
+    block = rules.table(Checkpoint([], scheme="fp8-block"))  # SGLang's block FP8 not checked
+    assert [e for e, p in block.items() if not p] == ["vllm", "transformers"]
+    assert "128 x 128 blocks" in why("sglang", Checkpoint([], scheme="fp8-block"))
     assert "not compressed-tensors" in why("tgi", Checkpoint([], scheme="w8a8-int8"))
     for fp4 in ("nvfp4a16", "mxfp4a16"):
         rows = rules.table(Checkpoint([], scheme=fp4))
