@@ -28,20 +28,6 @@ def _ffn_mass(model, tau: float | None) -> None:
         raise BadInput("--ffn-mass needs a model with PrunePath FFNs (`prune: prunepath`); this one has none")
 
 
-def _weight_only_float(config) -> dict:
-    """An FP4 compressed-tensors checkpoint (`scheme: nvfp4a16`, `mxfp4a16`, `nvfp4`, `mxfp4`) is dequantized at load:
-    the library's lazy decompression unpacks to bfloat16, which an fp32 model cannot multiply (the weights are then
-    bf16-rounded values of the exact ones, 2^-9 relative, NVFP4; MXFP4's are exact: docs/formats.md#nvfp4); FP4
-    activations, which that drops, are put back by `fp4_from_checkpoint`. Other checkpoints: no option."""
-    qc = getattr(config, "quantization_config", None) or {}
-    fmt = qc.get("format") if isinstance(qc, dict) else getattr(qc, "format", None)
-    if fmt not in ("nvfp4-pack-quantized", "mxfp4-pack-quantized"):
-        return {}
-    from transformers.utils.quantization_config import CompressedTensorsConfig
-
-    return {"quantization_config": CompressedTensorsConfig(dequantize=True)}
-
-
 def _load(path: str, backend: str = "auto", device: str = "auto"):
     """(model, tokenizer). A packed `hf` export runs on our kernels (`backend`: auto, cpu, cpu-a8, triton,
     reference; compress/export/runtime.py) unless `backend` is `transformers` (auto-round's loader);
@@ -52,11 +38,10 @@ def _load(path: str, backend: str = "auto", device: str = "auto"):
     from compress.models import devices
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
 
+    from compress.export import compressed_tensors
     from compress.export.runtime import is_packed, load_packed
     from compress.models.adapters import ARCHS
     from compress.models.loading import check_finite, resolve_source
-    from compress.quantize import kvcache
-    from compress.quantize.activations import fp4_from_checkpoint
 
     if backend not in BACKENDS:
         raise BadInput(f"unknown --backend `{backend}` (known: {', '.join(BACKENDS)})")
@@ -75,17 +60,13 @@ def _load(path: str, backend: str = "auto", device: str = "auto"):
         else:
             config = AutoConfig.from_pretrained(src, **kw)
             encoder = getattr(ARCHS.get(config.model_type), "kind", None) == "encoder"
-            model = (AutoModel if encoder else AutoModelForCausalLM).from_pretrained(src, dtype="auto", **kw,
-                                                                                    **_weight_only_float(config))
+            opts = compressed_tensors.load_options(config)  # FP4: dequantized at load
+            model = (AutoModel if encoder else AutoModelForCausalLM).from_pretrained(src, dtype="auto", **kw, **opts)
             # auto-round casts a packed model to fp16 on CPU and its `.float()` refuses quantized models;
             # nn.Module.float restores fp32 compute (see compress/export/hf.py).
             model = torch.nn.Module.float(model).eval()
-            if _weight_only_float(config) and (n := fp4_from_checkpoint(model, Path(src))):
-                log.info("%s: FP4 activations of %d layers quantized by compress's hooks (weights dequantized)",
-                         path, n)
-            if kvcache.from_checkpoint(model, Path(src)) == "compress":
-                log.info("%s: the KV cache is quantized by compress's hooks with the stored scales (this "
-                         "compressed-tensors does not hook this transformers' attention)", path)
+            for done in compressed_tensors.as_evaluated(model, Path(src)):  # what transformers' load leaves out
+                log.info("%s: %s", path, done)
             if getattr(model.config, "prunepath", None):  # routed FFNs: transformers dropped the router tensors
                 from compress.export.hf import load_tensors
                 from compress.prune import routing as prunepath

@@ -208,3 +208,87 @@ def export_compressed_tensors(model, qweights: dict[str, QuantizedWeight], acts:
     return {"files": [str(p) for p in files], "bytes": sum(p.stat().st_size for p in files), "dtype": dtype,
             "format": FORMATS[next(iter(kinds.values()), "int")], "scheme": scheme_of(qweights, acts),
             "layers": len(qweights), "kv_cache": [kv.type, kv.scales] if kv is not None else None}
+
+
+# --- reading: a checkpoint of this export computed as the run evaluated it ---------------------------------------
+
+FP4_FORMATS = {"nvfp4-pack-quantized": "nvfp4", "mxfp4-pack-quantized": "mxfp4"}  # a packed FP4 format's W4A4 scheme
+
+
+def load_options(config) -> dict:
+    """transformers' `from_pretrained` options for the checkpoint whose config this is: an FP4 one (`scheme: nvfp4a16`,
+    `mxfp4a16`, `nvfp4`, `mxfp4`) is dequantized at load (the library's lazy decompression unpacks to bfloat16, which
+    an fp32 model cannot multiply; `as_evaluated` then puts the exact weights and the FP4 activations back). Other
+    checkpoints: no option."""
+    qc = getattr(config, "quantization_config", None) or {}
+    fmt = qc.get("format") if isinstance(qc, dict) else getattr(qc, "format", None)
+    if fmt not in FP4_FORMATS:
+        return {}
+    from transformers.utils.quantization_config import CompressedTensorsConfig
+
+    return {"quantization_config": CompressedTensorsConfig(dequantize=True)}
+
+
+def as_evaluated(model, directory) -> list[str]:
+    """Make `model`, transformers' load of a compressed-tensors checkpoint in `directory` (with `load_options`),
+    compute what the run evaluated where the library does not: FP4 layers' exact weights and activations
+    (`_fp4_as_evaluated`), and the KV cache its `kv_cache_scheme` names (kvcache.from_checkpoint). Returns what
+    compress did, one line each (nothing for a checkpoint the library computes as evaluated)."""
+    from compress.quantize import kvcache
+
+    done = []
+    if n := _fp4_as_evaluated(model, Path(directory)):
+        done.append(f"FP4 activations of {n} layers quantized by compress's hooks (weights dequantized)")
+    if kvcache.from_checkpoint(model, Path(directory)) == "compress":
+        done.append("the KV cache is quantized by compress's hooks with the stored scales (this compressed-tensors "
+                    "does not hook this transformers' attention)")
+    return done
+
+
+def _fp4_as_evaluated(model, directory: Path) -> int:
+    """`model`, transformers' dequantized load of an FP4 checkpoint, made to compute what the run evaluated: each FP4
+    layer's exact stored weights (decoded here, the inverse of `stored_tensors`; the library's are bf16-rounded) and,
+    for `scheme: nvfp4` / `mxfp4`, the activation quantization the load dropped (compressed-tensors' arithmetic in
+    float32 with the stored `input_global_scale`, forward pre-hooks that stay). Returns the number of layers whose
+    inputs it hooks."""
+    import json
+
+    from compress.export.hf import load_tensors
+    from compress.quantize import floatgrid
+    from compress.quantize.activations import SCHEME_ACTIVATIONS, fake_quant
+
+    config = directory / "config.json"
+    qc = (json.loads(config.read_text()).get("quantization_config") or {}) if config.is_file() else {}
+    groups = [g for g in (qc.get("config_groups") or {}).values() if g.get("format") in FP4_FORMATS]
+    if not groups:
+        return 0
+    tensors = load_tensors(directory)
+    n = 0
+    for g in groups:
+        spec = SCHEME_ACTIVATIONS[FP4_FORMATS[g["format"]]]
+        fmt = floatgrid.fmt_of(spec.fp4)
+        for name in _targets(g["targets"], tensors):
+            packed = tensors[f"{name}.weight_packed"]
+            codes = torch.stack([packed & 15, packed >> 4], -1).reshape(packed.shape[0], -1)  # `_packed` undone
+            scale = tensors[f"{name}.weight_scale"].float()
+            scale = (scale / tensors[f"{name}.weight_global_scale"].float() if spec.fp4 == "e2m1" else
+                     torch.exp2(scale - 127))
+            lin = model.get_submodule(name)
+            w = floatgrid.decode(codes, spec.fp4) * floatgrid.per_column(scale, codes.shape[1], fmt.group)
+            lin.weight.data = w[:, :lin.in_features].to(lin.weight.dtype)
+            if g.get("input_activations") is None:
+                continue
+            s = spec if spec.fp4 != "e2m1" else replace(spec, scale=float(tensors[f"{name}.input_global_scale"]))
+            lin.register_forward_pre_hook(lambda _m, args, s=s: (fake_quant(args[0], s), *args[1:]))
+            n += 1
+    return n
+
+
+def _targets(targets: list[str], tensors: dict) -> list[str]:
+    """The packed layers a compressed-tensors config group targets: layer names (compress's exports), a module class
+    (`Linear`: llm-compressor's) or `re:` patterns, among the layers the checkpoint stores packed."""
+    import re
+
+    packed = [k.removesuffix(".weight_packed") for k in tensors if k.endswith(".weight_packed")]
+    return [n for n in packed if any(t == n or t == "Linear" or (t.startswith("re:") and re.match(t[3:], n))
+                                     for t in targets)]

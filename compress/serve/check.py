@@ -184,10 +184,12 @@ def reference_model(hf: Path, dtype: torch.dtype):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if is_compressed_tensors(hf):
-        from compress.quantize import kvcache
+        from compress.export import compressed_tensors
 
-        model = torch.nn.Module.to(AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32), dtype).eval()
-        kvcache.from_checkpoint(model, hf)  # its KV cache quantized, by compressed-tensors or by compress's hooks
+        model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32, **compressed_tensors.load_options(
+            AutoConfig.from_pretrained(hf)))
+        model = torch.nn.Module.to(model, dtype).eval()
+        compressed_tensors.as_evaluated(model, hf)  # FP4 and KV-cache arithmetic where the library leaves it out
         return model
 
     from compress.export.hf import load_tensors, read_quantized

@@ -586,7 +586,7 @@ def test_fp4_w4a4_export_is_served_as_evaluated(tmp_path, scheme):
     (to 20%: bf16 scales round other elements), well above the weights' alone. `activations: static` is refused."""
     from transformers import AutoModelForCausalLM
 
-    from compress.quantize.activations import fp4_from_checkpoint
+    from compress.export.compressed_tensors import as_evaluated
 
     out = tmp_path / "out"
     rc, stdout, err = invoke("run", recipe(tmp_path, "rtn", f"scheme: {scheme}"), "-o", out, "--json")
@@ -625,7 +625,8 @@ def test_fp4_w4a4_export_is_served_as_evaluated(tmp_path, scheme):
     with torch.no_grad():
         fp = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32).eval()(ids).logits.log_softmax(-1)
         plain = ours(ids).logits.log_softmax(-1)  # weights only: the dequantized load drops the activations' rounding
-        assert fp4_from_checkpoint(ours, ct) == 28
+        assert as_evaluated(ours, ct) == ["FP4 activations of 28 layers quantized by compress's hooks (weights "
+                                          "dequantized)"]
         evaluated = ours(ids).logits.log_softmax(-1)
         theirs = AutoModelForCausalLM.from_pretrained(ct, dtype=torch.bfloat16).eval()(ids).logits.float()
     kl = {k: float((fp.exp() * (fp - v)).sum(-1).mean()) for k, v in
@@ -639,7 +640,7 @@ def test_fp4_w4a4_export_is_served_as_evaluated(tmp_path, scheme):
 def test_fp4_reading_resolves_llm_compressor_targets():
     """llm-compressor's config groups target the module class (`Linear`) or `re:` patterns, compress's name the
     layers: each resolves to the packed layers the checkpoint stores (the LM head, ignored, has none)."""
-    from compress.quantize.activations import _targets
+    from compress.export.compressed_tensors import _targets
 
     tensors = dict.fromkeys(["a.q_proj.weight_packed", "a.o_proj.weight_packed", "lm_head.weight", "a.q_proj.x"])
     assert _targets(["Linear"], tensors) == ["a.q_proj", "a.o_proj"]
