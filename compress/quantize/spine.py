@@ -171,9 +171,9 @@ def spec_at(name: str, d_in: int, cfg: QuantizeConfig) -> LayerSpec | None:
         return None
     fp = FLOAT_SCHEMES.get(cfg.scheme)
     if fp is not None and group_size != -1 and d_in % group_size:
-        raise BadInput(f"layer `{name}`: `scheme: {cfg.scheme}` scales groups of {group_size} columns, which do not "
-                       f"divide its {d_in} (compressed-tensors needs whole groups): skip it with an override "
-                       f"(`{{pattern: '{name}$', skip: true}}`)")
+        raise WholeGroups(f"layer `{name}`: `scheme: {cfg.scheme}` scales groups of {group_size} columns, which do "
+                          f"not divide its {d_in} (compressed-tensors needs whole groups): skip it with an override "
+                          f"(`{{pattern: '{name}$', skip: true}}`)", name, d_in, group_size)
     return fitted(name, d_in, LayerSpec(bits, group_size, sym, fp=fp), cfg.strict_groups)
 
 
@@ -225,14 +225,34 @@ def check_overrides(cfg: QuantizeConfig, names: list[str]) -> None:
             log.warning("override pattern `%s` matches no layer", o.pattern)
 
 
+class WholeGroups(BadInput):
+    """A float scheme's group does not divide a layer's width (compressed-tensors stores whole groups only)."""
+
+    def __init__(self, message: str, name: str, d_in: int, group: int):
+        super().__init__(message)
+        self.name, self.d_in, self.group = name, d_in, group
+
+
 def planned_layers(adapter, cfg: QuantizeConfig) -> dict[str, LayerSpec]:
-    """Every layer this stage will quantize with its settings (validates shapes; loads no data)."""
-    out = {}
+    """Every layer this stage will quantize with its settings (validates shapes; loads no data). The layers a float
+    scheme's group does not fit are refused together, with one override that skips them all."""
+    out, unfit = {}, []
     for i in range(len(adapter.blocks)):
         for name, lin in adapter.block_linears(i).items():
-            spec = layer_spec(name, lin, cfg)
+            try:
+                spec = layer_spec(name, lin, cfg)
+            except WholeGroups as e:
+                unfit.append(e)
+                continue
             if spec is not None:
                 out[name] = spec
+    if unfit:
+        widths = ", ".join(str(w) for w in sorted({e.d_in for e in unfit}))
+        pattern = "(" + "|".join(sorted({e.name.rsplit(".", 1)[-1] for e in unfit})) + ")$"
+        raise BadInput(f"`scheme: {cfg.scheme}` scales groups of {unfit[0].group} columns, which do not divide the "
+                       f"in_features ({widths}) of {len(unfit)} layers, e.g. `{unfit[0].name}` (compressed-tensors "
+                       f"needs whole groups): skip them with an override (`{{pattern: '{pattern}', skip: true}}`: "
+                       "they stay in full precision), or choose a scheme whose groups divide them")
     check_overrides(cfg, list(out))
     if not cfg.gguf and any(o.gguf for o in cfg.overrides):
         raise BadInput("an override sets a `gguf` type, but the stage has no `gguf` file type: add `gguf: TYPE` to "

@@ -256,13 +256,15 @@ def test_fp8_block_weights_are_compressed_tensors_own_rounding():
 
 
 def test_fp8_block_needs_whole_blocks_of_columns(tmp_path):
-    """A layer whose in_features 128 does not divide (stories260K: 64, 172) is refused at plan time with the skip
-    override that leaves it in full precision; static activations are refused by the recipe."""
+    """The layers whose in_features 128 does not divide (stories260K: 64, 172, every one) are refused at plan time
+    together, with the one skip override that leaves them in full precision; static activations are refused by the
+    recipe."""
     p = tmp_path / "r.yaml"
     p.write_text(recipe(tmp_path, "rtn", "scheme: fp8-block").read_text().replace(str(MODEL),
                                                                                    str(MODELS / "stories260K")))
     rc, _, err = invoke("run", p, "--dry-run")
-    assert rc == 1 and "scales groups of 128 columns, which do not divide its 64" in err and "skip: true" in err, err
+    assert rc == 1 and "scales groups of 128 columns, which do not divide the in_features (64, 172) of 35 layers" \
+        in err and "{pattern: '(down_proj|gate_proj|k_proj|o_proj|q_proj|up_proj|v_proj)$', skip: true}" in err, err
     rc, _, err = invoke("run", recipe(tmp_path, "rtn", "scheme: fp8-block, activations: static"), "--dry-run")
     assert rc == 1 and "per group at run time" in err, err
     rc, out, err = invoke("run", recipe(tmp_path, "gptq", "scheme: fp8-block"), "--dry-run", "--json")
