@@ -188,9 +188,9 @@ def vllm_cpu(ckpt: Checkpoint) -> list[Problem]:
         return _w4("vLLM's CPU build")
     if ckpt.kv is not None:  # its CPU attention: FP8 KV on x86 with AVX-512 or AMX (docs/serving.md#kv-cache)
         return _kv(ckpt, "vLLM's CPU build", per_head=False) + vllm_cpu(replace(ckpt, kv=None))
-    if ckpt.scheme in ("fp8", "fp8-block", "nvfp4a16", "mxfp4a16", "nvfp4", "mxfp4"):
-        what = {"fp8": "FP8 W8A8", "fp8-block": "Block FP8 W8A8", "nvfp4a16": "NVFP4", "mxfp4a16": "MXFP4",
-                "nvfp4": "NVFP4", "mxfp4": "MXFP4"}[ckpt.scheme]
+    what = {"fp8": "FP8 W8A8", "fp8-block": "Block FP8 W8A8", "nvfp4a16": "NVFP4", "mxfp4a16": "MXFP4",
+            "nvfp4": "NVFP4", "mxfp4": "MXFP4"}.get(ckpt.scheme)  # the float schemes: CUDA kernels only
+    if what is not None:
         return [Problem(f"{what} has no kernel in vLLM's CPU build (CUDA GPUs)", "scheme: w8a8-int8")]
     if ckpt.scheme:
         return _scheme_dtype(ckpt)
