@@ -66,7 +66,7 @@ def serve_check(out, engine: str, *, n_tokens: int = N_TOKENS, dtype: str = "flo
         return check_gguf(Path(out), n_tokens=n_tokens, dtype=dtype, perplexity=perplexity, max_tokens=max_tokens)
     export, hf = _directories(Path(out), engine)
     if engine == "vllm":
-        _vllm_kv_cache(export)  # refused before anything runs
+        _vllm_refusals(export)  # refused before anything runs
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(hf)
@@ -341,10 +341,13 @@ def _root_cause(log: str, lines: int = 25) -> str:
     return "\n".join(text[first:first + lines] + ["..."] + tail)
 
 
-def _vllm_kv_cache(export: Path) -> dict | None:
-    """The export's `kv_cache_scheme` (None: none); RunFailure where vLLM's CPU attention cannot run it (an FP8 KV
-    cache needs x86 with AVX-512 or AMX)."""
+def _vllm_refusals(export: Path) -> dict | None:
+    """The export's `kv_cache_scheme` (None: none); RunFailure, before vLLM starts, where its CPU build cannot run the
+    export: int weight-only layers on a CPU without AVX-512 (no `cpu_gemm_wna16`), an FP8 KV cache on x86 without
+    AVX-512 or AMX."""
     qc = json.loads((export / "config.json").read_text()).get("quantization_config") or {}
+    if _weight_only_int(qc) and not cpu_isa().startswith("AVX-512"):
+        raise RunFailure(NO_WNA16_KERNEL + f" (this CPU: {cpu_isa()}); {export} was not run")
     kv = qc.get("kv_cache_scheme")
     if kv and not cpu_isa().startswith("AVX-512") and not torch.cpu._is_amx_tile_supported():
         raise RunFailure(f"{export} has an FP8 KV cache, which vLLM's CPU attention runs on x86 with AVX-512 or AMX "
@@ -352,12 +355,22 @@ def _vllm_kv_cache(export: Path) -> dict | None:
     return kv
 
 
+def _weight_only_int(qc: dict) -> bool:
+    """Whether a quantization_config has integer weight-only layers, which vLLM's CPU build runs on its WNA16 kernel:
+    the hf export's GPTQ / AWQ / auto-round packing, or a compressed-tensors group with int weights and no
+    input_activations."""
+    if qc.get("quant_method") in ("gptq", "awq", "auto-round"):
+        return True
+    return any((g.get("weights") or {}).get("type", "int") == "int" and not g.get("input_activations")
+               for g in (qc.get("config_groups") or {}).values() if isinstance(g, dict) and g.get("weights"))
+
+
 def _vllm(export: Path, prompts: list[list[int]], n_tokens: int, dtype: str) -> tuple[Decoded, dict]:
     from compress.serve.envs import python_of
 
     if dtype not in ("float16", "bfloat16"):
         raise BadInput("vLLM runs float16 or bfloat16 (it refuses float32 for these checkpoints); use --dtype float16")
-    kv = _vllm_kv_cache(export)
+    kv = _vllm_refusals(export)
     python = python_of("vllm")
     worker = Path(__file__).parent / "engines" / "vllm_worker.py"
     with tempfile.TemporaryDirectory(prefix="serve-check-") as tmp:

@@ -56,6 +56,7 @@ def test_reference_model_holds_the_exports_weights(run):
 
 def test_missing_engine_environment_and_bad_inputs(run, tmp_path, monkeypatch):
     monkeypatch.setenv("COMPRESS_ENGINES", str(tmp_path / "none"))
+    monkeypatch.setattr("compress.serve.check.cpu_isa", lambda: "AVX-512")  # where vLLM runs int4 (test below)
     rc, _, err = invoke("serve-check", run, "--engine", "vllm")
     assert rc == 1 and "compress serve-env vllm" in err
     rc, _, err = invoke("serve-check", run, "--engine", "openvino-genai")
@@ -64,6 +65,27 @@ def test_missing_engine_environment_and_bad_inputs(run, tmp_path, monkeypatch):
     assert rc == 1 and "unknown engine" in err
     rc, _, err = invoke("serve-env", "tensorrt")
     assert rc == 1 and "unknown engine environment" in err
+
+
+def test_vllm_refuses_int4_weight_only_without_avx512_before_anything_runs(run, monkeypatch):
+    """vLLM's AVX2 library has no `cpu_gemm_wna16`: on such a CPU serve-check says so before loading anything (was: vLLM
+    started, loaded the checkpoint and died at its first forward), and `compress bench serve` before exporting."""
+    import time
+
+    from compress.errors import RunFailure
+    from compress.serve import bench
+    from compress.serve.check import NO_WNA16_KERNEL, serve_check
+
+    monkeypatch.setattr("compress.serve.check.cpu_isa", lambda: "AVX2")
+    monkeypatch.setattr("compress.serve.check.reference_model", None)  # reaching it would fail with a TypeError
+    t0 = time.time()
+    with pytest.raises(RunFailure, match="cpu_gemm_wna16") as e:
+        serve_check(run, "vllm")
+    assert "(this CPU: AVX2)" in str(e.value) and "was not run" in str(e.value)
+    with pytest.raises(RunFailure) as e:
+        bench.run(str(MODELS / "stories260K"), engine="vllm")
+    assert str(e.value).startswith(NO_WNA16_KERNEL) and "nothing was exported" in str(e.value)
+    assert time.time() - t0 < 5
 
 
 def test_compare_counts_ties_apart_from_disagreements():
