@@ -247,9 +247,11 @@ def bench_peers(
     peer_iters: int = typer.Option(200, "--peer-iters", help="AutoRound iterations, auto-round's and compress's "
                                    "(auto-round's own default: 200)"),
     cells: Optional[str] = typer.Option(None, "--cells", help="comma-separated cells to run (the others are rows "
-                                        "marked not run): rtn, rtn-opt, gptq, autoround, awq+gptq, awq+autoround, "
-                                        "autoround+lfq, sq+gptq, sq+rtn, sq0.8+rtn, walsh+gptq, walsh+rtn, ar, ar-rtn, "
-                                        "llmc-gptq, llmc-awq, llmc-sq+gptq, nncf-awq"),
+                                        "marked not run): rtn, rtn-opt, gptq, gptq-ao, autoround, awq+gptq, "
+                                        "awq+autoround, sq+gptq, sq+rtn, sq0.8+rtn, walsh+gptq, walsh+rtn, "
+                                        "infoquant+gptq, infoquant+rtn, walsh+sq+gptq, infoquant+sq+gptq, autoround+lfq, "
+                                        "ar, ar-rtn, llmc-gptq, llmc-rtn, llmc-awq, llmc-sq+gptq, nncf-awq, and with "
+                                        "--scheme mxfp4 mixq-0, mixq-32, mixq-64 (bench/mixq.py)"),
     mc_task: str = typer.Option("sst2_mc", "--mc-task", help="log-likelihood multiple-choice task every cell is "
                                 "also scored on (a bundled name, a task YAML or a JSONL; '' for none)"),
     mc_limit: Optional[int] = typer.Option(None, "--mc-limit", min=1, help="--mc-task: its first N documents"),

@@ -134,6 +134,8 @@ CELLS = {
     "llmc-awq": ("llm-compressor", "AWQModifier -> QuantizationModifier (RTN)"),
     "llmc-sq+gptq": ("llm-compressor", "SmoothQuantModifier(smoothing_strength=0.8) -> GPTQModifier"),
     "nncf-awq": ("nncf", "compress_weights awq + scale_estimation (OpenVINO)"),
+    **{f"mixq-{k}": ("mixq", f"smooth smoothquant -> MXFP4 W4A4 with each linear's {k} loudest input columns in FP8 "
+                             "(an evaluation, bench/mixq.py)") for k in (0, 32, 64)},
 }
 DATA_FREE = {"rtn", "rtn-opt", "llmc-rtn"}
 LLMC_METHODS = {"llmc-gptq": "gptq", "llmc-awq": "awq+rtn", "llmc-sq+gptq": "sq+gptq", "llmc-rtn": "rtn"}
@@ -141,12 +143,14 @@ LLMC_METHODS = {"llmc-gptq": "gptq", "llmc-awq": "awq+rtn", "llmc-sq+gptq": "sq+
 # the cells that only make sense with one (SmoothQuant smooths for quantized activations)
 SCHEME_CELLS = {"rtn", "gptq", "gptq-ao", "autoround", "walsh+gptq", "walsh+rtn", "infoquant+gptq", "infoquant+rtn",
                 "walsh+sq+gptq", "infoquant+sq+gptq",
-                "sq+gptq", "sq+rtn", "sq0.8+rtn", "llmc-rtn", "llmc-gptq", "llmc-sq+gptq"}
+                "sq+gptq", "sq+rtn", "sq0.8+rtn", "llmc-rtn", "llmc-gptq", "llmc-sq+gptq",
+                "mixq-0", "mixq-32", "mixq-64"}
 LLMC_PRESETS = {"w8a8-int8": "W8A8", "fp8": "FP8_DYNAMIC", "fp8-block": "FP8_BLOCK",
                 "nvfp4a16": "NVFP4A16", "mxfp4a16": "MXFP4A16",
                 "w4a8-int8": "W4A8", "w4a8-fp8": "W4AFP8", "w4a4": "W4A4", "nvfp4": "NVFP4",
                 "mxfp4": "MXFP4"}  # llm-compressor's preset of each scheme
-NEEDS_SCHEME = {"sq+gptq", "sq+rtn", "sq0.8+rtn", "walsh+sq+gptq", "infoquant+sq+gptq", "llmc-rtn", "llmc-sq+gptq"}
+NEEDS_SCHEME = {"sq+gptq", "sq+rtn", "sq0.8+rtn", "walsh+sq+gptq", "infoquant+sq+gptq", "llmc-rtn", "llmc-sq+gptq",
+                "mixq-0", "mixq-32", "mixq-64"}
 METRICS = ("kl", "top1", "ppl_ratio", "ppl", "acc", "acc_norm", "linear_bytes", "effective_bits", "quantize_seconds")
 
 
@@ -591,7 +595,7 @@ def version_of(tool: str) -> str:
     import importlib.metadata as md
 
     try:
-        if tool == "compress":
+        if tool in ("compress", "mixq"):
             return md.version("compress-llm")
         if tool == "auto-round":
             return md.version("auto-round")
@@ -686,6 +690,10 @@ def run_peers(model: str, bits: int, group: int, sym: bool, *, nsamples: int = 1
                         row = autoround_cell(0, path, s, seed, calib[seed], linears, d)
                     elif tool == "llm-compressor":
                         row = llmc_cell(LLMC_METHODS[cell], path, s, seed, calib[seed], linears, d)
+                    elif tool == "mixq":
+                        from bench.mixq import mixq_cell
+
+                        row = mixq_cell(cell, path, s, seed, calib[seed], d)
                     else:
                         row = nncf_cell(path, s, seed, calib[seed], linears, d)
                     row.update(seed=None if cell in DATA_FREE else seed, cell_seconds=round(time.time() - t, 1))
@@ -730,6 +738,8 @@ NOTES = {
     "nncf": "NNCF on compress's FP OpenVINO IR of the model, the same windows as `input_ids`; embeddings and "
             "lm_head kept FP (backup_mode NONE); the IR's dequantized weights are put back into the torch model "
             "and scored here",
+    "mixq": "an evaluation of MixQ's arithmetic (bench/mixq.py): compress's SmoothQuant stage on the windows, the "
+            "outlier columns chosen on them, the fake-quantized model scored by compress's evaluator; no checkpoint",
 }
 
 

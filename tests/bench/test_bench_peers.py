@@ -88,6 +88,8 @@ def test_markdown_rows_for_every_status_and_stored_bytes(tmp_path):
 def test_peers_help_and_bad_options():
     rc, out, err = lab("peers", "--help")
     assert rc == 0 and "Example" in out and "python -m bench peers" in out, err
+    words = {w.strip(",.()") for w in out.replace("│", " ").split()}
+    assert set(CELLS) <= words, set(CELLS) - words  # --help names every cell
     rc, _, err = lab("peers", "--seeds", "a,b")
     assert rc == 1 and "--seeds `a,b`" in err
     rc, _, err = lab("peers", "--cells", "rtn,nope")
