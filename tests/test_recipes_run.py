@@ -56,6 +56,12 @@ def test_bundled_recipe_runs_and_exports(recipe: Path, tmp_path):
 
     manifest = json.loads((out / "manifest.json").read_text())
     assert all(st["status"] == "done" for st in manifest["stages"].values())
+    if spec["stages"][0]["stage"] == "rotate" and spec["stages"][0]["method"] == "walsh":
+        rot = manifest["stages"]["00-rotate-walsh"]  # both norms of each of the 6 blocks, every up -> down pair
+        assert rot["metrics"]["norm"] == 2 * 6 and rot["metrics"]["up_down"] == 6
+        (title, png), = report["figures"].items()  # the energy spectrum before/after, linked from report.md
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert f"![{title}]({png})" in (out / "report.md").read_text()
     gguf = [f if isinstance(f, dict) else {"format": f, "type": grid} for f in spec["export"]["formats"]
             if f == "gguf" or isinstance(f, dict) and f["format"] == "gguf"]
     if gguf:  # the layers the stage rounded are in the file from their codes (tests/export/test_gguf.py: exactly)

@@ -237,41 +237,6 @@ def test_rotated_quantized_model_exports_and_reloads(tmp_path, tied):
     assert not torch.allclose(norm.float(), torch.ones_like(norm.float()))  # energy scales live in the norms
 
 
-@pytest.mark.e2e  # moved out of the default tier (its time budget); CI runs -m e2e
-@pytest.mark.parametrize("recipe", ["w2-walsh-autoround", "w2-walsh-fused-autoround"])
-def test_walsh_recipes_run_on_stories_llama_1m(recipe, tmp_path):
-    """The bundled walsh recipes as written, shrunk like tests/test_recipes_run.py, on stories-llama-1m;
-    the exported checkpoint reloads with transformers and predicts like the in-run evaluation."""
-    import json
-
-    import yaml
-    from helpers import WIKITEXT, shrink
-
-    from tests.conftest import REPO, invoke
-
-    path = REPO / "recipes" / f"{recipe}.yaml"
-    spec = yaml.safe_load(path.read_text())
-    out = tmp_path / "out"
-    rc, stdout, err = invoke("run", path, "--model", MODELS / "stories-llama-1m", "--output", out, "--json",
-                             *shrink(spec), *WIKITEXT)
-    assert rc == 0, err
-    report = json.loads(stdout)
-    assert [s["name"] for s in report["stages"] if s["name"] in ("rotate", "quantize")] == ["rotate", "quantize"]
-    ev = next(iter(report["eval"].values()))
-    assert ev["tokens"] == 512 and ev["top1"] > 0.3
-    assert report["size"]["quantized_layers"] == 4 * 7
-    manifest = json.loads((out / "manifest.json").read_text())
-    rot = manifest["stages"]["00-rotate-walsh"]
-    assert rot["status"] == "done" and rot["metrics"]["norm"] == 8 and rot["metrics"]["up_down"] == 4
-    (title, png), = report["figures"].items()  # the energy spectrum before/after, linked from report.md
-    assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"![{title}]({png})" in (out / "report.md").read_text()
-    loaded = AutoModelForCausalLM.from_pretrained(out / "hf")
-    loaded = torch.nn.Module.float(loaded).eval()
-    with torch.no_grad():
-        logits = loaded(ids(512, 16)).logits
-    assert torch.isfinite(logits).all()
-
-
 def test_rotate_after_quantize_is_refused(tmp_path):
     from tests.conftest import REPO, invoke
 
