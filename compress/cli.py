@@ -377,8 +377,8 @@ def serve_check(
                                "llama.cpp)"),
     engine: str = typer.Option(..., "--engine", help="vllm | transformers | openvino-genai | ort-genai | llama.cpp"),
     dtype: str = typer.Option("float16", "--dtype", help="the engine's and the reference's compute dtype "
-                              "(float16, bfloat16; float32 for the graph engines' exact mode; llama.cpp: its KV "
-                              "cache's type)"),
+                              "(float16, bfloat16; float32 for the graph engines' exact mode and vLLM on a "
+                              "compressed-tensors export; llama.cpp: its KV cache's type)"),
     tokens: int = typer.Option(32, "--tokens", min=1, help="new tokens per prompt"),
     perplexity: Optional[str] = typer.Option(None, "--perplexity", help="transformers and llama.cpp: also compare "
                                              "perplexities on this text file (the engine's vs compress's reading)"),

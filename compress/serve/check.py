@@ -368,8 +368,9 @@ def _weight_only_int(qc: dict) -> bool:
 def _vllm(export: Path, prompts: list[list[int]], n_tokens: int, dtype: str) -> tuple[Decoded, dict]:
     from compress.serve.envs import python_of
 
-    if dtype not in ("float16", "bfloat16"):
-        raise BadInput("vLLM runs float16 or bfloat16 (it refuses float32 for these checkpoints); use --dtype float16")
+    if dtype not in ("float16", "bfloat16") and not is_compressed_tensors(export):
+        raise BadInput("vLLM refuses float32 for auto-round checkpoints (`torch.float32 is not supported for "
+                       "quantization method inc`); use --dtype float16 (a compressed-tensors export runs in float32)")
     kv = _vllm_refusals(export)
     python = python_of("vllm")
     worker = Path(__file__).parent / "engines" / "vllm_worker.py"

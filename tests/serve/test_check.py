@@ -59,6 +59,8 @@ def test_missing_engine_environment_and_bad_inputs(run, tmp_path, monkeypatch):
     monkeypatch.setattr("compress.serve.check.cpu_isa", lambda: "AVX-512")  # where vLLM runs int4 (test below)
     rc, _, err = invoke("serve-check", run, "--engine", "vllm")
     assert rc == 1 and "compress serve-env vllm" in err
+    rc, _, err = invoke("serve-check", run, "--engine", "vllm", "--dtype", "float32")  # auto-round: not in float32
+    assert rc == 1 and "refuses float32 for auto-round checkpoints" in err
     rc, _, err = invoke("serve-check", run, "--engine", "openvino-genai")
     assert rc == 1 and "no `openvino` export" in err
     rc, _, err = invoke("serve-check", run, "--engine", "tensorrt")
