@@ -8,7 +8,7 @@ What a cell `mixq-K` computes, on the seed's calibration windows (the same ones 
 
 1. compress's SmoothQuant stage as the `sq+rtn` cell runs it (alpha searched per group on MXFP4's served
    arithmetic, folded into the norms): the recipe of that cell, run by compress's pipeline without evaluation or
-   export; its per-block scales (the stage directory's `smoothquant_block_NNNN.safetensors`) are folded into a fresh
+   export, once per seed for all the run's mixq-K cells; its per-block scales (the stage directory's `smoothquant_block_NNNN.safetensors`) are folded into a fresh
    full-precision model with the stage's own `fold.apply_scales`;
 2. per quantized linear (every linear of the blocks, as the quantize stage rounds), max |x| per input column over the
    calibration windows on the smoothed model; the K columns with the largest are its outlier columns;
@@ -131,15 +131,14 @@ def mixq_cell(cell: str, path: str, s: dict, seed: int, calib: torch.Tensor, tmp
     k = columns_of(cell)
     rec = compress_recipe(path, "sq+rtn", s, seed)
     rec.update(eval={"enabled": False}, export={"formats": []})
-    name = f"mixq-{k}-{seed}"
-    (tmp / f"{name}.yaml").write_text(yaml.safe_dump(rec, sort_keys=False))
-    out = tmp / name
+    out = tmp / f"mixq-smoothquant-{seed}"  # the seed's smoothing, shared by the run's mixq-K cells
     t = time.time()
-    try:
-        pipeline.run(load_recipe(tmp / f"{name}.yaml"), out, force=True, quiet=True)
-        model, tok, names = smoothed_model(path, out)
-    finally:
+    if not (out / "done").is_file():
         shutil.rmtree(out, ignore_errors=True)
+        (tmp / f"{out.name}.yaml").write_text(yaml.safe_dump(rec, sort_keys=False))
+        pipeline.run(load_recipe(tmp / f"{out.name}.yaml"), out, force=True, quiet=True)
+        (out / "done").write_text("")
+    model, tok, names = smoothed_model(path, out)
     cols = outlier_columns(model, names, calib, k)
     bits = weights = 0
     with torch.no_grad():
