@@ -37,11 +37,11 @@ def test_vllm_cpu_serves_every_layout_and_sees_ignored_zeros():
 def test_vllm_cpu_serves_the_w8a8_int8_export_as_transformers_computes_it(tmp_path):
     """The compressed-tensors W8A8 export with static activation scales loads in vLLM's CPU build, every quantized
     linear on its int8 scaled-mm kernel, and in float32 decodes as transformers' own loading of the export does:
-    4 x 32 greedy tokens equal, max |dlogprob| <= 0.05 (issue #51). With static scales both quantize each input with
-    the stored `input_scale`; dynamic per-token scales differ by design (vLLM's max|x| / 127, compressed-tensors'
+    4 x 32 greedy tokens equal, max |dlogprob| <= 0.05 (issue #51), the scales calibrated on 32 x 256 wikitext
+    tokens. With static scales both quantize each input with the stored `input_scale`; dynamic per-token scales differ by design (vLLM's max|x| / 127, compressed-tensors'
     / 127.5: docs/serving.md). Where the CPU has no VNNI, vLLM's int8 GEMM saturates: the check warns, and only
     loading and a loose agreement are asserted there."""
-    from conftest import invoke
+    from conftest import TEXT, invoke
 
     from compress.serve.check import INT8_WITHOUT_VNNI, has_vnni, serve_check
 
@@ -49,7 +49,7 @@ def test_vllm_cpu_serves_the_w8a8_int8_export_as_transformers_computes_it(tmp_pa
     recipe.write_text(f"""
 version: 1
 model: {{path: {MODELS / 'ref-llama-7m'}, dtype: float32}}
-calibration: {{sources: [bundled:botchan-calibration], nsamples: 8, seqlen: 64}}
+calibration: {{sources: [{TEXT / 'wikitext-2' / 'valid.txt'}], nsamples: 32, seqlen: 256}}
 stages: [{{stage: quantize, method: rtn, scheme: w8a8-int8, activations: static}}]
 eval: {{enabled: false}}
 export: {{formats: [compressed-tensors]}}
@@ -60,7 +60,10 @@ export: {{formats: [compressed-tensors]}}
     assert res["kernels"] == ["CPUInt8ScaledMMLinearKernel"], res
     assert (res.get("warning") == INT8_WITHOUT_VNNI) == (not has_vnni())
     if has_vnni():
-        assert res["tokens"] == {"equal": 128, "total": 128} and res["max_dlogprob"] <= 0.05, res
+        # 2026-12-07, AMD EPYC with AVX-512 VNNI: 128/128, max |dlogprob| 0.037 (8 x 64 botchan tokens: 0.083;
+        # dynamic scales: 102/128; docs/serving.md)
+        assert res["tokens"] == {"equal": 128, "total": 128} and res["max_dlogprob"] <= 0.05, {
+            k: res[k] for k in ("tokens", "max_dlogprob", "top5_overlap")}
     else:
         assert res["top5_overlap"] > 0.9 and res["tokens"]["equal"] >= 16, res
 
