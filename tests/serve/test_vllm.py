@@ -39,8 +39,8 @@ def test_vllm_cpu_serves_the_w8a8_int8_export_as_transformers_computes_it(tmp_pa
     linear on its int8 scaled-mm kernel, and in float32 decodes as transformers' own loading of the export does:
     4 x 32 greedy tokens equal, max |dlogprob| <= 0.05 (issue #51), the scales calibrated on 32 x 256 wikitext
     tokens. With static scales both quantize each input with the stored `input_scale`; dynamic per-token scales
-    differ by design (vLLM's max|x| / 127, compressed-tensors' / 127.5: docs/serving.md). Where the CPU has no VNNI, vLLM's int8 GEMM saturates: the check warns, and only
-    loading and a loose agreement are asserted there."""
+    differ by design (vLLM's max|x| / 127, compressed-tensors' / 127.5: docs/serving.md). Where the CPU has no
+    VNNI, vLLM's int8 GEMM saturates: the check warns, and only loading and a loose agreement are asserted there."""
     from conftest import TEXT, invoke
 
     from compress.serve.check import INT8_WITHOUT_VNNI, has_vnni, serve_check
