@@ -8,8 +8,9 @@ What a cell `mixq-K` computes, on the seed's calibration windows (the same ones 
 
 1. compress's SmoothQuant stage as the `sq+rtn` cell runs it (alpha searched per group on MXFP4's served
    arithmetic, folded into the norms): the recipe of that cell, run by compress's pipeline without evaluation or
-   export, once per seed for all the run's mixq-K cells; its per-block scales (the stage directory's `smoothquant_block_NNNN.safetensors`) are folded into a fresh
-   full-precision model with the stage's own `fold.apply_scales`;
+   export, once per seed for all the run's mixq-K cells; its per-block scales (the stage directory's
+   `smoothquant_block_NNNN.safetensors`) are folded into a fresh full-precision model with the stage's own
+   `fold.apply_scales`;
 2. per quantized linear (every linear of the blocks, as the quantize stage rounds), max |x| per input column over the
    calibration windows on the smoothed model; the K columns with the largest are its outlier columns;
 3. weights: the outlier columns set aside, the rest rounded to MXFP4 (E2M1 in groups of 32 columns with power-of-two
