@@ -73,6 +73,8 @@ def storage_bits(d_out: int, d_in: int, k: int) -> int:
 @torch.no_grad()
 def outlier_columns(model, names: list[str], calib: torch.Tensor, k: int, batch_size: int = 8) -> dict:
     """{layer: the k input columns of largest max |x| over the calibration windows} (sorted indices)."""
+    if k == 0:  # nothing to choose: no calibration pass
+        return {n: torch.empty(0, dtype=torch.long) for n in names}
     top: dict[str, torch.Tensor] = {}
     handles = []
 

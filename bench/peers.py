@@ -108,6 +108,7 @@ TEST = TEXT / "wikitext-2-raw" / "wiki.test.raw"
 VALID = TEXT / "wikitext-2" / "valid.txt"
 WINDOW = 256
 
+MIXQ_CELLS = tuple(f"mixq-{k}" for k in (0, 32, 64))  # bench/mixq.py: K loudest input columns in FP8
 # cell -> (tool, what it runs)
 CELLS = {
     "rtn": ("compress", "rtn"),
@@ -134,8 +135,8 @@ CELLS = {
     "llmc-awq": ("llm-compressor", "AWQModifier -> QuantizationModifier (RTN)"),
     "llmc-sq+gptq": ("llm-compressor", "SmoothQuantModifier(smoothing_strength=0.8) -> GPTQModifier"),
     "nncf-awq": ("nncf", "compress_weights awq + scale_estimation (OpenVINO)"),
-    **{f"mixq-{k}": ("mixq", f"smooth smoothquant -> MXFP4 W4A4 with each linear's {k} loudest input columns in FP8 "
-                             "(an evaluation, bench/mixq.py)") for k in (0, 32, 64)},
+    **{c: ("mixq", f"smooth smoothquant -> MXFP4 W4A4 with each linear's {c.removeprefix('mixq-')} loudest input "
+                   "columns in FP8 (an evaluation, bench/mixq.py)") for c in MIXQ_CELLS},
 }
 DATA_FREE = {"rtn", "rtn-opt", "llmc-rtn"}
 LLMC_METHODS = {"llmc-gptq": "gptq", "llmc-awq": "awq+rtn", "llmc-sq+gptq": "sq+gptq", "llmc-rtn": "rtn"}
@@ -143,14 +144,13 @@ LLMC_METHODS = {"llmc-gptq": "gptq", "llmc-awq": "awq+rtn", "llmc-sq+gptq": "sq+
 # the cells that only make sense with one (SmoothQuant smooths for quantized activations)
 SCHEME_CELLS = {"rtn", "gptq", "gptq-ao", "autoround", "walsh+gptq", "walsh+rtn", "infoquant+gptq", "infoquant+rtn",
                 "walsh+sq+gptq", "infoquant+sq+gptq",
-                "sq+gptq", "sq+rtn", "sq0.8+rtn", "llmc-rtn", "llmc-gptq", "llmc-sq+gptq",
-                "mixq-0", "mixq-32", "mixq-64"}
+                "sq+gptq", "sq+rtn", "sq0.8+rtn", "llmc-rtn", "llmc-gptq", "llmc-sq+gptq", *MIXQ_CELLS}
 LLMC_PRESETS = {"w8a8-int8": "W8A8", "fp8": "FP8_DYNAMIC", "fp8-block": "FP8_BLOCK",
                 "nvfp4a16": "NVFP4A16", "mxfp4a16": "MXFP4A16",
                 "w4a8-int8": "W4A8", "w4a8-fp8": "W4AFP8", "w4a4": "W4A4", "nvfp4": "NVFP4",
                 "mxfp4": "MXFP4"}  # llm-compressor's preset of each scheme
 NEEDS_SCHEME = {"sq+gptq", "sq+rtn", "sq0.8+rtn", "walsh+sq+gptq", "infoquant+sq+gptq", "llmc-rtn", "llmc-sq+gptq",
-                "mixq-0", "mixq-32", "mixq-64"}
+                *MIXQ_CELLS}
 METRICS = ("kl", "top1", "ppl_ratio", "ppl", "acc", "acc_norm", "linear_bytes", "effective_bits", "quantize_seconds")
 
 

@@ -65,8 +65,7 @@ def serve_check(out, engine: str, *, n_tokens: int = N_TOKENS, dtype: str = "flo
             raise BadInput("--floor is transformers in --dtype against float32 on an hf export; llama.cpp reads GGUF")
         return check_gguf(Path(out), n_tokens=n_tokens, dtype=dtype, perplexity=perplexity, max_tokens=max_tokens)
     export, hf = _directories(Path(out), engine)
-    if engine == "vllm":
-        _vllm_refusals(export)  # refused before anything runs
+    kv = _vllm_refusals(export, dtype) if engine == "vllm" else None  # refused before anything runs
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(hf)
@@ -78,7 +77,7 @@ def serve_check(out, engine: str, *, n_tokens: int = N_TOKENS, dtype: str = "flo
     result = {"engine": engine, "export": str(export), "reference": f"transformers on {hf} (float32)", "dtype": dtype,
               "prompts": len(prompts), "new_tokens": n_tokens}
     if engine == "vllm":
-        got, info = _vllm(export, prompts, n_tokens, dtype)
+        got, info = _vllm(export, prompts, n_tokens, dtype, kv)
         result.update(info)
         if "CPUInt8ScaledMMLinearKernel" in info["kernels"] and not has_vnni():
             result["warning"] = INT8_WITHOUT_VNNI
@@ -341,13 +340,23 @@ def _root_cause(log: str, lines: int = 25) -> str:
     return "\n".join(text[first:first + lines] + ["..."] + tail)
 
 
-def _vllm_refusals(export: Path) -> dict | None:
-    """The export's `kv_cache_scheme` (None: none); RunFailure, before vLLM starts, where its CPU build cannot run the
-    export: int weight-only layers on a CPU without AVX-512 (no `cpu_gemm_wna16`), an FP8 KV cache on x86 without
-    AVX-512 or AMX."""
+def require_wna16(what: str) -> None:
+    """RunFailure naming the CPU where vLLM's CPU build has no int4 weight-only kernel (no AVX-512); `what`: what
+    was not done."""
+    if not cpu_isa().startswith("AVX-512"):
+        raise RunFailure(NO_WNA16_KERNEL + f" (this CPU: {cpu_isa()}); {what}")
+
+
+def _vllm_refusals(export: Path, dtype: str) -> dict | None:
+    """The export's `kv_cache_scheme` (None: none); BadInput or RunFailure, before anything runs, where vLLM cannot
+    run the export: float32 for a checkpoint that is not compressed-tensors, int weight-only layers on a CPU without
+    AVX-512 (no `cpu_gemm_wna16`), an FP8 KV cache on x86 without AVX-512 or AMX."""
+    if dtype not in ("float16", "bfloat16") and not is_compressed_tensors(export):
+        raise BadInput("vLLM refuses float32 for auto-round checkpoints (`torch.float32 is not supported for "
+                       "quantization method inc`); use --dtype float16 (a compressed-tensors export runs in float32)")
     qc = json.loads((export / "config.json").read_text()).get("quantization_config") or {}
-    if _weight_only_int(qc) and not cpu_isa().startswith("AVX-512"):
-        raise RunFailure(NO_WNA16_KERNEL + f" (this CPU: {cpu_isa()}); {export} was not run")
+    if _weight_only_int(qc):
+        require_wna16(f"{export} was not run")
     kv = qc.get("kv_cache_scheme")
     if kv and not cpu_isa().startswith("AVX-512") and not torch.cpu._is_amx_tile_supported():
         raise RunFailure(f"{export} has an FP8 KV cache, which vLLM's CPU attention runs on x86 with AVX-512 or AMX "
@@ -365,13 +374,10 @@ def _weight_only_int(qc: dict) -> bool:
                for g in (qc.get("config_groups") or {}).values() if isinstance(g, dict) and g.get("weights"))
 
 
-def _vllm(export: Path, prompts: list[list[int]], n_tokens: int, dtype: str) -> tuple[Decoded, dict]:
+def _vllm(export: Path, prompts: list[list[int]], n_tokens: int, dtype: str, kv: dict | None) -> tuple[Decoded, dict]:
+    """Greedy decoding in vLLM of an export `_vllm_refusals` passed (`kv`: its kv_cache_scheme)."""
     from compress.serve.envs import python_of
 
-    if dtype not in ("float16", "bfloat16") and not is_compressed_tensors(export):
-        raise BadInput("vLLM refuses float32 for auto-round checkpoints (`torch.float32 is not supported for "
-                       "quantization method inc`); use --dtype float16 (a compressed-tensors export runs in float32)")
-    kv = _vllm_refusals(export)
     python = python_of("vllm")
     worker = Path(__file__).parent / "engines" / "vllm_worker.py"
     with tempfile.TemporaryDirectory(prefix="serve-check-") as tmp:
